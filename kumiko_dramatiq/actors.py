@@ -1,0 +1,66 @@
+"""The Dramatiq actors of a runner: one per job, plus a wrapper per per-tenant job.
+
+An actor body is thin: it reads the delivery's ``Execution`` (opened by the
+``Executions`` middleware), builds the ``JobContext`` and calls the handler.
+Retries, locks, hooks and timeouts live in middleware.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dramatiq import Actor
+
+from .broker import KumikoBroker
+from .messages import queue_name, wrapper_actor_name
+from .registry import JobDefinition
+from .runtime import Runtime
+
+
+def declare_actors(broker: KumikoBroker, runtime: Runtime) -> None:
+    """Declare every job of ``runtime.registry`` on ``broker``."""
+    for job in runtime.registry.jobs.values():
+        queue = queue_name(runtime.queue_prefix, job)
+        time_limit = float("inf") if job.options.timeout_ms is None else job.options.timeout_ms
+        Actor(
+            _job_body(runtime, job),
+            broker=broker,
+            actor_name=job.qualified_name,
+            queue_name=queue,
+            priority=0,
+            options={"time_limit": time_limit},
+        )
+        if job.options.per_tenant:
+            Actor(
+                _wrapper_body(runtime, job),
+                broker=broker,
+                actor_name=wrapper_actor_name(job),
+                queue_name=queue,
+                priority=0,
+                options={"time_limit": float("inf")},
+            )
+
+
+def _job_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]], None]:
+    def run(payload: dict[str, Any]) -> None:
+        execution = runtime.current()
+        if execution is None or execution.handed_off:
+            return
+        runtime.call_handler(job, payload, runtime.context_for(execution))
+
+    run.__name__ = run.__qualname__ = job.qualified_name
+    return run
+
+
+def _wrapper_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]], None]:
+    def fan_out(payload: dict[str, Any]) -> None:
+        from .fanout import fan_out as do_fan_out
+
+        execution = runtime.current()
+        if execution is None or execution.handed_off:
+            return
+        do_fan_out(runtime, execution, payload)
+
+    fan_out.__name__ = fan_out.__qualname__ = wrapper_actor_name(job)
+    return fan_out

@@ -1,0 +1,57 @@
+"""What a handler and the hooks are told about a run: ``JobMeta`` and ``JobContext``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+Trigger = Literal["manual", "event", "cron", "boot", "gate", "fanout", "requeue"]
+
+
+@dataclass(frozen=True)
+class JobMeta:
+    """One attempt of one message, as the hooks see it.
+
+    ``attempt`` is 1-based; ``final_attempt`` is true when a failure of this
+    attempt is not retried. ``trigger`` says how the message came to be; a
+    retry keeps its message id and its trigger.
+    """
+
+    attempt: int
+    max_attempts: int
+    tenant_id: str | None
+    trigger: Trigger
+    scheduled_at: datetime | None = None
+    dedup_key: str | None = None
+
+    @property
+    def final_attempt(self) -> bool:
+        return self.attempt >= self.max_attempts
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """Handed to every handler as its second argument."""
+
+    job_name: str
+    message_id: str
+    meta: JobMeta
+    app: Any
+
+    @property
+    def tenant_id(self) -> str | None:
+        return self.meta.tenant_id
+
+    @property
+    def attempt(self) -> int:
+        return self.meta.attempt
+
+    @property
+    def trigger(self) -> Trigger:
+        return self.meta.trigger
+
+    @property
+    def scheduled_at(self) -> datetime | None:
+        """The tick a cron run belongs to (aware), else ``None``."""
+        return self.meta.scheduled_at

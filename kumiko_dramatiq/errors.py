@@ -1,0 +1,89 @@
+"""The error tree of kumiko_dramatiq.
+
+Every error derives from :class:`KumikoError`. Each class builds its own
+one-line message from structured values, so a message always names the job,
+the field and the bad value the same way::
+
+    billing:job:send_invoice: backoff.delay_ms must be a positive integer, got 0
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class KumikoError(Exception):
+    """Base class of every error raised by kumiko_dramatiq."""
+
+
+class JobConfigError(KumikoError, ValueError):
+    """A job, trigger or runner option is invalid.
+
+    Raised at declaration time (``Feature.job``, ``Cron(...)``, ``Registry``)
+    or at ``JobRunner`` construction, never later.
+    """
+
+    def __init__(self, subject: str | None, field: str, problem: str, value: Any = ...) -> None:
+        self.subject = subject
+        self.field = field
+        self.problem = problem
+        self.value = value
+        head = f"{subject}: " if subject else ""
+        tail = "" if value is ... else f", got {value!r}"
+        super().__init__(f"{head}{field} {problem}{tail}")
+
+
+class UnknownJobError(KumikoError, LookupError):
+    """``dispatch`` named a job that no feature of the registry declares."""
+
+    def __init__(self, job_name: str, known: list[str]) -> None:
+        self.job_name = job_name
+        hint = ", ".join(sorted(known)[:10]) or "none"
+        super().__init__(f"unknown job {job_name!r} (known jobs: {hint})")
+
+
+class PayloadError(KumikoError, ValueError):
+    """A payload is not a JSON object of JSON values; nothing was enqueued."""
+
+    def __init__(self, job_name: str, path: str, problem: str, value: Any) -> None:
+        self.job_name = job_name
+        self.path = path
+        self.value = value
+        super().__init__(f"{job_name}: {path} {problem}, got {_short_repr(value)}")
+
+
+class RedisUnavailableError(KumikoError, ConnectionError):
+    """Redis did not answer within the configured bound."""
+
+    def __init__(self, redis_url: str, action: str, cause: BaseException | None = None) -> None:
+        self.redis_url = redis_url
+        reason = f": {cause}" if cause is not None else ""
+        super().__init__(f"Redis at {_redact(redis_url)} is unavailable while {action}{reason}")
+
+
+class BootGateError(KumikoError, RuntimeError):
+    """A boot gate still failed after its attempts; the worker did not start."""
+
+    def __init__(self, job_name: str, attempts: int, cause: BaseException) -> None:
+        self.job_name = job_name
+        self.attempts = attempts
+        self.cause = cause
+        super().__init__(
+            f"boot gate {job_name} failed after {attempts} attempt(s): "
+            f"{type(cause).__name__}: {cause}"
+        )
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _redact(url: str) -> str:
+    """Hide a password in a redis URL: ``redis://:secret@host`` -> ``redis://:***@host``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    creds, _, host = rest.rpartition("@")
+    user = creds.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}"

@@ -1,0 +1,84 @@
+"""``Retries``: retry a failed attempt on the SAME message id, exactly as the job says.
+
+Reads ``kumiko_retries``, ``kumiko_backoff``, ``kumiko_backoff_delay_ms``
+(written by :func:`~kumiko_dramatiq.build_message_options`) and
+``kumiko_failures``; writes ``kumiko_failures`` on the retry. Attempts =
+retries + 1. The delay before retry n is fixed ``delay_ms`` or exponential
+``delay_ms * 2**(n-1)``, without jitter or floor; no backoff retries at once
+(straight onto the queue, not the delay queue). A final failure is
+dead-lettered (``<queue>.XQ``, kept ``Retention.failed_age_s``). A timeout
+(``TimeLimitExceeded``) is a failed attempt like any other. A sequential
+hand-off spends no attempt. Touches no kumiko Redis key; one enqueue per
+retry.
+
+If the retry cannot be enqueued (Redis down), the message is dead-lettered
+instead of acked, so it is never silently lost. Replaces Dramatiq's own
+``Retries``, which a kumiko broker must not carry (``JobRunner.start``
+refuses it).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from dramatiq.broker import Broker, MessageProxy
+from dramatiq.middleware import Middleware
+
+from ..options import retry_delay_ms
+from ..runtime import Runtime
+
+logger = logging.getLogger("kumiko_dramatiq")
+
+
+class Retries(Middleware):
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    def after_process_message(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        execution = self.runtime.current()
+        if exception is None or execution is None or execution.handed_off:
+            return
+        meta = execution.meta
+        if meta.final_attempt:
+            logger.warning(
+                "%s %s failed for good after %d attempt(s): %s: %s",
+                execution.job.qualified_name,
+                message.message_id,
+                meta.attempt,
+                type(exception).__name__,
+                exception,
+            )
+            message.fail()
+            return
+        failures = meta.attempt
+        delay_ms = retry_delay_ms(message.options, failures)
+        retry = message.copy(options={"kumiko_failures": failures})
+        retry.options.pop("eta", None)
+        try:
+            broker.enqueue(retry, delay=delay_ms)
+        except Exception:
+            logger.exception(
+                "could not enqueue retry %d of %s %s; dead-lettering it instead",
+                failures,
+                execution.job.qualified_name,
+                message.message_id,
+            )
+            message.fail()
+            return
+        execution.retry_scheduled = True
+        logger.info(
+            "%s %s: attempt %d of %d failed, retrying in %s ms",
+            execution.job.qualified_name,
+            message.message_id,
+            meta.attempt,
+            meta.max_attempts,
+            0 if delay_ms is None else delay_ms,
+        )

@@ -1,0 +1,270 @@
+"""Job options: validated once at declaration, read through typed fields.
+
+``JobOptions`` is the one validated option set of a job (pydantic, frozen,
+``extra="forbid"``, strict integers: ``True``, ``2.0`` and ``"3"`` are
+rejected). Every validation failure becomes one :class:`JobConfigError` that
+names the job, the option and the bad value.
+
+``build_message_options`` is the ONLY place that turns a job's retry policy
+into Dramatiq message options. Every enqueue path (dispatch, event, cron
+tick, boot-once, per-tenant wrapper and child, sequential re-enqueue) builds
+its message through :func:`kumiko_dramatiq.messages.build_message`, which
+calls it; nothing else writes the ``kumiko_retries``/``kumiko_backoff*`` keys.
+
+Message option keys written (all JSON-native, so they survive the JSON round
+trip of delays and retries unchanged):
+
+``kumiko_retries``          int, retries after the first attempt
+``kumiko_backoff``          ``None`` | ``"fixed"`` | ``"exponential"``
+``kumiko_backoff_delay_ms`` int (base delay) or ``None`` without backoff
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .cron import Cron
+from .errors import JobConfigError
+
+if TYPE_CHECKING:
+    from .registry import JobDefinition
+
+#: Base delay of a backoff declared without ``delay_ms``.
+DEFAULT_BACKOFF_DELAY_MS = 1_000
+
+BackoffType = Literal["fixed", "exponential"]
+
+
+@dataclass(frozen=True)
+class Manual:
+    """Trigger: the job runs only when dispatched (the default)."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """Trigger: ``runner.handle_event(name, payload)`` dispatches the job.
+
+    ``dedup_key``, if given, maps the event payload to a dedup key: events
+    that arrive while the keyed job is queued collapse into it, and events
+    that arrive while it runs coalesce into one follow-up run.
+    """
+
+    name: str
+    dedup_key: Callable[[dict[str, Any]], str] | None = None
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Delay before retry n (n = 1, 2, ...): fixed = ``delay_ms``; exponential
+    = ``delay_ms * 2**(n-1)``; ``delay_ms`` defaults to 1000.
+
+    Validated when a job is declared with it, so the error can name the job.
+    """
+
+    type: BackoffType
+    delay_ms: int | None = None
+
+
+class Retention:
+    """How long kumiko keeps records behind deterministic ids.
+
+    ``completed_age_s``: fan-out child guards, cron tick guards, "already
+    completed" markers. ``failed_age_s``: dead-lettered messages.
+    """
+
+    __slots__ = ("completed_age_s", "failed_age_s")
+
+    completed_age_s: int
+    failed_age_s: int
+
+    def __init__(self, completed_age_s: int = 86_400, failed_age_s: int = 604_800) -> None:
+        for field, value in (("completed_age_s", completed_age_s), ("failed_age_s", failed_age_s)):
+            if not _is_strict_int(value) or value <= 0:
+                raise JobConfigError(
+                    None, f"retention.{field}", "must be a positive integer", value
+                )
+        object.__setattr__(self, "completed_age_s", completed_age_s)
+        object.__setattr__(self, "failed_age_s", failed_age_s)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Retention is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Retention) and (
+            (self.completed_age_s, self.failed_age_s) == (other.completed_age_s, other.failed_age_s)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.completed_age_s, self.failed_age_s))
+
+    def __repr__(self) -> str:
+        return (
+            f"Retention(completed_age_s={self.completed_age_s}, failed_age_s={self.failed_age_s})"
+        )
+
+
+class BackoffPolicy(BaseModel):
+    """The normalised backoff of a job: a type and a base delay in ms."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    type: BackoffType
+    delay_ms: int = Field(gt=0)
+
+    def delay_for_retry_ms(self, retry_number: int) -> int:
+        """Delay before retry ``retry_number`` (1-based)."""
+        if self.type == "fixed":
+            return self.delay_ms
+        return int(self.delay_ms * 2 ** (retry_number - 1))
+
+
+Trigger = Manual | Cron | Event
+
+
+class JobOptions(BaseModel):
+    """The validated option set of one job. See the README's option table."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", strict=True, arbitrary_types_allowed=True
+    )
+
+    trigger: Manual | Cron | Event = Field(default_factory=Manual)
+    retries: int = Field(default=0, ge=0)
+    backoff: BackoffPolicy | None = None
+    per_tenant: bool = False
+    concurrency: Literal["parallel", "sequential"] = "parallel"
+    run_on_boot: bool = False
+    boot_gate: bool = False
+    run_in: Literal["worker", "api"] = "worker"
+    timeout_ms: int | None = Field(default=None, gt=0)
+
+    @field_validator("trigger", mode="before")
+    @classmethod
+    def _check_trigger(cls, value: Any) -> Any:
+        if isinstance(value, Event):
+            if not isinstance(value.name, str) or not value.name:
+                raise _FieldProblem("trigger.name", "must be a non-empty string", value.name)
+            if value.dedup_key is not None and not callable(value.dedup_key):
+                raise _FieldProblem(
+                    "trigger.dedup_key", "must be a callable or None", value.dedup_key
+                )
+        return value
+
+    @field_validator("backoff", mode="before")
+    @classmethod
+    def _normalise_backoff(cls, value: Any) -> Any:
+        if value is None or isinstance(value, BackoffPolicy):
+            return value
+        if isinstance(value, str):
+            return {"type": value, "delay_ms": DEFAULT_BACKOFF_DELAY_MS}
+        if isinstance(value, Backoff):
+            delay_ms = DEFAULT_BACKOFF_DELAY_MS if value.delay_ms is None else value.delay_ms
+            return {"type": value.type, "delay_ms": delay_ms}
+        raise _FieldProblem("backoff", _PROBLEMS["backoff"], value)
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> JobOptions:
+        if self.boot_gate and self.concurrency == "sequential":
+            raise _FieldProblem(
+                "boot_gate",
+                'with concurrency="sequential" is not supported: a gate runs in-process on '
+                "every worker start, before any lock could be shared",
+            )
+        if self.boot_gate and self.per_tenant:
+            raise _FieldProblem(
+                "boot_gate", "with per_tenant=True is not supported: a gate runs once, in-process"
+            )
+        return self
+
+    @property
+    def max_attempts(self) -> int:
+        return self.retries + 1
+
+    def retry_window_ms(self) -> int:
+        """Worst-case time spent waiting out backoffs across all retries."""
+        if self.backoff is None or self.retries == 0:
+            return 0
+        if self.backoff.type == "fixed":
+            return self.retries * self.backoff.delay_ms
+        return int(self.backoff.delay_ms * (2**self.retries - 1))
+
+
+def parse_job_options(job_name: str, options: Mapping[str, Any]) -> JobOptions:
+    """Validate ``options`` for ``job_name``; raise one :class:`JobConfigError`."""
+    try:
+        return JobOptions(**options)
+    except ValidationError as exc:
+        raise _config_error(job_name, exc) from None
+    except _FieldProblem as problem:  # raised outside pydantic's wrapping
+        raise JobConfigError(job_name, problem.field, problem.problem, problem.value) from None
+
+
+def build_message_options(job: JobDefinition) -> dict[str, Any]:
+    """The retry/backoff options every enqueue path attaches to a message.
+
+    Pure and deterministic; JSON-native values only.
+    """
+    options = job.options
+    backoff = options.backoff
+    return {
+        "kumiko_retries": options.retries,
+        "kumiko_backoff": None if backoff is None else backoff.type,
+        "kumiko_backoff_delay_ms": None if backoff is None else backoff.delay_ms,
+    }
+
+
+def retry_delay_ms(message_options: Mapping[str, Any], retry_number: int) -> int | None:
+    """Delay before retry ``retry_number`` (1-based) for a message carrying
+    :func:`build_message_options`; ``None`` means "retry at once"."""
+    backoff = message_options.get("kumiko_backoff")
+    if backoff is None:
+        return None
+    return BackoffPolicy(
+        type=backoff, delay_ms=message_options["kumiko_backoff_delay_ms"]
+    ).delay_for_retry_ms(retry_number)
+
+
+_PROBLEMS: dict[str, str] = {
+    "trigger": "must be Manual(), Cron(expr) or Event(name)",
+    "retries": "must be an integer >= 0",
+    "backoff": 'must be None, "fixed", "exponential" or Backoff(type, delay_ms=None)',
+    "backoff.type": 'must be "fixed" or "exponential"',
+    "backoff.delay_ms": "must be a positive integer",
+    "per_tenant": "must be a bool",
+    "concurrency": 'must be "parallel" or "sequential"',
+    "run_on_boot": "must be a bool",
+    "boot_gate": "must be a bool",
+    "run_in": 'must be "worker" or "api"',
+    "timeout_ms": "must be a positive integer or None",
+}
+
+
+class _FieldProblem(ValueError):
+    def __init__(self, field: str, problem: str, value: Any = ...) -> None:
+        super().__init__(field, problem)
+        self.field = field
+        self.problem = problem
+        self.value = value
+
+
+def _config_error(job_name: str, exc: ValidationError) -> JobConfigError:
+    error = exc.errors(include_url=False)[0]
+    ctx_error = (error.get("ctx") or {}).get("error")
+    if isinstance(ctx_error, _FieldProblem):
+        return JobConfigError(job_name, ctx_error.field, ctx_error.problem, ctx_error.value)
+    loc = [str(part) for part in error["loc"] if not str(part).startswith(("function-", "Manual"))]
+    field = ".".join(loc[:2]) if loc[:1] == ["backoff"] else (loc[0] if loc else "options")
+    if error["type"] == "extra_forbidden":
+        known = ", ".join(JobOptions.model_fields)
+        return JobConfigError(job_name, field, f"is not a job option (options: {known})")
+    if field == "trigger":
+        return JobConfigError(job_name, field, _PROBLEMS["trigger"], error["input"])
+    return JobConfigError(job_name, field, _PROBLEMS.get(field, error["msg"]), error["input"])
+
+
+def _is_strict_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,134 @@
+"""Declaring jobs: ``Feature``, ``JobDefinition`` and ``Registry``.
+
+A job is declared inside a feature::
+
+    billing = Feature("billing")
+
+    @billing.job("send_invoice", retries=3, backoff="exponential")
+    def send_invoice(payload: dict, ctx: JobContext) -> None: ...
+
+    registry = Registry([billing])
+    registry.jobs["billing:job:send_invoice"]   # -> JobDefinition
+
+Options are validated when the decorator runs (``JobConfigError`` naming the
+job, the option and the bad value); ``Registry`` checks what spans features
+(duplicate qualified names).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .errors import JobConfigError
+from .options import Event, JobOptions, parse_job_options
+
+if TYPE_CHECKING:
+    from .context import JobContext
+
+_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+
+Handler = Callable[[dict[str, Any], "JobContext"], Any]
+H = TypeVar("H", bound=Callable[..., Any])
+
+
+def qualified_name(feature: str, job: str) -> str:
+    """``f"{feature}:job:{job}"``: the job's actor name and registry key."""
+    return f"{feature}:job:{job}"
+
+
+@dataclass(frozen=True)
+class JobDefinition:
+    """One declared job: its names, its handler and its validated options."""
+
+    feature: str
+    name: str
+    handler: Handler
+    options: JobOptions
+    qualified_name: str = field(init=False)
+    is_async: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "qualified_name", qualified_name(self.feature, self.name))
+        object.__setattr__(self, "is_async", inspect.iscoroutinefunction(self.handler))
+
+    @property
+    def event_name(self) -> str | None:
+        trigger = self.options.trigger
+        return trigger.name if isinstance(trigger, Event) else None
+
+
+class Feature:
+    """A named group of jobs. ``feature.job(name, **options)`` declares one."""
+
+    def __init__(self, name: str) -> None:
+        _check_name(None, "feature name", name)
+        self.name = name
+        self._jobs: dict[str, JobDefinition] = {}
+
+    @property
+    def jobs(self) -> Mapping[str, JobDefinition]:
+        """The feature's jobs by qualified name, in declaration order."""
+        return MappingProxyType(self._jobs)
+
+    def job(self, name: str, **options: Any) -> Callable[[H], H]:
+        """Register the decorated handler as job ``name``; return it unchanged.
+
+        Raises :class:`JobConfigError` at once for a bad name or option, and
+        when the decorated object is not callable or the name is taken.
+        """
+        _check_name(f"{self.name}:job:{name}" if isinstance(name, str) else None, "job name", name)
+        qualified = qualified_name(self.name, name)
+        job_options = parse_job_options(qualified, options)
+
+        def register(handler: H) -> H:
+            if not callable(handler):
+                raise JobConfigError(qualified, "handler", "must be callable", handler)
+            if qualified in self._jobs:
+                raise JobConfigError(qualified, "name", "is declared twice in this feature")
+            self._jobs[qualified] = JobDefinition(self.name, name, handler, job_options)
+            return handler
+
+        return register
+
+    def __repr__(self) -> str:
+        return f"Feature({self.name!r}, jobs={list(self._jobs)})"
+
+
+class Registry:
+    """All jobs of an app, validated together. ``registry.jobs[qualified]``."""
+
+    def __init__(self, features: Iterable[Feature]) -> None:
+        jobs: dict[str, JobDefinition] = {}
+        self.features: tuple[Feature, ...] = tuple(features)
+        for feature in self.features:
+            if not isinstance(feature, Feature):
+                raise JobConfigError(
+                    None, "Registry(features)", "must hold Feature objects", feature
+                )
+            for qualified, job in feature.jobs.items():
+                if qualified in jobs:
+                    raise JobConfigError(qualified, "name", "is declared by two features")
+                jobs[qualified] = job
+        self.jobs: Mapping[str, JobDefinition] = MappingProxyType(jobs)
+        events: dict[str, list[JobDefinition]] = {}
+        for job in jobs.values():
+            if job.event_name is not None:
+                events.setdefault(job.event_name, []).append(job)
+        self._events = {name: tuple(defs) for name, defs in events.items()}
+
+    def jobs_for_event(self, event_name: str) -> tuple[JobDefinition, ...]:
+        """Jobs whose trigger is ``Event(event_name)``, in declaration order."""
+        return self._events.get(event_name, ())
+
+    def __repr__(self) -> str:
+        return f"Registry({list(self.jobs)})"
+
+
+def _check_name(subject: str | None, what: str, value: Any) -> None:
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
+        raise JobConfigError(subject, what, "must match [A-Za-z][A-Za-z0-9_-]*", value)
