@@ -148,14 +148,18 @@ def _decode(item: Any) -> Any:
 
 
 def make_connection_pool(redis_url: str, timeout_s: float) -> redis.ConnectionPool:
-    """The pool of a runner: bounded connect/read timeouts and one quick
-    reconnect on a dropped connection (redis-py's default retries ten times)."""
+    """The pool of a runner: connect and read timeouts of ``timeout_s``, and one
+    quick reconnect on a dropped connection, never on a timeout (redis-py's
+    default retries ten times, timeouts included, which turns an unreachable
+    Redis into a minute-long hang)."""
     from redis.backoff import ExponentialBackoff
     from redis.retry import Retry
 
     return redis.ConnectionPool.from_url(
         redis_url,
         socket_connect_timeout=timeout_s,
-        socket_timeout=max(timeout_s, 10.0),
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 1),
+        socket_timeout=timeout_s,
+        retry=Retry(
+            ExponentialBackoff(cap=0.5, base=0.05), 1, supported_errors=(redis.ConnectionError,)
+        ),
     )

@@ -49,6 +49,10 @@ DEFAULT_HEARTBEAT_TIMEOUT_MS = 60_000
 #: Chance per million broker calls that a call also runs that recovery;
 #: ``KUMIKO_MAINTENANCE_CHANCE`` overrides it.
 DEFAULT_MAINTENANCE_CHANCE = 1_000
+#: How long an idle worker thread or consumer waits before looking again: it
+#: bounds how late an idle worker notices new work and how long ``stop()``
+#: takes. Dramatiq's default is 1000 ms.
+WORKER_TIMEOUT_MS = 200
 
 
 def build_middleware(runtime: Runtime, *, timeout_check_ms: int = 1_000) -> list[Middleware]:
@@ -229,7 +233,10 @@ class JobRunner:
             self._scheduler = Scheduler(self)
             self._scheduler.start()
         self._worker = Worker(
-            self.broker, queues={self.runtime.queue_name}, worker_threads=self.worker_threads
+            self.broker,
+            queues={self.runtime.queue_name},
+            worker_threads=self.worker_threads,
+            worker_timeout=WORKER_TIMEOUT_MS,
         )
         self._worker.start()
         logger.info(

@@ -49,12 +49,11 @@ class Retries(Middleware):
         meta = execution.meta
         if meta.final_attempt:
             logger.warning(
-                "%s %s failed for good after %d attempt(s): %s: %s",
+                "%s %s failed for good after %d attempt(s): %s",
                 execution.job.qualified_name,
                 message.message_id,
                 meta.attempt,
-                type(exception).__name__,
-                exception,
+                describe(exception),
             )
             message.fail()
             return
@@ -75,10 +74,17 @@ class Retries(Middleware):
             return
         execution.retry_scheduled = True
         logger.info(
-            "%s %s: attempt %d of %d failed, retrying in %s ms",
+            "%s %s: attempt %d of %d failed (%s), retrying %s",
             execution.job.qualified_name,
             message.message_id,
             meta.attempt,
             meta.max_attempts,
-            0 if delay_ms is None else delay_ms,
+            describe(exception),
+            "now" if delay_ms is None else f"in {delay_ms} ms",
         )
+
+
+def describe(exception: BaseException) -> str:
+    """``Type: message``, or just ``Type`` when the message is empty."""
+    text = str(exception)
+    return f"{type(exception).__name__}: {text}" if text else type(exception).__name__
