@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dramatiq.middleware import MiddlewareError
+
 
 class KumikoError(Exception):
     """Base class of every error raised by kumiko_dramatiq."""
@@ -72,6 +74,39 @@ class BootGateError(KumikoError, RuntimeError):
             f"boot gate {job_name} failed after {attempts} attempt(s): "
             f"{type(cause).__name__}: {cause}"
         )
+
+
+class TenantListError(KumikoError, ValueError):
+    """``get_active_tenant_ids`` returned something that is not a list of tenant ids.
+
+    Raised inside a per-tenant wrapper's attempt, before it enqueues any child:
+    the attempt fails (and is retried like any failure) with nothing enqueued.
+    ``where`` locates the bad value, e.g. ``get_active_tenant_ids()[2]``.
+    """
+
+    def __init__(self, job_name: str, where: str, problem: str, value: Any) -> None:
+        self.job_name = job_name
+        self.where = where
+        self.value = value
+        super().__init__(f"{job_name}: {where} {problem}, got {_short_repr(value)}")
+
+
+class SequentialLockError(KumikoError, MiddlewareError):
+    """A sequential run could not take its lock, or could not hand off (Redis failed).
+
+    Raised in ``before_process_message``. Being a Dramatiq ``MiddlewareError``,
+    it is not swallowed there: the handler never runs without its lock, and the
+    attempt counts as failed (retried like any failure, dead-lettered on the
+    last), so the message is never lost.
+    """
+
+    def __init__(self, job_name: str, action: str, lock_key: str, cause: BaseException) -> None:
+        self.job_name = job_name
+        self.action = action
+        self.lock_key = lock_key
+        self.cause = cause
+        detail = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+        super().__init__(f"{job_name}: {action} (lock {lock_key}) failed: {detail}")
 
 
 def _short_repr(value: Any, limit: int = 80) -> str:
