@@ -28,6 +28,7 @@ from dramatiq.common import current_millis, dq_name
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware
 from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 
 from . import keys
 from .scripts import Scripts
@@ -104,31 +105,56 @@ class KumikoBroker(RedisBroker):
 
         Each script call stays atomic on its own; the batch is not a
         transaction (a crash mid-batch leaves a prefix enqueued, which the
-        guards make safe to run again).
+        guards make safe to run again). Scripts run by ``EVALSHA``; only a
+        server that lost them (restart, ``SCRIPT FLUSH``) costs a load and a
+        second round trip for the affected calls. If some calls fail, the
+        others still get ``after_enqueue`` and the first error is raised.
         """
         if not items:
             return []
         prepared = [(self.prepare(message, delay), step) for message, step in items]
         for message, _ in prepared:
             self.emit_before("enqueue", message, delay)
-        for script in {id(step.script): step.script for _, step in prepared}.values():
-            script.sha = self.client.script_load(script.script)
-        pipe = self.client.pipeline(transaction=False)
-        for message, step in prepared:
-            pipe.evalsha(
-                step.script.sha,
-                2 + len(step.keys),
-                *self._queue_keys(message),
-                *step.keys,
-                message.options["redis_message_id"],
-                message.encode(),
-                *step.args,
-            )
-        replies = [_as_list(reply) for reply in pipe.execute()]
+        replies: list[Any] = [None] * len(prepared)
+        pending = list(range(len(prepared)))
+        for _ in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for index in pending:
+                message, step = prepared[index]
+                pipe.evalsha(
+                    step.script.sha,
+                    2 + len(step.keys),
+                    *self._queue_keys(message),
+                    *step.keys,
+                    message.options["redis_message_id"],
+                    message.encode(),
+                    *step.args,
+                )
+            results = pipe.execute(raise_on_error=False)
+            missing = []
+            for index, result in zip(pending, results, strict=True):
+                replies[index] = result
+                if isinstance(result, NoScriptError):
+                    missing.append(index)
+            if not missing:
+                break
+            for script in {
+                id(prepared[i][1].script): prepared[i][1].script for i in missing
+            }.values():
+                self.client.script_load(script.script)
+            pending = missing
+        done: list[tuple[Message[Any], list[Any]]] = []
+        errors = [reply for reply in replies if isinstance(reply, Exception)]
         for (message, _), reply in zip(prepared, replies, strict=True):
-            if reply[0] == 1:
+            if isinstance(reply, Exception):
+                continue
+            answer = _as_list(reply)
+            if answer[0] == 1:
                 self.emit_after("enqueue", message, delay)
-        return [(message, reply) for (message, _), reply in zip(prepared, replies, strict=True)]
+            done.append((message, answer))
+        if errors:
+            raise errors[0]
+        return done
 
     def _queue_keys(self, message: Message[Any]) -> tuple[str, str]:
         return (
