@@ -28,7 +28,6 @@ from dramatiq.common import current_millis, dq_name
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware
 from redis.commands.core import Script
-from redis.exceptions import NoScriptError
 
 from . import keys
 from .scripts import Scripts
@@ -98,63 +97,42 @@ class KumikoBroker(RedisBroker):
             self.emit_after("enqueue", prepared, delay)
         return prepared, reply
 
-    def enqueue_atomic_many(
-        self, items: Sequence[tuple[Message[Any], AtomicStep]], *, delay: int | None = None
-    ) -> list[tuple[Message[Any], list[Any]]]:
-        """:meth:`enqueue_atomic` for many messages in one pipelined round trip.
+    def enqueue_guarded_batch(
+        self,
+        messages: Sequence[Message[Any]],
+        guard_keys: Sequence[str],
+        *,
+        guard_ttl_ms: int,
+        guard_value: str,
+        delay: int | None = None,
+    ) -> list[bool]:
+        """Enqueue each message of ``messages`` (all on ONE queue) unless its
+        guard in ``guard_keys`` exists, writing guard and message together:
+        one Lua call, one round trip, for the whole batch.
 
-        Each script call stays atomic on its own; the batch is not a
-        transaction (a crash mid-batch leaves a prefix enqueued, which the
-        guards make safe to run again). Scripts run by ``EVALSHA``; only a
-        server that lost them (restart, ``SCRIPT FLUSH``) costs a load and a
-        second round trip for the affected calls. If some calls fail, the
-        others still get ``after_enqueue`` and the first error is raised.
+        Every message passes ``before_enqueue``; those enqueued pass
+        ``after_enqueue``. Returns, per message, whether it was enqueued. A
+        crash mid-way leaves each message either enqueued with its guard or
+        not at all (the script is atomic).
         """
-        if not items:
+        if not messages:
             return []
-        prepared = [(self.prepare(message, delay), step) for message, step in items]
-        for message, _ in prepared:
+        prepared = [self.prepare(message, delay) for message in messages]
+        queue_names = {message.queue_name for message in prepared}
+        if len(queue_names) != 1:
+            raise ValueError(f"a guarded batch targets one queue, got {sorted(queue_names)}")
+        args: list[Any] = [guard_ttl_ms, guard_value]
+        for message, guard in zip(prepared, guard_keys, strict=True):
             self.emit_before("enqueue", message, delay)
-        replies: list[Any] = [None] * len(prepared)
-        pending = list(range(len(prepared)))
-        for _ in range(2):
-            pipe = self.client.pipeline(transaction=False)
-            for index in pending:
-                message, step = prepared[index]
-                pipe.evalsha(
-                    step.script.sha,
-                    2 + len(step.keys),
-                    *self._queue_keys(message),
-                    *step.keys,
-                    message.options["redis_message_id"],
-                    message.encode(),
-                    *step.args,
-                )
-            results = pipe.execute(raise_on_error=False)
-            missing = []
-            for index, result in zip(pending, results, strict=True):
-                replies[index] = result
-                if isinstance(result, NoScriptError):
-                    missing.append(index)
-            if not missing:
-                break
-            for script in {
-                id(prepared[i][1].script): prepared[i][1].script for i in missing
-            }.values():
-                self.client.script_load(script.script)
-            pending = missing
-        done: list[tuple[Message[Any], list[Any]]] = []
-        errors = [reply for reply in replies if isinstance(reply, Exception)]
-        for (message, _), reply in zip(prepared, replies, strict=True):
-            if isinstance(reply, Exception):
-                continue
-            answer = _as_list(reply)
-            if answer[0] == 1:
+            args += (guard, message.options["redis_message_id"], message.encode())
+        reply = self.kumiko_scripts.guarded_enqueue_batch(
+            keys=list(self._queue_keys(prepared[0])), args=args
+        )
+        enqueued = [flag == 1 for flag in reply]
+        for message, fresh in zip(prepared, enqueued, strict=True):
+            if fresh:
                 self.emit_after("enqueue", message, delay)
-            done.append((message, answer))
-        if errors:
-            raise errors[0]
-        return done
+        return enqueued
 
     def _queue_keys(self, message: Message[Any]) -> tuple[str, str]:
         return (

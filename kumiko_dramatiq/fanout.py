@@ -13,13 +13,13 @@ attempt of the wrapper:
    either way the attempt fails and the ``Retries`` middleware retries the
    wrapper on the same message id, like any failure;
 2. enqueues one child per tenant, :data:`CHILD_BATCH_SIZE` children per
-   pipelined round trip (:meth:`KumikoBroker.enqueue_atomic_many`, so every
-   child passes the broker's ``before_enqueue``/``after_enqueue``). A child's
-   id is :func:`~kumiko_dramatiq.ids.child_message_id` (wrapper id, tenant
-   id); it is enqueued by the ``guarded_enqueue`` Lua script, which sets the
-   guard ``keys.enqueue_guard(prefix, child_id)`` (``SET NX PX``, value = the
-   wrapper id, TTL ``retention.completed_age_s * 1000`` ms) and writes the
-   message in the same call, or does nothing if the guard exists.
+   Lua call (:meth:`KumikoBroker.enqueue_guarded_batch`; every child passes
+   the broker's ``before_enqueue``/``after_enqueue``). A child's id is
+   :func:`~kumiko_dramatiq.ids.child_message_id` (wrapper id, tenant id); the
+   script sets its guard ``keys.enqueue_guard(prefix, child_id)`` (``SET NX
+   PX``, value = the wrapper id, TTL ``retention.completed_age_s * 1000`` ms)
+   and writes the message, or does nothing for that child if the guard
+   exists.
 
 A wrapper that runs again with the same id (a retry after failing midway, a
 redelivery after a worker crash, the same message enqueued twice) therefore
@@ -49,7 +49,6 @@ from collections.abc import AsyncIterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from . import keys
-from .broker import AtomicStep
 from .errors import TenantListError
 from .ids import child_message_id
 from .messages import build_message
@@ -58,7 +57,7 @@ from .runtime import Execution, Runtime
 
 logger = logging.getLogger("kumiko_dramatiq")
 
-#: Children enqueued per pipelined round trip. 10,000 tenants cost 20 batches.
+#: Children enqueued per Lua call (one round trip). 10,000 tenants cost 20 calls.
 CHILD_BATCH_SIZE = 500
 
 #: Wrapper message options a child inherits (besides what build_message sets).
@@ -144,30 +143,36 @@ def enqueue_children(
 ) -> int:
     """Enqueue the child of each tenant not enqueued before; return how many were new.
 
-    One pipelined round trip per :data:`CHILD_BATCH_SIZE` tenants (read at
+    One Lua call (round trip) per :data:`CHILD_BATCH_SIZE` tenants (read at
     call time). A failure raises after the earlier batches were enqueued;
     their guards make the next attempt skip them.
     """
-    broker = runtime.broker
-    script = broker.kumiko_scripts.guarded_enqueue
-    guard_ttl_ms = runtime.retention.completed_age_s * 1000
+    prefix = runtime.queue_prefix
     fresh = 0
     for batch in batches(tenants, CHILD_BATCH_SIZE):
-        items = []
+        messages, guards = [], []
         for tenant in batch:
             child_id = child_message_id(wrapper_id, tenant)
-            message = build_message(
-                job,
-                payload,
-                queue_prefix=runtime.queue_prefix,
-                trigger="fanout",
-                message_id=child_id,
-                tenant_id=tenant,
-                extra_options=inherited_options,
+            messages.append(
+                build_message(
+                    job,
+                    payload,
+                    queue_prefix=prefix,
+                    trigger="fanout",
+                    message_id=child_id,
+                    tenant_id=tenant,
+                    extra_options=inherited_options,
+                )
             )
-            guard = keys.enqueue_guard(runtime.queue_prefix, child_id)
-            items.append((message, AtomicStep(script, (guard,), (guard_ttl_ms, wrapper_id))))
-        fresh += sum(1 for _, reply in broker.enqueue_atomic_many(items) if reply[0] == 1)
+            guards.append(keys.enqueue_guard(prefix, child_id))
+        fresh += sum(
+            runtime.broker.enqueue_guarded_batch(
+                messages,
+                guards,
+                guard_ttl_ms=runtime.retention.completed_age_s * 1000,
+                guard_value=wrapper_id,
+            )
+        )
     return fresh
 
 

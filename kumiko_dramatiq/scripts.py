@@ -31,13 +31,36 @@ end
 return {0}
 """
 
+#: Many messages of ONE queue, each behind its own guard, in one call.
+#: ARGV[1] = guard TTL in ms, ARGV[2] = guard value, then per message the
+#: triple (guard key, redis message id, encoded message). Guard keys travel
+#: in ARGV (as Dramatiq's own script builds its keys), so this targets a
+#: single Redis, not a cluster. Returns one 1 (enqueued) or 0 per message.
+GUARDED_ENQUEUE_BATCH = """
+local enqueued = {}
+for i = 3, #ARGV, 3 do
+    if redis.call("set", ARGV[i], ARGV[2], "NX", "PX", ARGV[1]) then
+        redis.call("hset", KEYS[1], ARGV[i + 1], ARGV[i + 2])
+        redis.call("rpush", KEYS[2], ARGV[i + 1])
+        enqueued[#enqueued + 1] = 1
+    else
+        enqueued[#enqueued + 1] = 0
+    end
+end
+return enqueued
+"""
+
 
 @dataclass(frozen=True)
 class Scripts:
     """The scripts of one broker, registered on its client."""
 
     guarded_enqueue: Script
+    guarded_enqueue_batch: Script
 
     @classmethod
     def register(cls, client: redis.Redis) -> Scripts:
-        return cls(guarded_enqueue=client.register_script(PRELUDE + GUARDED_ENQUEUE))
+        return cls(
+            guarded_enqueue=client.register_script(PRELUDE + GUARDED_ENQUEUE),
+            guarded_enqueue_batch=client.register_script(GUARDED_ENQUEUE_BATCH),
+        )
