@@ -22,8 +22,8 @@ from dramatiq.middleware import Middleware, TimeLimit
 from dramatiq.worker import Worker
 
 from .actors import declare_actors
-from .dedup import dispatch_with_key
 from .broker import KumikoBroker, make_connection_pool
+from .dedup import dispatch_with_key, event_dedup_keys
 from .errors import JobConfigError, PayloadError, RedisUnavailableError, UnknownJobError
 from .messages import build_message, validate_payload
 from .middleware.boot import Boot
@@ -196,17 +196,27 @@ class JobRunner:
     def handle_event(self, event_name: str, payload: dict[str, Any] | None = None) -> list[str]:
         """Dispatch every job whose trigger is ``Event(event_name)``; return their ids.
 
-        The payload is checked once for all of them before any is enqueued.
-        An event no job listens to returns ``[]``.
+        The payload, and the dedup key of every job whose ``Event`` names a
+        key function, are checked for all of them before any is enqueued; a
+        keyed job goes through its dedup key. An event no job listens to
+        returns ``[]``.
         """
         jobs = self.registry.jobs_for_event(event_name)
         if not jobs:
             return []
         body = validate_payload(f"event {event_name}", payload)
+        dedup_keys = event_dedup_keys(jobs, body)
         ids: list[str] = []
-        for job in jobs:
-            message = build_message(job, body, queue_prefix=self.queue_prefix, trigger="event")
+        for job, dedup_key in zip(jobs, dedup_keys, strict=True):
             with self._redis(f"handling event {event_name}"):
+                if dedup_key is not None:
+                    ids.append(
+                        dispatch_with_key(
+                            self.runtime, job, body, dedup_key, trigger="event", delay_ms=None
+                        )
+                    )
+                    continue
+                message = build_message(job, body, queue_prefix=self.queue_prefix, trigger="event")
                 self.broker.enqueue(message)
             ids.append(str(message.message_id))
         return ids
