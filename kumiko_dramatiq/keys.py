@@ -25,6 +25,16 @@ def queue_messages(queue_name: str, namespace: str = DRAMATIQ_NAMESPACE) -> str:
     return f"{namespace}:{queue_name}.msgs"
 
 
+def consumer_acks(worker_id: str, queue_name: str, namespace: str = DRAMATIQ_NAMESPACE) -> str:
+    """Dramatiq's set of fetched-but-unacked redis message ids of one worker and queue."""
+    return f"{namespace}:__acks__.{worker_id}.{queue_name}"
+
+
+def heartbeats(namespace: str = DRAMATIQ_NAMESPACE) -> str:
+    """Dramatiq's sorted set of worker ids by last heartbeat."""
+    return f"{namespace}:__heartbeats__"
+
+
 def enqueue_guard(queue_prefix: str, message_id: str) -> str:
     """Set when a deterministic message id was enqueued (fan-out children, cron ticks)."""
     return f"{_root(queue_prefix)}:enqueued:{message_id}"
@@ -51,11 +61,12 @@ def completed(queue_prefix: str, message_id: str) -> str:
     return f"{_root(queue_prefix)}:done:{message_id}"
 
 
-def scheduler_leader(queue_prefix: str) -> str:
-    """The lease of the cron scheduler that currently enqueues ticks."""
-    return f"{_root(queue_prefix)}:scheduler:leader"
-
-
 def all_keys_pattern(queue_prefix: str) -> str:
     """A ``SCAN`` pattern matching every key of the dataset (tests, reset tools)."""
     return f"{_root(queue_prefix)}:*"
+
+
+def cron_last_tick(queue_prefix: str, job_name: str) -> str:
+    """The latest tick of cron job ``job_name`` enqueued in this dataset
+    (UTC epoch seconds); the scheduler's misfire catch-up starts after it."""
+    return f"{_root(queue_prefix)}:cron:last:{job_name}"
