@@ -17,20 +17,25 @@ message id, ``ARGV[2]`` the encoded message; the script calls
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from uuid import uuid4
 
 import redis
-from dramatiq.brokers.redis import RedisBroker
+from dramatiq.broker import MessageProxy
+from dramatiq.brokers.redis import RedisBroker, _RedisConsumer
 from dramatiq.common import current_millis, dq_name
-from dramatiq.message import Message
+from dramatiq.errors import ConnectionClosed
+from dramatiq.message import Message, get_encoder
 from dramatiq.middleware import Middleware
 from redis.commands.core import Script
 
 from . import keys
 from .scripts import Scripts
+
+logger = logging.getLogger("kumiko_dramatiq")
 
 
 @dataclass(frozen=True)
@@ -43,9 +48,21 @@ class AtomicStep:
 
 
 class KumikoBroker(RedisBroker):
-    """A ``RedisBroker`` that can enqueue a message and its guard atomically.
+    """A ``RedisBroker`` that can enqueue a message and its guard atomically,
+    and that never runs a message id again once it completed.
 
-    ``scripts`` holds kumiko's Lua scripts, registered on the broker's client.
+    ``kumiko_scripts`` holds kumiko's Lua scripts, registered on the broker's
+    client.
+
+    "Already completed" markers: the ack of a message that completed
+    (``MessageProxy.kumiko_completed``, set by the ``Executions`` middleware)
+    also writes ``keys.completed(queue_prefix, message_id)`` with a TTL of
+    ``completed_ttl_ms``, in the same Lua call as the ack (no extra round
+    trip). Each fetch from a lane queue checks the fetched ids' markers with
+    one ``MGET`` and acks, without running them, messages whose id already
+    completed: a redelivery after a crash between the handler's end and the
+    ack, or a second copy of a message id. Delay queues are not checked
+    (their messages are checked when they come due).
     """
 
     def __init__(
@@ -56,6 +73,8 @@ class KumikoBroker(RedisBroker):
         heartbeat_timeout: int,
         maintenance_chance: int,
         dead_message_ttl: int,
+        queue_prefix: str,
+        completed_ttl_ms: int,
     ) -> None:
         super().__init__(  # type: ignore[no-untyped-call]
             client=client,
@@ -64,7 +83,59 @@ class KumikoBroker(RedisBroker):
             maintenance_chance=maintenance_chance,
             dead_message_ttl=dead_message_ttl,
         )
+        self.queue_prefix = queue_prefix
+        self.completed_ttl_ms = completed_ttl_ms
         self.kumiko_scripts = Scripts.register(client)
+
+    @property
+    def consumer_class(self) -> type[_RedisConsumer]:
+        return _KumikoConsumer
+
+    def do_fetch(self, queue_name: str, count: int) -> list[bytes | None]:
+        """Dramatiq's fetch, minus messages whose id already completed (acked here)."""
+        fetched: list[bytes | None] = self._dispatch("fetch")(queue_name, count)  # type: ignore[no-untyped-call]
+        if not fetched or queue_name.endswith(".DQ"):
+            return fetched
+        decode = get_encoder().decode
+        ids: list[tuple[str, str] | None] = []
+        for data in fetched:
+            try:
+                fields = decode(data)  # type: ignore[arg-type]
+                ids.append((fields["message_id"], fields["options"]["redis_message_id"]))
+            except Exception:  # missing or malformed: Dramatiq's consumer deals with it
+                ids.append(None)
+        known = [pair for pair in ids if pair is not None]
+        if not known:
+            return fetched
+        markers = self.client.mget([keys.completed(self.queue_prefix, mid) for mid, _ in known])
+        done = {pair for pair, marker in zip(known, markers, strict=True) if marker is not None}
+        if not done:
+            return fetched
+        for message_id, redis_message_id in done:
+            logger.warning(
+                "message %s on %s already completed: acked without running it again",
+                message_id,
+                queue_name,
+            )
+            self.do_ack(queue_name, redis_message_id)
+        return [data for data, pair in zip(fetched, ids, strict=True) if pair not in done]
+
+    def ack_completed(self, queue_name: str, message: MessageProxy) -> None:
+        """Ack ``message`` on ``queue_name`` and mark its id completed: one Lua call."""
+        self.kumiko_scripts.ack_completed(
+            keys=[
+                keys.consumer_acks(self.broker_id, queue_name, self.namespace),
+                keys.queue_messages(queue_name, self.namespace),
+                keys.completed(self.queue_prefix, message.message_id),
+                keys.heartbeats(self.namespace),
+            ],
+            args=[
+                message.options["redis_message_id"],
+                self.completed_ttl_ms,
+                current_millis(),
+                self.broker_id,
+            ],
+        )
 
     def prepare(self, message: Message[Any], delay: int | None) -> Message[Any]:
         """Give ``message`` a fresh redis message id and, if delayed, its
@@ -139,6 +210,23 @@ class KumikoBroker(RedisBroker):
             keys.queue_messages(message.queue_name, self.namespace),
             keys.queue_list(message.queue_name, self.namespace),
         )
+
+
+class _KumikoConsumer(_RedisConsumer):
+    """Dramatiq's Redis consumer whose ack of a completed message also marks it."""
+
+    broker: KumikoBroker
+
+    def ack(self, message: MessageProxy) -> None:
+        if not getattr(message, "kumiko_completed", False):
+            super().ack(message)  # type: ignore[no-untyped-call]
+            return
+        try:
+            self.broker.ack_completed(self.queue_name, message)
+        except redis.ConnectionError as exc:
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+        finally:
+            self.queued_message_ids.discard(message.message_id)
 
 
 def _as_list(reply: Any) -> list[Any]:

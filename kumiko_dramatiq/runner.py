@@ -150,6 +150,8 @@ class JobRunner:
             heartbeat_timeout=_env_int("KUMIKO_HEARTBEAT_TIMEOUT_MS", DEFAULT_HEARTBEAT_TIMEOUT_MS),
             maintenance_chance=_env_int("KUMIKO_MAINTENANCE_CHANCE", DEFAULT_MAINTENANCE_CHANCE),
             dead_message_ttl=retention.failed_age_s * 1000,
+            queue_prefix=queue_prefix,
+            completed_ttl_ms=retention.completed_age_s * 1000,
         )
         self.runtime.attach(self.broker)
         declare_actors(self.broker, self.runtime)

@@ -50,6 +50,18 @@ end
 return enqueued
 """
 
+#: Dramatiq's ack plus the "already completed" marker, in one call.
+#: KEYS[1] = consumer acks set, KEYS[2] = queue message hash, KEYS[3] =
+#: completed marker, KEYS[4] = heartbeats; ARGV[1] = redis message id,
+#: ARGV[2] = marker TTL in ms, ARGV[3] = now (ms), ARGV[4] = worker id.
+ACK_COMPLETED = """
+redis.call("zadd", KEYS[4], ARGV[3], ARGV[4])
+if redis.call("srem", KEYS[1], ARGV[1]) > 0 then
+    redis.call("hdel", KEYS[2], ARGV[1])
+end
+redis.call("set", KEYS[3], "1", "PX", ARGV[2])
+"""
+
 
 @dataclass(frozen=True)
 class Scripts:
@@ -57,10 +69,12 @@ class Scripts:
 
     guarded_enqueue: Script
     guarded_enqueue_batch: Script
+    ack_completed: Script
 
     @classmethod
     def register(cls, client: redis.Redis) -> Scripts:
         return cls(
             guarded_enqueue=client.register_script(PRELUDE + GUARDED_ENQUEUE),
             guarded_enqueue_batch=client.register_script(GUARDED_ENQUEUE_BATCH),
+            ack_completed=client.register_script(ACK_COMPLETED),
         )

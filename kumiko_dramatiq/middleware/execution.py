@@ -47,6 +47,10 @@ class Executions(Middleware):
         result: Any = None,
         exception: BaseException | None = None,
     ) -> None:
+        execution = self.runtime.current()
+        if exception is None and execution is not None and not execution.handed_off:
+            # Read by the broker's consumer: the ack also marks the id completed.
+            message.kumiko_completed = True  # type: ignore[attr-defined]
         self.runtime.end()
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
