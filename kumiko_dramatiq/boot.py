@@ -61,9 +61,10 @@ BOOT_ONCE = """
 if redis.call("exists", KEYS[3]) == 1 then
     return {0, "marked"}
 end
-local fresh = redis.call("set", KEYS[4], ARGV[4], "NX", "PX", ARGV[3])
+local fresh = redis.call("exists", KEYS[4]) == 0
 if fresh then
     enqueue_message()
+    redis.call("set", KEYS[4], ARGV[4], "PX", ARGV[3])
 end
 redis.call("set", KEYS[3], ARGV[4])
 if fresh then

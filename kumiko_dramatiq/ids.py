@@ -34,3 +34,14 @@ def cron_tick_id(job_name: str, fire_time: datetime) -> str:
         raise ValueError("fire_time must be timezone-aware")
     instant = fire_time.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     return _uuid5("cron", job_name, instant)
+
+
+def handoff_message_id(message_id: str) -> str:
+    """The id of the message that sequential message ``message_id`` hands off to
+    when it finds its lock held.
+
+    Deterministic, so a redelivery of the same message (a crash after the
+    hand-off, before the ack) finds the hand-off already made. A message is
+    acked right after its hand-off, so it never needs a second one.
+    """
+    return _uuid5("requeue", message_id)

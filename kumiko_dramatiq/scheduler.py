@@ -114,8 +114,9 @@ logger = logging.getLogger("kumiko_dramatiq.scheduler")
 #: tick either way (never lowers it). Returns {1} (enqueued) or {0}.
 TICK_SCRIPT = """
 local enqueued = 0
-if redis.call("set", KEYS[3], ARGV[4], "NX", "PX", ARGV[3]) then
+if redis.call("exists", KEYS[3]) == 0 then
     enqueue_message()
+    redis.call("set", KEYS[3], ARGV[4], "PX", ARGV[3])
     enqueued = 1
 end
 local last = tonumber(redis.call("get", KEYS[4]))

@@ -23,12 +23,16 @@ end
 
 #: KEYS[3] = guard key; ARGV[3] = guard TTL in ms, ARGV[4] = guard value.
 #: Enqueues the message only if the guard did not exist. Returns {1} or {0}.
+#: Every guarded script writes the message BEFORE its guard: Lua scripts do
+#: not roll back, so an error while writing the message (a wrong-type key)
+#: must not leave a guard that would silently block the message for good.
 GUARDED_ENQUEUE = """
-if redis.call("set", KEYS[3], ARGV[4], "NX", "PX", ARGV[3]) then
-    enqueue_message()
-    return {1}
+if redis.call("exists", KEYS[3]) == 1 then
+    return {0}
 end
-return {0}
+enqueue_message()
+redis.call("set", KEYS[3], ARGV[4], "PX", ARGV[3])
+return {1}
 """
 
 #: Many messages of ONE queue, each behind its own guard, in one call.
@@ -39,9 +43,10 @@ return {0}
 GUARDED_ENQUEUE_BATCH = """
 local enqueued = {}
 for i = 3, #ARGV, 3 do
-    if redis.call("set", ARGV[i], ARGV[2], "NX", "PX", ARGV[1]) then
+    if redis.call("exists", ARGV[i]) == 0 then
         redis.call("hset", KEYS[1], ARGV[i + 1], ARGV[i + 2])
         redis.call("rpush", KEYS[2], ARGV[i + 1])
+        redis.call("set", ARGV[i], ARGV[2], "PX", ARGV[1])
         enqueued[#enqueued + 1] = 1
     else
         enqueued[#enqueued + 1] = 0

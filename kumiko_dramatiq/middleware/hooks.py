@@ -27,7 +27,6 @@ class Hooks(Middleware):
         execution = self.runtime.current()
         if execution is None or execution.handed_off:
             return
-        execution.notes["hooks.started"] = True
         self.runtime.call_hook(
             "on_job_start", execution.job.qualified_name, execution.message_id, execution.meta
         )

@@ -60,7 +60,6 @@ delay, never a hot loop. Waiters are not ordered (no FIFO).
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import random
@@ -78,6 +77,7 @@ from redis.commands.core import Script
 from .. import keys
 from ..broker import AtomicStep
 from ..errors import JobConfigError, SequentialLockError
+from ..ids import handoff_message_id
 from ..messages import build_message
 from ..registry import JobDefinition
 from ..runtime import Execution, Runtime
@@ -151,8 +151,6 @@ end
 return 0
 """
 
-_HANDOFF_NAMESPACE = uuid.UUID("3b0f6a52-61c4-5d0e-8f27-9a4c1e7d2b35")
-
 
 # -- pure decisions ------------------------------------------------------
 def is_locked(job: JobDefinition, is_wrapper: bool) -> bool:
@@ -163,16 +161,6 @@ def is_locked(job: JobDefinition, is_wrapper: bool) -> bool:
 def lock_tenant(job: JobDefinition, tenant_id: str | None) -> str | None:
     """The tenant a lock is scoped to: the child's tenant for per-tenant jobs, else none."""
     return tenant_id if job.options.per_tenant else None
-
-
-def handoff_message_id(message_id: str) -> str:
-    """The id of the message that message ``message_id`` hands off to.
-
-    Deterministic, so a redelivery of the same message (crash after the
-    hand-off, before the ack) finds the hand-off already made. A message is
-    acked right after its hand-off, so it never needs a second one.
-    """
-    return str(uuid.uuid5(_HANDOFF_NAMESPACE, json.dumps(["requeue", message_id])))
 
 
 def handoff_delay_ms(base_ms: int, jitter: float) -> int:

@@ -1,1 +1,1 @@
-"""Small apps that tests run in worker subprocesses (``KUMIKO_APP=tests.apps.<module>:registry``)."""
+"""Small apps that tests run in worker subprocesses (``KUMIKO_APP=tests.apps.<mod>:registry``)."""

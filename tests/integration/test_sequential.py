@@ -39,7 +39,8 @@ from kumiko_dramatiq import (
     keys,
 )
 from kumiko_dramatiq.errors import SequentialLockError
-from kumiko_dramatiq.middleware.sequential import NOTE_REQUEUED_ID, handoff_message_id
+from kumiko_dramatiq.ids import handoff_message_id
+from kumiko_dramatiq.middleware.sequential import NOTE_REQUEUED_ID
 from tests.apps import sequential_app
 from tests.conftest import Recorder, RunnerFactory, wait_for
 

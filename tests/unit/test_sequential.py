@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 
 from kumiko_dramatiq import Feature, JobConfigError, JobContext, Registry
+from kumiko_dramatiq.ids import handoff_message_id
 from kumiko_dramatiq.middleware.sequential import (
     DEFAULT_LOCK_TTL_MS,
     carried_options,
     handoff_delay_ms,
-    handoff_message_id,
     is_locked,
     lock_tenant,
     new_token,
