@@ -46,8 +46,8 @@ Redis keys: :func:`keys.sequential_lock` (the lease: value = owner token
 renewed every TTL/3 by one multi-key Lua call for all leases of the process);
 :func:`keys.enqueue_guard` of the hand-off id (value = the original message
 id, TTL ``retention.completed_age_s``), written in the same Lua call as the
-hand-off message (:data:`HANDOFF`), so a crash can neither lose the hand-off
-nor enqueue it twice; the lock script checks it, so a message redelivered
+hand-off message (the broker's ``guarded_enqueue``), so a crash can neither
+lose the hand-off nor enqueue it twice; the lock script checks it, so a message redelivered
 after its hand-off does nothing.
 
 Bounds: a worker killed with ``kill -9`` leaves its lock for at most
@@ -81,7 +81,6 @@ from ..ids import handoff_message_id
 from ..messages import build_message
 from ..registry import JobDefinition
 from ..runtime import Execution, Runtime
-from ..scripts import PRELUDE
 
 logger = logging.getLogger("kumiko_dramatiq")
 
@@ -128,19 +127,6 @@ for i, key in ipairs(KEYS) do
     end
 end
 return out
-"""
-
-#: The broker's script convention (KEYS[1], KEYS[2], ARGV[1], ARGV[2]: the
-#: message), then KEYS[3] = hand-off guard, ARGV[3] = its TTL ms, ARGV[4] = the
-#: original message id. Writes the message, THEN the guard, so no error can
-#: leave a guard without its message. Returns {1}, or {0} if handed off before.
-HANDOFF = """
-if redis.call("exists", KEYS[3]) == 1 then
-    return {0}
-end
-enqueue_message()
-redis.call("set", KEYS[3], ARGV[4], "PX", ARGV[3])
-return {1}
 """
 
 #: KEYS[1] = lock, ARGV[1] = token. Deletes the lock only if we own it; 1 or 0.
@@ -206,7 +192,6 @@ def carried_options(options: Mapping[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class _Scripts:
     acquire: Script
-    handoff: Script
     renew: Script
     release: Script
 
@@ -227,7 +212,6 @@ class Sequential(Middleware):
         client = self.runtime.broker.client
         return _Scripts(
             acquire=client.register_script(ACQUIRE),
-            handoff=client.register_script(PRELUDE + HANDOFF),
             renew=client.register_script(RENEW),
             release=client.register_script(RELEASE),
         )
@@ -299,7 +283,7 @@ class Sequential(Middleware):
         )
         broker = self.runtime.broker
         step = AtomicStep(
-            self.scripts.handoff,
+            broker.kumiko_scripts.guarded_enqueue,
             keys=[guard_key],
             args=[self.runtime.retention.completed_age_s * 1000, execution.message_id],
         )
