@@ -30,8 +30,12 @@ fi
 stamp="$VENV/.kumiko-installed"
 if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
     echo "kumiko: installing the package and its dev tools into .venv" >&2
-    "$PY" -m pip install -q --upgrade pip >/dev/null
-    "$PY" -m pip install -q -e "$ROOT[dev]"
+    log="$VENV/pip-install.log"
+    if ! { "$PY" -m pip install --upgrade pip && "$PY" -m pip install -e "$ROOT[dev]"; } >"$log" 2>&1; then
+        cat "$log" >&2
+        echo "kumiko: pip install failed (log above)" >&2
+        exit 1
+    fi
     touch "$stamp"
 fi
 
