@@ -28,7 +28,7 @@ from dramatiq.broker import MessageProxy
 from dramatiq.brokers.redis import RedisBroker, _RedisConsumer
 from dramatiq.common import current_millis, dq_name
 from dramatiq.errors import ConnectionClosed
-from dramatiq.message import Message, get_encoder
+from dramatiq.message import Message
 from dramatiq.middleware import Middleware
 from redis.commands.core import Script
 
@@ -92,33 +92,78 @@ class KumikoBroker(RedisBroker):
         return _KumikoConsumer
 
     def do_fetch(self, queue_name: str, count: int) -> list[bytes | None]:
-        """Dramatiq's fetch, minus messages whose id already completed (acked here)."""
+        """Dramatiq's fetch, minus what must not reach Dramatiq's consumer.
+
+        - a message that cannot be decoded (garbage bytes, missing fields) is
+          dead-lettered with a logged reason: Dramatiq's consumer would crash
+          on it, restart, and leave it unacked, a poison pill that returns
+          with every crash recovery;
+        - on a lane queue (not a delay queue), a message whose id already
+          completed is acked without running (one ``MGET`` per fetch).
+        """
         fetched: list[bytes | None] = self._dispatch("fetch")(queue_name, count)  # type: ignore[no-untyped-call]
-        if not fetched or queue_name.endswith(".DQ"):
+        if not fetched:
             return fetched
-        decode = get_encoder().decode
-        ids: list[tuple[str, str] | None] = []
+        decoded: list[Message[Any] | None] = []
+        undecodable: list[tuple[bytes, str]] = []
         for data in fetched:
+            if data is None:  # vanished from the hash: Dramatiq logs and skips it
+                decoded.append(None)
+                continue
             try:
-                fields = decode(data)  # type: ignore[arg-type]
-                ids.append((fields["message_id"], fields["options"]["redis_message_id"]))
-            except Exception:  # missing or malformed: Dramatiq's consumer deals with it
-                ids.append(None)
-        known = [pair for pair in ids if pair is not None]
+                decoded.append(Message.decode(data))
+            except Exception as exc:
+                decoded.append(None)
+                undecodable.append((data, str(exc.__cause__ or exc)))
+        if undecodable:
+            self._dead_letter_undecodable(queue_name, undecodable)
+            bad = {data for data, _ in undecodable}
+            fetched, decoded = (
+                [d for d in fetched if d not in bad],
+                [m for d, m in zip(fetched, decoded, strict=True) if d not in bad],
+            )
+        if queue_name.endswith(".DQ"):
+            return fetched
+        known = [message for message in decoded if message is not None]
         if not known:
             return fetched
-        markers = self.client.mget([keys.completed(self.queue_prefix, mid) for mid, _ in known])
-        done = {pair for pair, marker in zip(known, markers, strict=True) if marker is not None}
+        markers = self.client.mget(
+            [keys.completed(self.queue_prefix, message.message_id) for message in known]
+        )
+        done = {
+            m.message_id for m, marker in zip(known, markers, strict=True) if marker is not None
+        }
         if not done:
             return fetched
-        for message_id, redis_message_id in done:
+        kept: list[bytes | None] = []
+        for data, message in zip(fetched, decoded, strict=True):
+            if message is None or message.message_id not in done:
+                kept.append(data)
+                continue
             logger.warning(
                 "message %s on %s already completed: acked without running it again",
-                message_id,
+                message.message_id,
                 queue_name,
             )
-            self.do_ack(queue_name, redis_message_id)
-        return [data for data, pair in zip(fetched, ids, strict=True) if pair not in done]
+            self.do_ack(queue_name, message.options["redis_message_id"])
+        return kept
+
+    def _dead_letter_undecodable(self, queue_name: str, items: list[tuple[bytes, str]]) -> None:
+        """Move fetched messages that cannot be decoded to the dead-letter queue.
+
+        Dramatiq's fetch returns message bodies without their redis ids, so
+        the ids are found among this consumer's unacked ones (rare path).
+        """
+        redis_ids = list(
+            self.client.smembers(keys.consumer_acks(self.broker_id, queue_name, self.namespace))
+        )
+        bodies = self.client.hmget(keys.queue_messages(queue_name, self.namespace), redis_ids)
+        by_body = {body: rid for rid, body in zip(redis_ids, bodies, strict=True) if body}
+        for data, reason in items:
+            rid = by_body.get(data)
+            logger.error("dead-lettering an undecodable message on %s: %.160s", queue_name, reason)
+            if rid is not None:
+                self.do_nack(queue_name, rid.decode() if isinstance(rid, bytes) else rid)
 
     def ack_completed(self, queue_name: str, message: MessageProxy) -> None:
         """Ack ``message`` on ``queue_name`` and mark its id completed: one Lua call."""

@@ -308,3 +308,21 @@ def test_a_malformed_message_is_dead_lettered_and_the_worker_goes_on(
     from tests.conftest import wait_for
 
     wait_for(lambda: redis_client.zcard(f"dramatiq:{prefix}-worker.XQ") == 1)
+
+
+def test_undecodable_bytes_on_the_queue_are_dead_lettered_and_the_worker_goes_on(
+    make_runner: RunnerFactory, recorder: Recorder, redis_client: redis.Redis, prefix: str
+) -> None:
+    from tests.conftest import wait_for
+
+    runner = make_runner(billing_registry(), **recorder.hooks())
+    before = runner.dispatch("billing:job:send")
+    # Written the way Dramatiq's enqueue writes a message, but not a message.
+    redis_client.hset(f"dramatiq:{prefix}-worker.msgs", "garbage-1", b"\x00\xffnot json")
+    redis_client.rpush(f"dramatiq:{prefix}-worker", "garbage-1")
+    after = runner.dispatch("billing:job:send")
+    runner.start()
+    recorder.wait_until(lambda r: len(r.of("complete")) == 2)
+    assert sorted(e.message_id for e in recorder.of("complete")) == sorted([before, after])
+    wait_for(lambda: redis_client.zcard(f"dramatiq:{prefix}-worker.XQ") == 1, what="dead letter")
+    assert redis_client.zscore(f"dramatiq:{prefix}-worker.XQ", "garbage-1") is not None
