@@ -193,6 +193,23 @@ class KumikoBroker(RedisBroker):
             )
         return message
 
+    def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
+        """Dramatiq's ``RedisBroker.enqueue``, made safe to re-send.
+
+        The runner's connection pool re-sends a command once when its
+        connection drops; if the first send had already been executed (the
+        reply was lost), Dramatiq's own enqueue would store the message
+        twice. Here the write is skipped when its redis message id exists.
+        """
+        prepared = self.prepare(message, delay)
+        self.emit_before("enqueue", prepared, delay)
+        self.kumiko_scripts.enqueue_once(
+            keys=list(self._queue_keys(prepared)),
+            args=[prepared.options["redis_message_id"], prepared.encode()],
+        )
+        self.emit_after("enqueue", prepared, delay)
+        return prepared
+
     def enqueue_atomic(
         self, message: Message[Any], step: AtomicStep, *, delay: int | None = None
     ) -> tuple[Message[Any], list[Any]]:

@@ -21,6 +21,17 @@ local function enqueue_message()
 end
 """
 
+#: Dramatiq's enqueue, made idempotent: a call re-sent by the client after a
+#: dropped connection (redis-py retries once) finds its redis message id
+#: already written and does nothing. Returns {1} or {0}.
+ENQUEUE_ONCE = """
+if redis.call("hexists", KEYS[1], ARGV[1]) == 1 then
+    return {0}
+end
+enqueue_message()
+return {1}
+"""
+
 #: KEYS[3] = guard key; ARGV[3] = guard TTL in ms, ARGV[4] = guard value.
 #: Enqueues the message only if the guard did not exist. Returns {1} or {0}.
 #: Every guarded script writes the message BEFORE its guard: Lua scripts do
@@ -72,6 +83,7 @@ redis.call("set", KEYS[3], "1", "PX", ARGV[2])
 class Scripts:
     """The scripts of one broker, registered on its client."""
 
+    enqueue_once: Script
     guarded_enqueue: Script
     guarded_enqueue_batch: Script
     ack_completed: Script
@@ -79,6 +91,7 @@ class Scripts:
     @classmethod
     def register(cls, client: redis.Redis) -> Scripts:
         return cls(
+            enqueue_once=client.register_script(PRELUDE + ENQUEUE_ONCE),
             guarded_enqueue=client.register_script(PRELUDE + GUARDED_ENQUEUE),
             guarded_enqueue_batch=client.register_script(GUARDED_ENQUEUE_BATCH),
             ack_completed=client.register_script(ACK_COMPLETED),

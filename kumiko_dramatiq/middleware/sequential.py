@@ -107,7 +107,14 @@ ACQUIRE = """
 if redis.call("exists", KEYS[2]) == 1 then
     return 2
 end
-if redis.call("set", KEYS[1], ARGV[1], "NX", "PX", ARGV[2]) then
+local owner = redis.call("get", KEYS[1])
+if owner == ARGV[1] then
+    -- our own earlier call, re-sent by the client after a dropped connection
+    redis.call("pexpire", KEYS[1], ARGV[2])
+    return 1
+end
+if not owner then
+    redis.call("set", KEYS[1], ARGV[1], "PX", ARGV[2])
     return 1
 end
 return 0

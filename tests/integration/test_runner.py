@@ -326,3 +326,23 @@ def test_undecodable_bytes_on_the_queue_are_dead_lettered_and_the_worker_goes_on
     assert sorted(e.message_id for e in recorder.of("complete")) == sorted([before, after])
     wait_for(lambda: redis_client.zcard(f"dramatiq:{prefix}-worker.XQ") == 1, what="dead letter")
     assert redis_client.zscore(f"dramatiq:{prefix}-worker.XQ", "garbage-1") is not None
+
+
+def test_an_enqueue_resent_after_a_dropped_connection_stores_the_message_once(
+    make_runner: RunnerFactory, redis_client: redis.Redis, prefix: str
+) -> None:
+    from kumiko_dramatiq.messages import build_message
+
+    runner = make_runner(billing_registry())
+    job = runner.registry.jobs["billing:job:send"]
+    prepared = runner.broker.prepare(
+        build_message(job, {}, queue_prefix=prefix, trigger="manual"), None
+    )
+    call = {
+        "keys": [f"dramatiq:{prefix}-worker.msgs", f"dramatiq:{prefix}-worker"],
+        "args": [prepared.options["redis_message_id"], prepared.encode()],
+    }
+    # The same command sent twice, as redis-py re-sends it when the reply was lost.
+    assert runner.broker.kumiko_scripts.enqueue_once(**call) == [1]
+    assert runner.broker.kumiko_scripts.enqueue_once(**call) == [0]
+    assert queued(redis_client, prefix) == 1
