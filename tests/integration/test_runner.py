@@ -338,11 +338,10 @@ def test_an_enqueue_resent_after_a_dropped_connection_stores_the_message_once(
     prepared = runner.broker.prepare(
         build_message(job, {}, queue_prefix=prefix, trigger="manual"), None
     )
-    call = {
-        "keys": [f"dramatiq:{prefix}-worker.msgs", f"dramatiq:{prefix}-worker"],
-        "args": [prepared.options["redis_message_id"], prepared.encode()],
-    }
+    queue_keys = [f"dramatiq:{prefix}-worker.msgs", f"dramatiq:{prefix}-worker"]
+    args = [prepared.options["redis_message_id"], prepared.encode()]
+    enqueue_once = runner.broker.kumiko_scripts.enqueue_once
     # The same command sent twice, as redis-py re-sends it when the reply was lost.
-    assert runner.broker.kumiko_scripts.enqueue_once(**call) == [1]
-    assert runner.broker.kumiko_scripts.enqueue_once(**call) == [0]
+    assert enqueue_once(keys=queue_keys, args=args) == [1]
+    assert enqueue_once(keys=queue_keys, args=args) == [0]
     assert queued(redis_client, prefix) == 1
