@@ -21,7 +21,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from uuid import uuid4
+from uuid import UUID, uuid4, uuid5
 
 import redis
 from dramatiq.broker import MessageProxy
@@ -36,6 +36,12 @@ from . import keys
 from .scripts import Scripts
 
 logger = logging.getLogger("kumiko_dramatiq")
+
+#: How long the "sent" marker of a freshly enqueued message lives: the window
+#: in which a re-sent write is recognised (redis-py re-sends within ~0.1 s).
+RESEND_WINDOW_MS = 60_000
+
+_MOVED_NAMESPACE = UUID("9d4b7e0c-2f5a-5c8e-b1d3-7a6f4c2e9b01")
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,7 @@ class KumikoBroker(RedisBroker):
         dead_message_ttl: int,
         queue_prefix: str,
         completed_ttl_ms: int,
+        moved_marker_ttl_ms: int,
     ) -> None:
         super().__init__(  # type: ignore[no-untyped-call]
             client=client,
@@ -84,6 +91,8 @@ class KumikoBroker(RedisBroker):
             dead_message_ttl=dead_message_ttl,
         )
         self.queue_prefix = queue_prefix
+        #: Lifetime of the "sent" marker of a moved delayed message.
+        self.moved_marker_ttl_ms = moved_marker_ttl_ms
         self.completed_ttl_ms = completed_ttl_ms
         self.kumiko_scripts = Scripts.register(client)
 
@@ -182,10 +191,14 @@ class KumikoBroker(RedisBroker):
             ],
         )
 
-    def prepare(self, message: Message[Any], delay: int | None) -> Message[Any]:
-        """Give ``message`` a fresh redis message id and, if delayed, its
-        delay queue and eta: what ``RedisBroker.enqueue`` does before writing."""
-        message = message.copy(options={"redis_message_id": str(uuid4())})
+    def prepare(
+        self, message: Message[Any], delay: int | None, *, redis_message_id: str | None = None
+    ) -> Message[Any]:
+        """Give ``message`` a redis message id (fresh unless given) and, if
+        delayed, its delay queue and eta: what ``RedisBroker.enqueue`` does
+        before writing."""
+        rid = str(uuid4()) if redis_message_id is None else redis_message_id
+        message = message.copy(options={"redis_message_id": rid})
         if delay is not None:
             message = message.copy(
                 queue_name=dq_name(message.queue_name),
@@ -194,21 +207,63 @@ class KumikoBroker(RedisBroker):
         return message
 
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
-        """Dramatiq's ``RedisBroker.enqueue``, made safe to re-send.
+        """Dramatiq's ``RedisBroker.enqueue``, made idempotent.
 
-        The runner's connection pool re-sends a command once when its
-        connection drops; if the first send had already been executed (the
-        reply was lost), Dramatiq's own enqueue would store the message
-        twice. Here the write is skipped when its redis message id exists.
+        Each write leaves a "sent" marker of its redis message id
+        (``keys.sent``), and a write whose marker exists does nothing:
+
+        - the runner's pool re-sends a command once when its connection
+          drops; if the first send had executed (only the reply was lost),
+          Dramatiq's enqueue would store the message twice. The marker of a
+          fresh message lives :data:`RESEND_WINDOW_MS`;
+        - a worker moves a due delayed message to its queue by enqueuing it
+          and then acking it on the delay queue; a crash between the two
+          redelivers the delayed copy, which would be moved twice. A message
+          that carries the redis id it was delivered under (a move) gets a
+          redis id derived from it, so the second move is a no-op while the
+          marker lives (``Retention.completed_age_s``).
         """
-        prepared = self.prepare(message, delay)
+        moved_from = message.options.get("redis_message_id")
+        if moved_from is None:
+            prepared = self.prepare(message, delay)
+            marker_ttl_ms = RESEND_WINDOW_MS
+        else:
+            rid = str(uuid5(_MOVED_NAMESPACE, f"{moved_from}>{message.queue_name}"))
+            prepared = self.prepare(message, delay, redis_message_id=rid)
+            marker_ttl_ms = self.moved_marker_ttl_ms
+        rid = prepared.options["redis_message_id"]
         self.emit_before("enqueue", prepared, delay)
         self.kumiko_scripts.enqueue_once(
-            keys=list(self._queue_keys(prepared)),
-            args=[prepared.options["redis_message_id"], prepared.encode()],
+            keys=[*self._queue_keys(prepared), keys.sent(self.queue_prefix, rid)],
+            args=[rid, prepared.encode(), marker_ttl_ms],
         )
         self.emit_after("enqueue", prepared, delay)
         return prepared
+
+    def ack_and_retry(
+        self, queue_name: str, delivered: MessageProxy, retry: Message[Any], delay: int | None
+    ) -> bool:
+        """Ack ``delivered`` on ``queue_name`` and enqueue its prepared ``retry``
+        in one Lua call; ``False`` if ``delivered`` was no longer this
+        worker's (then nothing happened)."""
+        done = self.kumiko_scripts.ack_and_retry(
+            keys=[
+                keys.consumer_acks(self.broker_id, queue_name, self.namespace),
+                keys.queue_messages(queue_name, self.namespace),
+                *self._queue_keys(retry),
+                keys.heartbeats(self.namespace),
+            ],
+            args=[
+                delivered.options["redis_message_id"],
+                retry.options["redis_message_id"],
+                retry.encode(),
+                current_millis(),
+                self.broker_id,
+            ],
+        )
+        if done == 1:
+            self.emit_after("enqueue", retry, delay)
+        return bool(done == 1)
 
     def enqueue_atomic(
         self, message: Message[Any], step: AtomicStep, *, delay: int | None = None
@@ -275,16 +330,27 @@ class KumikoBroker(RedisBroker):
 
 
 class _KumikoConsumer(_RedisConsumer):
-    """Dramatiq's Redis consumer whose ack of a completed message also marks it."""
+    """Dramatiq's Redis consumer whose ack also writes what the run left to it:
+    the "already completed" marker, or the retry of a failed attempt."""
 
     broker: KumikoBroker
 
     def ack(self, message: MessageProxy) -> None:
-        if not getattr(message, "kumiko_completed", False):
+        retry = getattr(message, "kumiko_retry", None)
+        completed = getattr(message, "kumiko_completed", False)
+        if retry is None and not completed:
             super().ack(message)  # type: ignore[no-untyped-call]
             return
         try:
-            self.broker.ack_completed(self.queue_name, message)
+            if retry is not None:
+                if not self.broker.ack_and_retry(self.queue_name, message, *retry):
+                    logger.warning(
+                        "message %s was recovered by another worker before its ack; "
+                        "its retry is left to that delivery",
+                        message.message_id,
+                    )
+            else:
+                self.broker.ack_completed(self.queue_name, message)
         except redis.ConnectionError as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         finally:

@@ -35,6 +35,11 @@ def heartbeats(namespace: str = DRAMATIQ_NAMESPACE) -> str:
     return f"{namespace}:__heartbeats__"
 
 
+def sent(queue_prefix: str, redis_message_id: str) -> str:
+    """Set when a redis message id was written: a re-sent write finds it."""
+    return f"{_root(queue_prefix)}:sent:{redis_message_id}"
+
+
 def enqueue_guard(queue_prefix: str, message_id: str) -> str:
     """Set when a deterministic message id was enqueued (fan-out children, cron ticks)."""
     return f"{_root(queue_prefix)}:enqueued:{message_id}"

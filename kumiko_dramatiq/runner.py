@@ -152,6 +152,7 @@ class JobRunner:
             dead_message_ttl=retention.failed_age_s * 1000,
             queue_prefix=queue_prefix,
             completed_ttl_ms=retention.completed_age_s * 1000,
+            moved_marker_ttl_ms=retention.completed_age_s * 1000,
         )
         self.runtime.attach(self.broker)
         declare_actors(self.broker, self.runtime)

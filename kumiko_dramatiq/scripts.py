@@ -21,15 +21,38 @@ local function enqueue_message()
 end
 """
 
-#: Dramatiq's enqueue, made idempotent: a call re-sent by the client after a
-#: dropped connection (redis-py retries once) finds its redis message id
-#: already written and does nothing. Returns {1} or {0}.
+#: Dramatiq's enqueue, made idempotent per redis message id: KEYS[3] = its
+#: "sent" marker, ARGV[3] = the marker's TTL in ms. A call re-sent by the
+#: client after a dropped connection (redis-py re-sends once), or a second
+#: move of the same delayed message, finds the marker and does nothing.
+#: Returns {1} or {0}.
 ENQUEUE_ONCE = """
-if redis.call("hexists", KEYS[1], ARGV[1]) == 1 then
+if redis.call("exists", KEYS[3]) == 1 then
     return {0}
 end
 enqueue_message()
+redis.call("set", KEYS[3], "1", "PX", ARGV[3])
 return {1}
+"""
+
+#: Dramatiq's ack of a failed attempt and the enqueue of its retry, in one
+#: call, so a crash can neither lose the retry nor enqueue it twice.
+#: KEYS[1] = the consumer's ack set, KEYS[2] = the delivered message's hash,
+#: KEYS[3] = the retry queue's hash, KEYS[4] = the retry queue's list,
+#: KEYS[5] = heartbeats; ARGV[1] = delivered redis id, ARGV[2] = retry redis
+#: id, ARGV[3] = encoded retry, ARGV[4] = now (ms), ARGV[5] = worker id.
+#: If the delivered message is no longer ours (recovered by another worker
+#: while this one was presumed dead), nothing happens: it runs again there.
+#: Returns 1 (acked and retried) or 0.
+ACK_AND_RETRY = """
+redis.call("zadd", KEYS[5], ARGV[4], ARGV[5])
+if redis.call("srem", KEYS[1], ARGV[1]) == 0 then
+    return 0
+end
+redis.call("hdel", KEYS[2], ARGV[1])
+redis.call("hset", KEYS[3], ARGV[2], ARGV[3])
+redis.call("rpush", KEYS[4], ARGV[2])
+return 1
 """
 
 #: KEYS[3] = guard key; ARGV[3] = guard TTL in ms, ARGV[4] = guard value.
@@ -84,6 +107,7 @@ class Scripts:
     """The scripts of one broker, registered on its client."""
 
     enqueue_once: Script
+    ack_and_retry: Script
     guarded_enqueue: Script
     guarded_enqueue_batch: Script
     ack_completed: Script
@@ -92,6 +116,7 @@ class Scripts:
     def register(cls, client: redis.Redis) -> Scripts:
         return cls(
             enqueue_once=client.register_script(PRELUDE + ENQUEUE_ONCE),
+            ack_and_retry=client.register_script(ACK_AND_RETRY),
             guarded_enqueue=client.register_script(PRELUDE + GUARDED_ENQUEUE),
             guarded_enqueue_batch=client.register_script(GUARDED_ENQUEUE_BATCH),
             ack_completed=client.register_script(ACK_COMPLETED),

@@ -8,11 +8,15 @@ retries + 1. The delay before retry n is fixed ``delay_ms`` or exponential
 (straight onto the queue, not the delay queue). A final failure is
 dead-lettered (``<queue>.XQ``, kept ``Retention.failed_age_s``). A timeout
 (``TimeLimitExceeded``) is a failed attempt like any other. A sequential
-hand-off spends no attempt. Touches no kumiko Redis key; one enqueue per
-retry.
+hand-off spends no attempt. Touches no kumiko Redis key.
 
-If the retry cannot be enqueued (Redis down), the message is dead-lettered
-instead of acked, so it is never silently lost. Replaces Dramatiq's own
+The retry is prepared here (``before_enqueue`` runs now) and written by the
+consumer's ack of the failed attempt, in the same Lua call
+(:meth:`~kumiko_dramatiq.broker.KumikoBroker.ack_and_retry`): a worker killed
+before the ack leaves neither an ack nor a retry (the attempt is redelivered
+and runs again), one killed after it leaves both, so a retry chain never
+forks and is never lost. No extra round trip: the ack happens anyway.
+Replaces Dramatiq's own
 ``Retries``, which a kumiko broker must not carry (``JobRunner.start``
 refuses it).
 """
@@ -61,17 +65,11 @@ class Retries(Middleware):
         delay_ms = retry_delay_ms(message.options, failures)
         retry = message.copy(options={"kumiko_failures": failures})
         retry.options.pop("eta", None)
-        try:
-            broker.enqueue(retry, delay=delay_ms)
-        except Exception:
-            logger.exception(
-                "could not enqueue retry %d of %s %s; dead-lettering it instead",
-                failures,
-                execution.job.qualified_name,
-                message.message_id,
-            )
-            message.fail()
-            return
+        prepared = self.runtime.broker.prepare(retry, delay_ms)
+        broker.emit_before("enqueue", prepared, delay_ms)
+        # The consumer's ack writes it, in the same Lua call as the ack
+        # (KumikoBroker.ack_and_retry): a crash can neither lose nor fork it.
+        message.kumiko_retry = (prepared, delay_ms)  # type: ignore[attr-defined]
         execution.retry_scheduled = True
         logger.info(
             "%s %s: attempt %d of %d failed (%s), retrying %s",

@@ -208,3 +208,57 @@ def test_an_async_handler_runs_and_its_failures_are_retried(
     recorder.wait_until(lambda r: bool(r.of("complete")))
     assert seen == [("ada@example.com", 1), ("ada@example.com", 2)]
     assert [e.message_id for e in recorder.of("complete")] == [message_id]
+
+
+@pytest.mark.slow
+def test_a_worker_killed_before_acking_a_failed_attempt_neither_loses_nor_forks_the_retry(
+    redis_url: str, prefix: str, redis_client: Any
+) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import wait_for
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUMIKO_")}
+    env.update(
+        PYTHONPATH=str(root),
+        KUMIKO_APP="tests.apps.fork_app:runner",
+        KUMIKO_REDIS_URL=redis_url,
+        KUMIKO_QUEUE_PREFIX=prefix,
+        KUMIKO_HEARTBEAT_TIMEOUT_MS="1000",
+        KUMIKO_MAINTENANCE_CHANCE="1000000",
+    )
+    os.environ.update(KUMIKO_REDIS_URL=redis_url, KUMIKO_QUEUE_PREFIX=prefix)
+    try:
+        from tests.apps.fork_app import runner
+    finally:
+        del os.environ["KUMIKO_REDIS_URL"], os.environ["KUMIKO_QUEUE_PREFIX"]
+    runner.dispatch("fork:job:always_fails")
+    command = [sys.executable, "-m", "dramatiq", "kumiko_dramatiq.app", "-p", "1", "-t", "2"]
+    runs = f"kumiko:{prefix}:test:runs"
+    # Given a worker that dies after attempt 2 failed and prepared attempt 3, before the ack,
+    first = subprocess.Popen(command, cwd=root, env=env, stderr=subprocess.DEVNULL)
+    try:
+        first.wait(timeout=60)
+    finally:
+        first.kill()
+    # when another worker takes over,
+    second = subprocess.Popen(command, cwd=root, env=env, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(
+            lambda: redis_client.zcard(f"dramatiq:{prefix}-worker.XQ") >= 1,
+            timeout_s=60,
+            what="the final failure",
+        )
+        runner.broker.join(f"{prefix}-worker", timeout=30_000)
+    finally:
+        second.terminate()
+        second.wait(timeout=30)
+    runner.stop()
+    # then attempt 2 runs again (a redelivery), and the chain goes on once: no fork.
+    attempts = [int(a) for a in redis_client.lrange(runs, 0, -1)]
+    assert attempts == [1, 2, 2, 3]
+    assert redis_client.zcard(f"dramatiq:{prefix}-worker.XQ") == 1
