@@ -1,0 +1,663 @@
+"""The soak's verdicts: pure functions over the handlers' records and the driver's notes.
+
+Nothing here talks to Redis or reads a clock: :mod:`tests.soak.run` gathers the
+records (see :mod:`tests.soak.app` for their format), what it dispatched, the
+faults it injected and what it found in Redis and in the logs, and each
+``check_*`` function returns a :class:`CheckResult`. All times are
+``time.time()`` seconds of the one machine the soak runs on.
+
+Vocabulary:
+
+- a *run* is one handler call: its ``start`` record and at most one ``end``
+  or ``fail`` record (:func:`assemble_runs`). A run with neither was *cut*:
+  its worker process died under it.
+- *completed* (of a message id) means its ack wrote the "already completed"
+  marker; the driver learns when from Redis keyspace notifications
+  (``done_at``). A handler's ``end`` record comes a little before that ack.
+- a re-run of a finished attempt (same message id, same attempt) is
+  *explained* when the finished run's worker process group was SIGKILLed after
+  it finished and before the re-run started: the kill fell between the
+  handler's end (or failure) and the ack, and Dramatiq redelivered the message
+  (at-least-once delivery). Explained re-runs count neither as a second
+  completion nor as another failed attempt. Any other re-run is a violation:
+  the same attempt without such a kill, an attempt that runs after a later
+  attempt of its message finished (the retry chain forked), or any run that
+  starts after the message's completed marker was set.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Outcome = Literal["completed", "failed", "cut"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One handler call, assembled from its records."""
+
+    token: str
+    job: str
+    message_id: str
+    attempt: int
+    n: int | None
+    tenant: str | None
+    scheduled_at: float | None
+    pgid: int
+    started: float
+    ended: float | None = None
+    failed: float | None = None
+
+    @property
+    def finished(self) -> float | None:
+        """When the handler returned or raised; ``None`` for a cut run."""
+        return self.ended if self.ended is not None else self.failed
+
+    @property
+    def outcome(self) -> Outcome:
+        if self.ended is not None:
+            return "completed"
+        if self.failed is not None:
+            return "failed"
+        return "cut"
+
+    def describe(self) -> str:
+        tenant = "" if self.tenant is None else f" tenant {self.tenant}"
+        return (
+            f"{self.job} {self.message_id} attempt {self.attempt}{tenant} "
+            f"(pgid {self.pgid}, {self.outcome}, started {self.started:.3f})"
+        )
+
+
+@dataclass(frozen=True)
+class Kill:
+    """The driver SIGKILLed the worker process group ``pgid`` at ``at``."""
+
+    pgid: int
+    at: float
+
+
+@dataclass(frozen=True)
+class Expected:
+    """A logical job the driver dispatched and how it must end.
+
+    Its runs are those of ``message_id`` if set, else those of (``job``, ``n``,
+    ``tenant``): a sequential hand-off changes the message id, not ``n``. It
+    must complete on attempt ``fail_first + 1`` after failing attempts
+    ``1..fail_first``, or, when ``fail_first >= max_attempts``, fail attempts
+    ``1..max_attempts`` and never complete.
+    """
+
+    label: str
+    job: str
+    fail_first: int
+    max_attempts: int
+    n: int | None = None
+    tenant: str | None = None
+    message_id: str | None = None
+
+    @property
+    def completes(self) -> bool:
+        return self.fail_first < self.max_attempts
+
+
+@dataclass(frozen=True)
+class KeyedDispatch:
+    """``dispatch(..., dedup_key=...)`` called at ``at`` returned ``message_id``."""
+
+    message_id: str
+    at: float
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A malformed message the driver pushed onto a queue.
+
+    ``needle``: text that the worker log must contain to count as the logged reason.
+    """
+
+    kind: str
+    redis_message_id: str
+    needle: str
+    pushed_at: float
+
+
+@dataclass
+class CheckResult:
+    number: int
+    title: str
+    checked: int = 0
+    violations: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.violations
+
+    def render(self, limit: int = 12) -> str:
+        verdict = "PASS" if self.passed else "FAIL"
+        lines = [
+            f"{verdict}  {self.number}. {self.title}: {self.checked} checked, "
+            f"{len(self.violations)} violation(s)"
+        ]
+        lines += [f"        ! {text}" for text in self.violations[:limit]]
+        if len(self.violations) > limit:
+            lines.append(f"        ! ... and {len(self.violations) - limit} more")
+        lines += [f"        - {text}" for text in self.notes[:limit]]
+        if len(self.notes) > limit:
+            lines.append(f"        - ... and {len(self.notes) - limit} more")
+        return "\n".join(lines)
+
+
+# -- assembling --------------------------------------------------------------------------------
+
+
+def assemble_runs(records: Iterable[Mapping[str, Any]]) -> tuple[list[Run], list[str]]:
+    """Fold records into runs (sorted by start); duplicates of a record (a retried
+    ``RPUSH``) count once. Returns the runs and the records that make no sense."""
+    by_token: dict[str, dict[str, Mapping[str, Any]]] = defaultdict(dict)
+    problems: list[str] = []
+    for record in records:
+        by_token[str(record["run"])].setdefault(str(record["ev"]), record)
+    runs: list[Run] = []
+    for token, events in by_token.items():
+        start = events.get("start")
+        if start is None:
+            problems.append(f"run {token}: {sorted(events)} recorded without a start")
+            continue
+        end, fail = events.get("end"), events.get("fail")
+        if end is not None and fail is not None:
+            problems.append(f"run {token}: both an end and a fail record")
+        unknown = set(events) - {"start", "end", "fail"}
+        if unknown:
+            problems.append(f"run {token}: unknown events {sorted(unknown)}")
+        runs.append(
+            Run(
+                token=token,
+                job=str(start["job"]),
+                message_id=str(start["mid"]),
+                attempt=int(start["attempt"]),
+                n=start.get("n"),
+                tenant=start.get("tenant"),
+                scheduled_at=start.get("sched"),
+                pgid=int(start["pgid"]),
+                started=float(start["t"]),
+                ended=None if end is None else float(end["t"]),
+                failed=None if fail is None else float(fail["t"]),
+            )
+        )
+    runs.sort(key=lambda run: (run.started, run.token))
+    return runs, problems
+
+
+class KillLog:
+    """When each worker process group was SIGKILLed."""
+
+    def __init__(self, kills: Iterable[Kill]) -> None:
+        self._at: dict[int, list[float]] = defaultdict(list)
+        for kill in kills:
+            self._at[kill.pgid].append(kill.at)
+        for times in self._at.values():
+            times.sort()
+
+    def between(self, pgid: int, after: float, before: float) -> bool:
+        """Whether ``pgid`` was killed at some time in ``[after, before]``."""
+        times = self._at.get(pgid, [])
+        index = bisect.bisect_left(times, after)
+        return index < len(times) and times[index] <= before
+
+    def first_after(self, pgid: int, after: float) -> float | None:
+        times = self._at.get(pgid, [])
+        index = bisect.bisect_left(times, after)
+        return times[index] if index < len(times) else None
+
+
+class RunIndex:
+    """Runs by message id and by logical job (job, n, tenant)."""
+
+    def __init__(self, runs: Sequence[Run]) -> None:
+        self.runs = list(runs)
+        self.by_message: dict[str, list[Run]] = defaultdict(list)
+        self.by_logical: dict[tuple[str, int | None, str | None], list[Run]] = defaultdict(list)
+        for run in self.runs:
+            self.by_message[run.message_id].append(run)
+            self.by_logical[(run.job, run.n, run.tenant)].append(run)
+
+    def of(self, expected: Expected) -> list[Run]:
+        if expected.message_id is not None:
+            return self.by_message.get(expected.message_id, [])
+        return self.by_logical.get((expected.job, expected.n, expected.tenant), [])
+
+    def of_job(self, job: str) -> list[Run]:
+        return [run for run in self.runs if run.job == job]
+
+
+# -- 1. terminal states ------------------------------------------------------------------------
+
+
+def is_terminal(expected: Expected, runs: Sequence[Run]) -> bool:
+    """Whether ``runs`` show ``expected`` done for good (right or wrong): cheap, for waiting."""
+    return any(
+        run.ended is not None or (run.failed is not None and run.attempt >= expected.max_attempts)
+        for run in runs
+    )
+
+
+def verdict(
+    expected: Expected, runs: Sequence[Run], explained: frozenset[str] = frozenset()
+) -> str | None:
+    """``None`` if ``runs`` end ``expected`` exactly as it must, else what is wrong.
+
+    Every run counts but cut runs and the explained re-runs (``explained``): the
+    attempts seen must be exactly ``1..fail_first`` failing and ``fail_first + 1``
+    completing, or ``1..max_attempts`` failing and none completing.
+    """
+    counted = [run for run in runs if run.token not in explained]
+    end_attempts = sorted(run.attempt for run in counted if run.ended is not None)
+    fail_attempts = sorted(run.attempt for run in counted if run.failed is not None)
+    seen = (
+        f"saw {len(runs)} run(s), completions on attempts {end_attempts}, "
+        f"failures on attempts {fail_attempts}"
+    )
+    if expected.completes:
+        want_failures = list(range(1, expected.fail_first + 1))
+        if end_attempts == [expected.fail_first + 1] and fail_attempts == want_failures:
+            return None
+        state = "wrong outcome" if is_terminal(expected, runs) else "never reached a final state"
+        return (
+            f"{expected.label}: {state}: must complete once, on attempt "
+            f"{expected.fail_first + 1}, after failing attempts {want_failures} once each; {seen}"
+        )
+    want_failures = list(range(1, expected.max_attempts + 1))
+    if fail_attempts == want_failures and not end_attempts:
+        return None
+    state = "wrong outcome" if is_terminal(expected, runs) else "never reached a final state"
+    return (
+        f"{expected.label}: {state}: must fail for good after exactly "
+        f"{expected.max_attempts} failed attempts {want_failures}; {seen}"
+    )
+
+
+def check_terminal(
+    expected: Sequence[Expected],
+    index: RunIndex,
+    kills: KillLog,
+    *,
+    keyed: Sequence[KeyedDispatch] = (),
+    dead_lettered: set[str] | None = None,
+    record_problems: Sequence[str] = (),
+    explained: frozenset[str] = frozenset(),
+) -> CheckResult:
+    """1. Every dispatched job reached its terminal state: completed on the attempt its
+    payload allows, or failed after exactly ``retries + 1`` failed attempts (a cut run
+    is no attempt, nor is an explained re-run: see :func:`check_reruns`) and
+    dead-lettered; every keyed dispatch was followed by a run of the id it returned;
+    every cut run's worker was killed."""
+    result = CheckResult(1, "every dispatched job reached its terminal state", len(expected))
+    result.violations += [f"record: {problem}" for problem in record_problems]
+    completed = failed = 0
+    for item in expected:
+        runs = index.of(item)
+        problem = verdict(item, runs, explained)
+        if problem is not None:
+            result.violations.append(problem)
+            continue
+        if item.completes:
+            completed += 1
+            continue
+        failed += 1
+        if dead_lettered is not None:
+            last = max((run for run in runs if run.failed is not None), key=lambda r: r.attempt)
+            if last.message_id not in dead_lettered:
+                result.violations.append(
+                    f"{item.label}: failed for good but {last.message_id} is not dead-lettered"
+                )
+    for dispatch in keyed:
+        if not any(
+            run.started > dispatch.at for run in index.by_message.get(dispatch.message_id, [])
+        ):
+            result.violations.append(
+                f"keyed dispatch at {dispatch.at:.3f} returned {dispatch.message_id}, "
+                "which never ran after it: a trigger was lost"
+            )
+    cut = [run for run in index.runs if run.outcome == "cut"]
+    for run in cut:
+        if kills.first_after(run.pgid, run.started) is None:
+            result.violations.append(
+                f"run cut short but its worker was never killed: {run.describe()}"
+            )
+    result.notes.append(
+        f"{completed} completed, {failed} failed for good as their payload asked; "
+        f"{len(keyed)} keyed dispatches; {len(cut)} run(s) cut short by a SIGKILL"
+    )
+    return result
+
+
+# -- 2. nothing runs after it completed --------------------------------------------------------
+
+
+def check_reruns(
+    index: RunIndex,
+    done_at: Mapping[str, float],
+    kills: KillLog,
+    *,
+    marked: Collection[str] | None = None,
+) -> tuple[CheckResult, frozenset[str]]:
+    """2. No message id started after it had completed, no attempt ran twice, no two
+    deliveries of one id at once; and, if ``marked`` (the ids whose completed
+    marker exists at the end) is given, every id that completed has its marker.
+
+    Returns the result and the tokens of the *explained* re-runs (see the module
+    docstring), which the other checks do not count as a second completion.
+    """
+    result = CheckResult(
+        2, "no message id ran after it had completed (nor any attempt twice)", len(index.by_message)
+    )
+    explained: set[str] = set()
+    for message_id, runs in index.by_message.items():
+        marker = done_at.get(message_id)
+        completed = any(run.ended is not None for run in runs)
+        if completed and marked is not None and message_id not in marked:
+            result.violations.append(
+                f"completed without an 'already completed' marker: {runs[-1].describe()}"
+            )
+        for position, run in enumerate(runs):
+            earlier = runs[:position]
+            if marker is not None and run.started > marker:
+                result.violations.append(
+                    f"started {run.started - marker:.3f} s after its id completed "
+                    f"(marker set at {marker:.3f}): {run.describe()}"
+                )
+                continue
+            together = [
+                other
+                for other in earlier
+                if (other.finished is not None and other.finished > run.started)
+                or (
+                    other.finished is None
+                    and not kills.between(other.pgid, other.started, run.started)
+                )
+            ]
+            if together:
+                result.violations.append(
+                    f"two deliveries at once: {run.describe()} while {together[0].describe()}"
+                )
+                continue
+            before = [
+                other
+                for other in earlier
+                if other.finished is not None
+                and (other.ended is not None or other.attempt >= run.attempt)
+            ]
+            if not before:
+                continue
+            problems = []
+            for other in before:
+                if other.attempt != run.attempt:
+                    problems.append(
+                        f"retry chain forked: {run.describe()} ran after {other.describe()} "
+                        "had finished"
+                    )
+                elif not kills.between(other.pgid, other.finished or other.started, run.started):
+                    problems.append(
+                        f"attempt ran twice: {run.describe()} after {other.describe()} "
+                        "finished, and that worker was not killed in between"
+                    )
+            if problems:
+                problems.sort(key=lambda text: not text.startswith("retry chain forked"))
+                result.violations.append(problems[0])
+            else:
+                explained.add(run.token)
+    if explained:
+        result.notes.append(
+            f"{len(explained)} re-run(s) of an attempt whose worker was SIGKILLed after the "
+            "handler's end or failure and before the ack (at-least-once redelivery)"
+        )
+    result.notes.append(f"{len(done_at)} completed markers observed")
+    return result, frozenset(explained)
+
+
+# -- 3. per-tenant -----------------------------------------------------------------------------
+
+
+def check_tenants(
+    job: str,
+    wrappers: Sequence[int],
+    tenants: Sequence[str],
+    index: RunIndex,
+    explained: frozenset[str],
+) -> CheckResult:
+    """3. Every tenant's child completed exactly once per wrapper, under one message id."""
+    result = CheckResult(
+        3,
+        "every tenant child completed once per wrapper, none twice",
+        len(wrappers) * len(tenants),
+    )
+    runs = index.of_job(job)
+    by_child: dict[tuple[int | None, str | None], list[Run]] = defaultdict(list)
+    for run in runs:
+        by_child[(run.n, run.tenant)].append(run)
+    known_wrappers, known_tenants = set(wrappers), set(tenants)
+    for (n, tenant), child_runs in by_child.items():
+        if n not in known_wrappers or tenant not in known_tenants:
+            result.violations.append(
+                f"child of an unknown wrapper or tenant: {child_runs[0].describe()} (n={n})"
+            )
+    for n in wrappers:
+        for tenant in tenants:
+            child_runs = by_child.get((n, tenant), [])
+            ids = sorted({run.message_id for run in child_runs})
+            done = [
+                run for run in child_runs if run.ended is not None and run.token not in explained
+            ]
+            if len(ids) > 1:
+                result.violations.append(
+                    f"wrapper n={n} tenant {tenant}: child enqueued under {len(ids)} ids {ids}"
+                )
+            if len(done) != 1:
+                result.violations.append(
+                    f"wrapper n={n} tenant {tenant}: child completed {len(done)} times"
+                )
+    return result
+
+
+# -- 4. sequential -----------------------------------------------------------------------------
+
+
+def check_sequential(jobs: Iterable[str], index: RunIndex, kills: KillLog) -> CheckResult:
+    """4. No two runs of a sequential job (per tenant) overlapped.
+
+    A run's span is start..end/fail; a cut run's span ends when its worker was killed
+    (a cut run whose worker was never killed has no known end and is left out).
+    """
+    spans: dict[tuple[str, str | None], list[tuple[float, float, Run]]] = defaultdict(list)
+    for job in jobs:
+        for run in index.of_job(job):
+            end = run.finished
+            if end is None:
+                end = kills.first_after(run.pgid, run.started)
+            if end is not None:
+                spans[(run.job, run.tenant)].append((run.started, end, run))
+    result = CheckResult(4, "no sequential overlap", sum(len(items) for items in spans.values()))
+    for items in spans.values():
+        items.sort(key=lambda item: item[0])
+        latest_end, holder = -math.inf, None
+        for start, end, run in items:
+            if start < latest_end and holder is not None:
+                result.violations.append(
+                    f"overlap of {latest_end - start:.3f} s: {run.describe()} started while "
+                    f"{holder.describe()} ran"
+                )
+            if end > latest_end:
+                latest_end, holder = end, run
+    return result
+
+
+# -- 5. cron -----------------------------------------------------------------------------------
+
+
+def check_cron(
+    job: str,
+    index: RunIndex,
+    window: tuple[float, float],
+    explained: frozenset[str],
+    misfired: Sequence[tuple[float, float]] = (),
+) -> CheckResult:
+    """5. Each cron tick in ``window`` (a 1-second cron) completed exactly once.
+
+    A tick that never ran but lies in a range a scheduler logged as a misfire
+    (coalesced or skipped because the scheduler thread woke up late: documented
+    behaviour) is a note, not a violation.
+    """
+    low, high = window
+    ticks = list(range(math.ceil(low), math.floor(high) + 1))
+    result = CheckResult(5, "each cron tick completed once", len(ticks))
+    completions: dict[int, int] = defaultdict(int)
+    for run in index.of_job(job):
+        if run.scheduled_at is None:
+            result.violations.append(f"cron run without a tick: {run.describe()}")
+            continue
+        if run.ended is not None and run.token not in explained:
+            completions[round(run.scheduled_at)] += 1
+    missed_logged = []
+    for tick in ticks:
+        count = completions.get(tick, 0)
+        if count == 1:
+            continue
+        if count == 0 and any(first <= tick <= last for first, last in misfired):
+            missed_logged.append(tick)
+            continue
+        result.violations.append(f"tick {tick} completed {count} times")
+    if missed_logged:
+        result.notes.append(
+            f"{len(missed_logged)} tick(s) logged as misfired by the schedulers: "
+            f"{missed_logged[:10]}"
+        )
+    return result
+
+
+# -- 6. boot -----------------------------------------------------------------------------------
+
+
+def check_boot(job: str, index: RunIndex, explained: frozenset[str]) -> CheckResult:
+    """6. The boot-once job completed exactly once, under one message id."""
+    result = CheckResult(6, "the boot job ran once", 1)
+    runs = index.of_job(job)
+    done = [run for run in runs if run.ended is not None and run.token not in explained]
+    ids = sorted({run.message_id for run in runs})
+    if len(done) != 1:
+        result.violations.append(f"{job} completed {len(done)} times")
+    if len(ids) > 1:
+        result.violations.append(f"{job} ran under {len(ids)} message ids {ids}")
+    return result
+
+
+# -- 7. leftovers ------------------------------------------------------------------------------
+
+#: Record kinds (the segment after ``kumiko:{prefix}:``) that must carry a TTL.
+TTL_BOUND = frozenset({"enqueued", "done", "cron", "sent"})
+#: Kinds that must be gone once the run is over and the lock TTL has passed.
+MUST_BE_GONE = frozenset({"lock", "dedup"})
+#: Documented persistent records.
+PERSISTENT = frozenset({"boot"})
+#: The soak's own records.
+OWN = frozenset({"soak"})
+
+
+def check_leftovers(
+    keys: Sequence[tuple[str, int]],
+    queue_prefix: str,
+    ttl_bound_ms: int,
+    *,
+    stuck: Sequence[str] = (),
+) -> CheckResult:
+    """7. No lock, dedup record or marker left behind but the documented TTL-bound ones.
+
+    ``keys``: every ``kumiko:{queue_prefix}:*`` key with its ``PTTL`` (-1: none,
+    -2: gone meanwhile). ``stuck``: messages left in queues, delay queues or ack
+    sets, and processes that did not stop (each a violation).
+    """
+    result = CheckResult(7, "nothing left behind but TTL-bound records", len(keys))
+    root = f"kumiko:{queue_prefix}:"
+    counts: dict[str, int] = defaultdict(int)
+    for key, pttl in keys:
+        if pttl == -2:
+            continue
+        kind = key[len(root) :].split(":", 1)[0] if key.startswith(root) else "?"
+        counts[kind] += 1
+        if kind in OWN or kind in PERSISTENT:
+            continue
+        if kind in MUST_BE_GONE:
+            result.violations.append(f"{kind} record left behind: {key} (pttl {pttl} ms)")
+        elif kind in TTL_BOUND:
+            if pttl < 0 or pttl > ttl_bound_ms:
+                result.violations.append(
+                    f"{key}: pttl {pttl} ms, expected a TTL of at most {ttl_bound_ms} ms"
+                )
+        elif pttl < 0:
+            result.violations.append(f"unknown record without a TTL: {key}")
+        else:
+            result.notes.append(f"unknown TTL-bound record: {key} (pttl {pttl} ms)")
+    result.violations += [f"stuck: {item}" for item in stuck]
+    result.notes.insert(
+        0, "keys by kind: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+    )
+    return result
+
+
+# -- 8. malformed messages ---------------------------------------------------------------------
+
+
+def check_malformed(
+    pushed: Sequence[Malformed],
+    dead_lettered: set[str],
+    log_text: str,
+    index: RunIndex,
+) -> CheckResult:
+    """8. Each malformed message was dead-lettered with a logged reason, and the
+    workers kept going: some job completed after the last push."""
+    result = CheckResult(8, "malformed messages dead-lettered, workers kept going", len(pushed))
+    found = [m for m in pushed if m.redis_message_id in dead_lettered]
+    for item in pushed:
+        if item.redis_message_id not in dead_lettered:
+            result.violations.append(
+                f"{item.kind} message {item.redis_message_id} (pushed {item.pushed_at:.3f}) "
+                "was not dead-lettered"
+            )
+        if item.needle not in log_text:
+            result.violations.append(
+                f"{item.kind} message {item.redis_message_id}: no logged reason "
+                f"(looked for {item.needle!r})"
+            )
+    if pushed:
+        last = max(item.pushed_at for item in pushed)
+        if not any(run.ended is not None and run.started > last for run in index.runs):
+            result.violations.append("no job completed after the last malformed message")
+    kinds: dict[str, int] = defaultdict(int)
+    for item in found:
+        kinds[item.kind] += 1
+    result.notes.append(
+        f"{len(found)} of {len(pushed)} in the dead-letter queue ("
+        + ", ".join(f"{k}={v}" for k, v in sorted(kinds.items()))
+        + ")"
+    )
+    return result
+
+
+# -- summary -----------------------------------------------------------------------------------
+
+
+def summary_line(
+    dispatched: int, runs: int, faults: Mapping[str, int], results: Sequence[CheckResult]
+) -> str:
+    violations = sum(len(result.violations) for result in results)
+    injected = ", ".join(f"{kind} {count}" for kind, count in sorted(faults.items()))
+    return (
+        f"soak: {dispatched} jobs dispatched, {runs} runs, faults injected: {injected} "
+        f"({sum(faults.values())} in all), violations: {violations}"
+    )

@@ -1,0 +1,430 @@
+"""The soak's checker, fed hand-made records: each kind of violation is reported."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.soak import check
+from tests.soak.check import Expected, KeyedDispatch, Kill, KillLog, Malformed, RunIndex
+from tests.soak.run import log_digest, misfired_ranges
+
+JOB = "soak:job:parallel"
+SEQ = "soak:job:sequential"
+TENANT_JOB = "soak:job:per_tenant"
+TICK = "soak:job:tick"
+BOOT = "soak:job:boot"
+
+
+def run(
+    token: str,
+    start: float,
+    *,
+    end: float | None = None,
+    fail: float | None = None,
+    job: str = JOB,
+    mid: str = "m1",
+    attempt: int = 1,
+    n: int | None = 1,
+    tenant: str | None = None,
+    sched: float | None = None,
+    pgid: int = 100,
+) -> list[dict[str, Any]]:
+    """The records of one handler call."""
+    base = {
+        "run": token,
+        "job": job,
+        "mid": mid,
+        "attempt": attempt,
+        "n": n,
+        "tenant": tenant,
+        "sched": sched,
+        "pgid": pgid,
+        "pid": pgid + 1,
+    }
+    records = [{**base, "ev": "start", "t": start}]
+    if end is not None:
+        records.append({**base, "ev": "end", "t": end})
+    if fail is not None:
+        records.append({**base, "ev": "fail", "t": fail})
+    return records
+
+
+def index(*calls: list[dict[str, Any]]) -> RunIndex:
+    runs, problems = check.assemble_runs([record for call in calls for record in call])
+    assert problems == []
+    return RunIndex(runs)
+
+
+def no_kills() -> KillLog:
+    return KillLog([])
+
+
+def expected(fail_first: int = 0, **kw: Any) -> Expected:
+    kw.setdefault("n", 1)
+    return Expected("job", kw.pop("job", JOB), fail_first, 3, **kw)
+
+
+# -- assembling ---------------------------------------------------------------------------------
+
+
+def test_a_record_stored_twice_by_a_retried_push_counts_once() -> None:
+    records = run("r1", 1.0, end=2.0)
+    runs, problems = check.assemble_runs([*records, records[1]])
+    assert problems == []
+    assert [(r.token, r.outcome) for r in runs] == [("r1", "completed")]
+
+
+def test_an_end_without_a_start_is_reported() -> None:
+    _, problems = check.assemble_runs(run("r1", 1.0, end=2.0)[1:])
+    assert problems == ["run r1: ['end'] recorded without a start"]
+
+
+# -- 1. terminal states -------------------------------------------------------------------------
+
+
+def test_a_job_completing_after_its_planned_failures_passes() -> None:
+    runs = index(
+        run("a", 1.0, fail=1.1, attempt=1),
+        run("b", 2.0, fail=2.1, attempt=2),
+        run("c", 3.0, end=3.1, attempt=3),
+    )
+    assert check.check_terminal([expected(2)], runs, no_kills()).passed
+
+
+def test_a_job_that_never_finished_is_reported() -> None:
+    runs = index(run("a", 1.0, fail=1.1, attempt=1))
+    result = check.check_terminal([expected(1)], runs, no_kills())
+    assert "never reached a final state" in result.violations[0]
+
+
+def test_a_kill_counted_as_a_failed_attempt_is_reported() -> None:
+    # The run of attempt 1 was cut by a kill, yet the redelivery ran as attempt 2.
+    runs = index(run("a", 1.0, attempt=1, pgid=7), run("b", 5.0, end=5.1, attempt=2, pgid=8))
+    result = check.check_terminal([expected(0)], runs, KillLog([Kill(7, 2.0)]))
+    assert "wrong outcome" in result.violations[0]
+
+
+def test_a_job_failing_for_good_needs_exactly_all_attempts_and_a_dead_letter() -> None:
+    runs = index(*(run(f"r{a}", a, fail=a + 0.1, attempt=a) for a in (1, 2, 3)))
+    result = check.check_terminal([expected(3)], runs, no_kills(), dead_lettered={"m1"})
+    assert result.passed
+    missing = check.check_terminal([expected(3)], runs, no_kills(), dead_lettered=set())
+    assert "is not dead-lettered" in missing.violations[0]
+
+
+def test_a_job_failing_for_good_too_early_is_reported() -> None:
+    runs = index(*(run(f"r{a}", a, fail=a + 0.1, attempt=a) for a in (1, 2)))
+    result = check.check_terminal([expected(3)], runs, no_kills())
+    assert "must fail for good after exactly 3 failed attempts" in result.violations[0]
+
+
+def test_a_keyed_dispatch_whose_id_never_ran_afterwards_is_reported() -> None:
+    runs = index(run("a", 1.0, end=1.5, mid="d1", n=None))
+    job = expected(0, n=None, message_id="d1")
+    result = check.check_terminal([job], runs, no_kills(), keyed=[KeyedDispatch("d1", 1.2)])
+    assert "a trigger was lost" in result.violations[0]
+    assert check.check_terminal([job], runs, no_kills(), keyed=[KeyedDispatch("d1", 0.9)]).passed
+
+
+def test_a_run_cut_short_without_a_kill_is_reported() -> None:
+    runs = index(run("a", 1.0, pgid=7), run("b", 5.0, end=5.1, pgid=8))
+    result = check.check_terminal([expected(0)], runs, no_kills())
+    assert "its worker was never killed" in result.violations[0]
+    assert check.check_terminal([expected(0)], runs, KillLog([Kill(7, 2.0)])).passed
+
+
+# -- 2. re-runs -----------------------------------------------------------------------------------
+
+
+def test_a_run_after_the_completed_marker_is_reported() -> None:
+    runs = index(run("a", 1.0, end=1.1, pgid=7), run("b", 9.0, end=9.1, pgid=8))
+    result, _ = check.check_reruns(runs, {"m1": 1.2}, KillLog([Kill(7, 1.15)]))
+    assert "after its id completed" in result.violations[0]
+
+
+def test_a_rerun_after_a_kill_between_end_and_ack_is_explained() -> None:
+    runs = index(run("a", 1.0, end=1.1, pgid=7), run("b", 5.0, end=5.1, pgid=8))
+    result, explained = check.check_reruns(runs, {"m1": 5.2}, KillLog([Kill(7, 1.15)]))
+    assert result.passed
+    assert explained == {"b"}
+
+
+def test_a_rerun_without_a_kill_is_reported() -> None:
+    runs = index(run("a", 1.0, end=1.1, pgid=7), run("b", 5.0, end=5.1, pgid=8))
+    result, explained = check.check_reruns(runs, {}, no_kills())
+    assert "was not killed in between" in result.violations[0]
+    assert explained == frozenset()
+
+
+def test_an_attempt_that_failed_twice_without_a_kill_is_reported() -> None:
+    runs = index(run("a", 1.0, fail=1.1, pgid=7), run("b", 2.0, fail=2.1, pgid=8))
+    result, _ = check.check_reruns(runs, {}, no_kills())
+    assert not result.passed
+
+
+def test_two_deliveries_of_one_id_at_once_are_reported() -> None:
+    runs = index(run("a", 1.0, end=2.0, pgid=7), run("b", 1.5, end=2.5, pgid=8))
+    result, _ = check.check_reruns(runs, {}, no_kills())
+    assert "two deliveries at once" in result.violations[0]
+
+
+def test_a_completed_id_without_its_marker_is_reported() -> None:
+    runs = index(run("a", 1.0, end=1.1), run("b", 2.0, fail=2.1, mid="m2"))
+    result, _ = check.check_reruns(runs, {}, no_kills(), marked=set())
+    assert len(result.violations) == 1
+    assert "without an 'already completed' marker" in result.violations[0]
+    assert check.check_reruns(runs, {}, no_kills(), marked={"m1"})[0].passed
+
+
+def test_a_retry_chain_that_forked_is_reported_in_both_checks() -> None:
+    # Attempt 2 failed and its worker died after enqueuing attempt 3 but before the
+    # ack: attempt 2 was redelivered, failed again and enqueued a second attempt 3.
+    runs = index(
+        run("a", 1.0, fail=1.1, attempt=1, pgid=7),
+        run("b", 2.0, fail=2.1, attempt=2, pgid=7),
+        run("c", 2.5, fail=2.6, attempt=3, pgid=8),
+        run("d", 5.0, fail=5.1, attempt=2, pgid=8),
+        run("e", 5.3, fail=5.4, attempt=3, pgid=8),
+    )
+    kills = KillLog([Kill(7, 2.15)])
+    reruns, explained = check.check_reruns(runs, {}, kills)
+    assert [text.split(":")[0] for text in reruns.violations] == [
+        "retry chain forked",
+        "attempt ran twice",
+    ]
+    terminal = check.check_terminal([expected(3)], runs, kills, explained=explained)
+    assert "failures on attempts [1, 2, 2, 3, 3]" in terminal.violations[0]
+
+
+def test_a_failed_attempt_redelivered_before_its_retry_was_enqueued_is_explained() -> None:
+    runs = index(
+        run("a", 1.0, fail=1.1, attempt=1, pgid=7),
+        run("b", 5.0, fail=5.1, attempt=1, pgid=8),
+        run("c", 5.3, end=5.4, attempt=2, pgid=8),
+    )
+    kills = KillLog([Kill(7, 1.15)])
+    reruns, explained = check.check_reruns(runs, {"m1": 5.5}, kills)
+    assert reruns.passed
+    assert explained == {"b"}
+    assert check.check_terminal([expected(1)], runs, kills, explained=explained).passed
+    assert not check.check_terminal([expected(1)], runs, kills).passed
+
+
+def test_a_retry_after_a_failed_attempt_is_no_rerun() -> None:
+    runs = index(run("a", 1.0, fail=1.1, attempt=1), run("b", 1.3, end=1.4, attempt=2))
+    result, _ = check.check_reruns(runs, {"m1": 1.5}, no_kills())
+    assert result.passed
+
+
+# -- 3. per-tenant --------------------------------------------------------------------------------
+
+
+def tenant_run(token: str, tenant: str, start: float, **kw: Any) -> list[dict[str, Any]]:
+    kw.setdefault("mid", f"child-{tenant}")
+    return run(token, start, end=start + 0.1, job=TENANT_JOB, tenant=tenant, **kw)
+
+
+def test_every_tenant_completing_once_passes() -> None:
+    runs = index(tenant_run("a", "t1", 1.0), tenant_run("b", "t2", 1.0))
+    assert check.check_tenants(TENANT_JOB, [1], ["t1", "t2"], runs, frozenset()).passed
+
+
+def test_a_tenant_child_completing_twice_is_reported() -> None:
+    runs = index(tenant_run("a", "t1", 1.0), tenant_run("b", "t1", 5.0), tenant_run("c", "t2", 1))
+    result = check.check_tenants(TENANT_JOB, [1], ["t1", "t2"], runs, frozenset())
+    assert result.violations == ["wrapper n=1 tenant t1: child completed 2 times"]
+    assert check.check_tenants(TENANT_JOB, [1], ["t1", "t2"], runs, frozenset({"b"})).passed
+
+
+def test_a_tenant_child_enqueued_under_two_ids_is_reported() -> None:
+    runs = index(tenant_run("a", "t1", 1.0), tenant_run("b", "t1", 5.0, mid="other"))
+    result = check.check_tenants(TENANT_JOB, [1], ["t1"], runs, frozenset({"b"}))
+    assert "child enqueued under 2 ids" in result.violations[0]
+
+
+def test_a_missing_tenant_is_reported() -> None:
+    runs = index(tenant_run("a", "t1", 1.0))
+    result = check.check_tenants(TENANT_JOB, [1], ["t1", "t2"], runs, frozenset())
+    assert result.violations == ["wrapper n=1 tenant t2: child completed 0 times"]
+
+
+# -- 4. sequential -------------------------------------------------------------------------------
+
+
+def test_back_to_back_sequential_runs_pass() -> None:
+    runs = index(run("a", 1.0, end=2.0, job=SEQ, mid="s1"), run("b", 2.1, end=3, job=SEQ, mid="s2"))
+    assert check.check_sequential([SEQ], runs, no_kills()).passed
+
+
+def test_overlapping_sequential_runs_are_reported() -> None:
+    runs = index(run("a", 1.0, end=2.0, job=SEQ, mid="s1"), run("b", 1.5, end=3, job=SEQ, mid="s2"))
+    result = check.check_sequential([SEQ], runs, no_kills())
+    assert "overlap of 0.500 s" in result.violations[0]
+
+
+def test_a_run_starting_before_a_cut_run_was_killed_overlaps_it() -> None:
+    runs = index(
+        run("a", 1.0, job=SEQ, mid="s1", pgid=7), run("b", 2.0, end=3, job=SEQ, mid="s2", pgid=8)
+    )
+    assert not check.check_sequential([SEQ], runs, KillLog([Kill(7, 2.5)])).passed
+    assert check.check_sequential([SEQ], runs, KillLog([Kill(7, 1.5)])).passed
+
+
+# -- 5. cron ---------------------------------------------------------------------------------------
+
+
+def tick_run(token: str, tick: int) -> list[dict[str, Any]]:
+    return run(
+        token, tick + 0.01, end=tick + 0.02, job=TICK, mid=f"tick-{tick}", n=None, sched=tick
+    )
+
+
+def test_each_tick_once_passes_and_ticks_outside_the_window_are_ignored() -> None:
+    runs = index(tick_run("a", 10), tick_run("b", 11), tick_run("c", 11 + 100))
+    assert check.check_cron(TICK, runs, (9.5, 11.5), frozenset()).passed
+
+
+def test_a_tick_completing_twice_is_reported() -> None:
+    runs = index(tick_run("a", 10), tick_run("b", 10))
+    result = check.check_cron(TICK, runs, (10, 10), frozenset())
+    assert result.violations == ["tick 10 completed 2 times"]
+
+
+def test_a_missed_tick_is_reported_unless_a_scheduler_logged_it_as_misfired() -> None:
+    runs = index(tick_run("a", 10), tick_run("c", 12))
+    assert check.check_cron(TICK, runs, (10, 12), frozenset()).violations == [
+        "tick 11 completed 0 times"
+    ]
+    logged = check.check_cron(TICK, runs, (10, 12), frozenset(), misfired=[(11, 11)])
+    assert logged.passed
+    assert "misfired" in logged.notes[0]
+
+
+def test_misfire_log_lines_become_tick_ranges() -> None:
+    log = (
+        "cron misfire: job=soak:job:tick: 2 missed tick(s) from 2026-01-01T00:00:10+00:00 "
+        "coalesced into tick 2026-01-01T00:00:12+00:00\n"
+        "cron misfire: job=soak:job:tick: missed ticks from 2026-01-01T00:00:20+00:00 through "
+        "2026-01-01T00:00:21+00:00 skipped (misfire=coalesce, grace_s=60)\n"
+    )
+    base = 1767225600
+    assert misfired_ranges(log, TICK) == [(base + 10, base + 11), (base + 20, base + 21)]
+    assert misfired_ranges(log, "other:job:x") == []
+
+
+# -- 6. boot ---------------------------------------------------------------------------------------
+
+
+def test_the_boot_job_completing_twice_is_reported() -> None:
+    once = index(run("a", 1.0, end=1.1, job=BOOT, mid="boot", n=None))
+    assert check.check_boot(BOOT, once, frozenset()).passed
+    twice = index(
+        run("a", 1.0, end=1.1, job=BOOT, mid="boot", n=None),
+        run("b", 5.0, end=5.1, job=BOOT, mid="boot", n=None),
+    )
+    assert check.check_boot(BOOT, twice, frozenset()).violations == [f"{BOOT} completed 2 times"]
+
+
+# -- 7. leftovers ---------------------------------------------------------------------------------
+
+
+def test_documented_records_pass() -> None:
+    keys = [
+        ("kumiko:p:boot:soak:job:boot", -1),
+        ("kumiko:p:done:m1", 5_000),
+        ("kumiko:p:enqueued:m2", 5_000),
+        ("kumiko:p:cron:last:soak:job:tick", 5_000),
+        ("kumiko:p:soak:runs", -1),
+        ("kumiko:p:lock:gone", -2),
+    ]
+    assert check.check_leftovers(keys, "p", 10_000).passed
+
+
+def test_a_lock_or_dedup_record_left_behind_is_reported() -> None:
+    keys = [("kumiko:p:lock:soak:job:sequential", 2_000), ("kumiko:p:dedup:soak:job:dedup:k1", 9)]
+    result = check.check_leftovers(keys, "p", 10_000)
+    assert len(result.violations) == 2
+
+
+def test_a_marker_without_a_ttl_or_beyond_its_bound_is_reported() -> None:
+    keys = [("kumiko:p:done:m1", -1), ("kumiko:p:enqueued:m2", 20_000)]
+    assert len(check.check_leftovers(keys, "p", 10_000).violations) == 2
+
+
+def test_an_unknown_record_without_a_ttl_is_reported() -> None:
+    result = check.check_leftovers([("kumiko:p:mystery:1", -1)], "p", 10_000)
+    assert result.violations == ["unknown record without a TTL: kumiko:p:mystery:1"]
+
+
+def test_stuck_messages_are_reported() -> None:
+    result = check.check_leftovers([], "p", 10_000, stuck=["unacked in acks: rid"])
+    assert result.violations == ["stuck: unacked in acks: rid"]
+
+
+# -- 8. malformed ----------------------------------------------------------------------------------
+
+
+def test_malformed_messages_dead_lettered_with_a_reason_pass() -> None:
+    pushed = [Malformed("wrong_args", "r1", "dead-lettering malformed message x", 1.0)]
+    runs = index(run("a", 2.0, end=2.1))
+    log = "ERROR dead-lettering malformed message x for soak:job:parallel: no args"
+    assert check.check_malformed(pushed, {"r1"}, log, runs).passed
+
+
+def test_a_malformed_message_left_out_of_the_dead_letters_is_reported() -> None:
+    pushed = [Malformed("garbage", "r1", "token", 1.0)]
+    runs = index(run("a", 2.0, end=2.1))
+    result = check.check_malformed(pushed, set(), "DecodeError token", runs)
+    assert result.violations == ["garbage message r1 (pushed 1.000) was not dead-lettered"]
+
+
+def test_a_malformed_message_without_a_logged_reason_is_reported() -> None:
+    pushed = [Malformed("unknown_actor", "r1", "ghost", 1.0)]
+    runs = index(run("a", 2.0, end=2.1))
+    result = check.check_malformed(pushed, {"r1"}, "", runs)
+    assert "no logged reason" in result.violations[0]
+
+
+def test_workers_that_stopped_after_a_malformed_message_are_reported() -> None:
+    pushed = [Malformed("wrong_args", "r1", "x", 3.0)]
+    runs = index(run("a", 2.0, end=2.1))
+    result = check.check_malformed(pushed, {"r1"}, "x", runs)
+    assert result.violations == ["no job completed after the last malformed message"]
+
+
+# -- summary ---------------------------------------------------------------------------------------
+
+
+def test_the_summary_counts_faults_and_violations() -> None:
+    failing = check.CheckResult(1, "x", 1, violations=["a", "b"])
+    line = check.summary_line(10, 20, {"worker_kill": 2, "client_kill": 1}, [failing])
+    assert line == (
+        "soak: 10 jobs dispatched, 20 runs, faults injected: client_kill 1, worker_kill 2 "
+        "(3 in all), violations: 2"
+    )
+    assert failing.render().startswith("FAIL  1. x: 1 checked, 2 violation(s)")
+
+
+def test_the_log_digest_counts_surprises_and_tracebacks_by_exception() -> None:
+    log = "\n".join(
+        [
+            "[t] [PID 1] [Thread-2] [dramatiq.worker] [CRITICAL] Consumer encountered an error.",
+            "Traceback (most recent call last):",
+            '  File "x.py", line 1, in f',
+            "dramatiq.errors.DecodeError: failed to decode data",
+            "",
+            "The above exception was the direct cause of the following exception:",
+            "",
+            "Traceback (most recent call last):",
+            '  File "y.py", line 2, in g',
+            "dramatiq.errors.DecodeError: Failed to decode message.",
+            "[t] [PID 1] [Thread-7] [dramatiq.worker] [ERROR] Failed to process message x.",
+            "Traceback (most recent call last):",
+            "tests.soak.app.SoakFailure: attempt 1 fails on purpose",
+        ]
+    )
+    assert log_digest(log) == [
+        "     1 x CRITICAL Consumer encountered an error.",
+        "     1 x traceback ending in dramatiq.errors.DecodeError",
+        "     1 x traceback ending in tests.soak.app.SoakFailure",
+    ]
