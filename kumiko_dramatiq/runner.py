@@ -240,11 +240,6 @@ class JobRunner:
         except BaseException:
             self._close()
             raise
-        if self.run_scheduler:
-            from .scheduler import Scheduler
-
-            self._scheduler = Scheduler(self)
-            self._scheduler.start()
         self._worker = Worker(
             self.broker,
             queues={self.runtime.queue_name},
@@ -252,6 +247,11 @@ class JobRunner:
             worker_timeout=WORKER_TIMEOUT_MS,
         )
         self._worker.start()
+        if self.run_scheduler:
+            from .scheduler import Scheduler
+
+            self._scheduler = Scheduler(self)
+            self._scheduler.start()
         logger.info(
             "kumiko runner consuming %s (%d threads)", self.runtime.queue_name, self.worker_threads
         )
