@@ -359,9 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("kumiko_dramatiq").setLevel(logging.WARNING)
 
-    from examples.demo import private_redis
+    from examples.demo import demo_redis
 
-    with private_redis() as url:
+    with demo_redis() as url:
         bench = Bench(url, args.messages, max(3, args.rounds))
         suites: dict[str, Callable[[], None]] = {
             "throughput": bench.enqueue_and_drain,

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import os
 import queue
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -25,11 +22,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import redis
-
 from kumiko_dramatiq import JobRunner
 
 from .billing.app import registry
+from .redis_server import private_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPECTED = {
@@ -41,44 +37,15 @@ EXPECTED = {
 
 
 @contextmanager
-def private_redis() -> Iterator[str]:
-    """A throwaway redis-server, or the one ``KUMIKO_REDIS_URL`` names."""
+def demo_redis() -> Iterator[str]:
+    """The Redis ``KUMIKO_REDIS_URL`` names, else a private throwaway one."""
     url = os.environ.get("KUMIKO_REDIS_URL")
     if url:
         yield url
         return
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit(
-            "demo: redis-server is not installed; run `bash examples/demo.sh` (it installs it) "
-            "or set KUMIKO_REDIS_URL"
-        )
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    workdir = tempfile.mkdtemp(prefix="kumiko-demo-redis-")
-    server = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", workdir],
-        stdout=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        client = redis.Redis.from_url(url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise SystemExit("demo: the private redis-server did not start") from None
-                time.sleep(0.05)
+    with private_redis() as url:
         print(f"demo: private Redis on {url}")
         yield url
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def stream(process: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
@@ -89,7 +56,7 @@ def stream(process: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
 
 def main() -> int:
     prefix = f"demo-{uuid.uuid4().hex[:6]}"
-    with private_redis() as url:
+    with demo_redis() as url:
         env = {
             **os.environ,
             "KUMIKO_APP": "examples.billing.app:registry",

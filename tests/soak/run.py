@@ -26,7 +26,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,8 +33,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -44,6 +42,7 @@ from typing import Any, TypeVar
 import redis
 from dramatiq.message import Message
 
+from examples.redis_server import private_redis
 from kumiko_dramatiq import JobRunner, KumikoError
 from kumiko_dramatiq.messages import build_message, wrapper_actor_name
 
@@ -116,48 +115,6 @@ def retry_once(call: Callable[[], T]) -> T:
 
 
 # -- Redis ---------------------------------------------------------------------------------------
-
-
-@contextmanager
-def private_redis(workdir: Path) -> Iterator[str]:
-    """A throwaway redis-server on a free port of 127.0.0.1, with keyspace
-    notifications for string commands (the driver watches completed markers)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("soak: redis-server is not installed (apt-get install redis-server)")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    data = workdir / "redis"
-    data.mkdir()
-    server = subprocess.Popen(
-        [
-            *(binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""),
-            *("--appendonly", "no", "--dir", str(data), "--notify-keyspace-events", "K$"),
-        ],
-        stdout=(workdir / "redis.log").open("wb"),
-        stderr=subprocess.STDOUT,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        client = redis.Redis.from_url(url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise SystemExit("soak: the private redis-server did not start") from None
-                time.sleep(0.05)
-        client.close()
-        yield url
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
 
 class DoneMarkers(threading.Thread):
@@ -727,7 +684,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"leaving out faults: {', '.join(sorted(skip))}")
     status = 1
     try:
-        with private_redis(workdir) as url:
+        # Keyspace notifications for string commands: the driver watches completed markers.
+        with private_redis("--notify-keyspace-events", "K$", workdir=workdir) as url:
             status = soak(url, prefix, workdir, seconds, seed, skip)
     finally:
         if status == 0 and not args.keep:
