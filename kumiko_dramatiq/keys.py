@@ -66,11 +66,6 @@ def completed(queue_prefix: str, message_id: str) -> str:
     return f"{_root(queue_prefix)}:done:{message_id}"
 
 
-def all_keys_pattern(queue_prefix: str) -> str:
-    """A ``SCAN`` pattern matching every key of the dataset (tests, reset tools)."""
-    return f"{_root(queue_prefix)}:*"
-
-
 def cron_last_tick(queue_prefix: str, job_name: str) -> str:
     """The latest tick of cron job ``job_name`` enqueued in this dataset
     (UTC epoch seconds); the scheduler's misfire catch-up starts after it."""

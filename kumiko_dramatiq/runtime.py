@@ -44,8 +44,6 @@ class Execution:
     #: A sequential run found its lock held and handed off to a new message:
     #: the actor body does nothing, no hook runs and no attempt is spent.
     handed_off: bool = False
-    #: Set by the retries middleware when it enqueued a retry of this message.
-    retry_scheduled: bool = False
     #: Per-middleware scratch space (lock tokens and the like).
     notes: dict[str, Any] = field(default_factory=dict)
 

@@ -70,7 +70,6 @@ class Retries(Middleware):
         # The consumer's ack writes it, in the same Lua call as the ack
         # (KumikoBroker.ack_and_retry): a crash can neither lose nor fork it.
         message.kumiko_retry = (prepared, delay_ms)  # type: ignore[attr-defined]
-        execution.retry_scheduled = True
         logger.info(
             "%s %s: attempt %d of %d failed (%s), retrying %s",
             execution.job.qualified_name,
