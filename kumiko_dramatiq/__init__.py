@@ -1,6 +1,6 @@
 """kumiko_dramatiq: jobs declared in features, run on Dramatiq and Redis.
 
-Public API only; see the README and ``CONTRACT.md`` for the contract.
+Public API only; see the README for the contract of every name exported here.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from .errors import (
     RedisUnavailableError,
     UnknownJobError,
 )
-from .options import Backoff, Event, Manual, Retention, build_message_options
+from .options import Backoff, Event, Manual, Retention
 from .registry import Feature, JobDefinition, Registry
+from .retries import build_message_options
 from .runner import JobRunner
 
 __all__ = [

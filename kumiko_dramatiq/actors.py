@@ -1,8 +1,9 @@
 """The Dramatiq actors of a runner: one per job, plus a wrapper per per-tenant job.
 
 An actor body is thin: it reads the delivery's ``Execution`` (opened by the
-``Executions`` middleware), builds the ``JobContext`` and calls the handler.
-Retries, locks, hooks and timeouts live in middleware.
+``Executions`` middleware), builds the ``JobContext`` and calls the handler, or,
+for a wrapper, fans out (:mod:`kumiko_dramatiq.fanout`). Retries, locks, hooks
+and timeouts live in middleware.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 from dramatiq import Actor
 
 from .broker import KumikoBroker
-from .messages import queue_name, wrapper_actor_name
+from .fanout import fan_out
 from .registry import JobDefinition
 from .runtime import Runtime
 
@@ -21,7 +22,7 @@ from .runtime import Runtime
 def declare_actors(broker: KumikoBroker, runtime: Runtime) -> None:
     """Declare every job of ``runtime.registry`` on ``broker``."""
     for job in runtime.registry.jobs.values():
-        queue = queue_name(runtime.queue_prefix, job)
+        queue = job.queue_name(runtime.queue_prefix)
         time_limit = float("inf") if job.options.timeout_ms is None else job.options.timeout_ms
         Actor(
             _job_body(runtime, job),
@@ -35,7 +36,7 @@ def declare_actors(broker: KumikoBroker, runtime: Runtime) -> None:
             Actor(
                 _wrapper_body(runtime, job),
                 broker=broker,
-                actor_name=wrapper_actor_name(job),
+                actor_name=job.wrapper_actor_name,
                 queue_name=queue,
                 priority=0,
                 options={"time_limit": float("inf")},
@@ -54,13 +55,11 @@ def _job_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]]
 
 
 def _wrapper_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]], None]:
-    def fan_out(payload: dict[str, Any]) -> None:
-        from .fanout import fan_out as do_fan_out
-
+    def wrapper(payload: dict[str, Any]) -> None:
         execution = runtime.current()
         if execution is None or execution.handed_off:
             return
-        do_fan_out(runtime, execution, payload)
+        fan_out(runtime, execution, payload)
 
-    fan_out.__name__ = fan_out.__qualname__ = wrapper_actor_name(job)
-    return fan_out
+    wrapper.__name__ = wrapper.__qualname__ = job.wrapper_actor_name
+    return wrapper

@@ -1,6 +1,6 @@
-"""Boot-once jobs and boot gates: the Lua step, the gate loop and the reset.
+"""Boot-once jobs and boot gates: the ``Boot`` middleware, the gate loop and the reset.
 
-Boot-once (``run_on_boot=True``): one Lua call (:data:`BOOT_ONCE`) per job
+Boot-once (``run_on_boot=True``): one Lua call (``lua/boot_once.lua``) per job
 and start, which in this order
 
 1. returns at once if the job's persistent marker ``keys.boot_marker(prefix,
@@ -39,7 +39,9 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+from dramatiq.broker import Broker
 from dramatiq.message import generate_unique_id
+from dramatiq.middleware import Middleware
 from dramatiq.middleware.threading import raise_thread_exception
 from dramatiq.middleware.time_limit import TimeLimitExceeded
 
@@ -47,38 +49,22 @@ from . import keys
 from .context import JobContext, JobMeta
 from .errors import BootGateError, JobConfigError, RedisUnavailableError
 from .ids import boot_message_id
-from .options import build_message_options, retry_delay_ms
+from .messages import build_message
 from .registry import JobDefinition, Registry
+from .retries import retry_delay_ms
 from .runtime import Runtime
+from .settings import PREFIX_PATTERN
 
 logger = logging.getLogger("kumiko_dramatiq")
-
-#: KEYS[3] = boot marker, KEYS[4] = id guard; ARGV[3] = guard TTL in ms,
-#: ARGV[4] = marker and guard value (the fixed message id).
-#: Returns {1, "enqueued"}, {0, "marked"} (marker present) or {0, "guarded"}
-#: (marker missing, guard present: the marker is restored, nothing enqueued).
-BOOT_ONCE = """
-if redis.call("exists", KEYS[3]) == 1 then
-    return {0, "marked"}
-end
-local fresh = redis.call("exists", KEYS[4]) == 0
-if fresh then
-    enqueue_message()
-    redis.call("set", KEYS[4], ARGV[4], "PX", ARGV[3])
-end
-redis.call("set", KEYS[3], ARGV[4])
-if fresh then
-    return {1, "enqueued"}
-end
-return {0, "guarded"}
-"""
 
 #: How long a timed-out gate attempt's thread gets to unwind after it was
 #: interrupted, before the next attempt starts anyway.
 GATE_INTERRUPT_GRACE_S = 1.0
 
 _QUALIFIED_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]*:job:[A-Za-z][A-Za-z0-9_-]*")
-_PREFIX_RE = re.compile(r"[A-Za-z_][A-Za-z0-9._-]*")
+
+#: Exit status of a CLI worker process whose boot failed.
+BOOT_FAILED_EXIT_STATUS = 3
 
 
 def boot_gates(registry: Registry, lane: str) -> list[JobDefinition]:
@@ -103,7 +89,7 @@ def run_gate(
     message id per gate run. The handler gets ``payload == {}`` and
     ``ctx.app``.
     """
-    options = build_message_options(job)
+    backoff = job.options.backoff
     max_attempts = job.options.max_attempts
     message_id = generate_unique_id()
     name = job.qualified_name
@@ -119,7 +105,11 @@ def run_gate(
         runtime.call_hook("on_job_failed", name, message_id, meta, error)
         if meta.final_attempt:
             raise BootGateError(name, attempt, error) from error
-        delay_ms = retry_delay_ms(options, attempt)
+        delay_ms = retry_delay_ms(
+            None if backoff is None else backoff.type,
+            None if backoff is None else backoff.delay_ms,
+            attempt,
+        )
         logger.warning(
             "boot gate %s: attempt %d of %d failed (%s: %s), retrying in %d ms",
             name,
@@ -197,9 +187,9 @@ def reset_boot_marker(
     :class:`JobConfigError` for a malformed prefix or job name and
     :class:`RedisUnavailableError` when Redis does not answer.
     """
-    if not isinstance(queue_prefix, str) or not _PREFIX_RE.fullmatch(queue_prefix):
+    if not isinstance(queue_prefix, str) or not PREFIX_PATTERN.fullmatch(queue_prefix):
         raise JobConfigError(
-            None, "queue_prefix", "must match [A-Za-z_][A-Za-z0-9._-]*", queue_prefix
+            None, "queue_prefix", f"must match {PREFIX_PATTERN.pattern}", queue_prefix
         )
     if not isinstance(job_name, str) or not _QUALIFIED_RE.fullmatch(job_name):
         raise JobConfigError(
@@ -214,7 +204,7 @@ def reset_boot_marker(
         finally:
             client.close()
     return _delete_boot_records(
-        redis_client_or_url, describe(redis_client_or_url), queue_prefix, job_name
+        redis_client_or_url, describe_client(redis_client_or_url), queue_prefix, job_name
     )
 
 
@@ -231,9 +221,106 @@ def _delete_boot_records(client: redis.Redis, url: str, queue_prefix: str, job_n
     return bool(deleted)
 
 
-def describe(client: redis.Redis) -> str:
+def describe_client(client: redis.Redis) -> str:
     """A ``redis://host:port/db`` description of ``client`` for error messages."""
     kwargs = client.connection_pool.connection_kwargs
     if "path" in kwargs:
         return f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
     return f"redis://{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"
+
+
+# -- the middleware ---------------------------------------------------------
+class Boot(Middleware):
+    """Boot gates, then boot-once jobs, when a worker process boots.
+
+    Runs :meth:`Boot.run` once per start, before the worker consumes anything:
+
+    1. every ``boot_gate`` job of the runner's lane (``runtime.lane``), in
+       declaration order, in-process and synchronously (see
+       :func:`kumiko_dramatiq.boot.run_gate`: ``retries + 1`` attempts, the job's
+       backoff slept between them, ``timeout_ms`` per attempt, hooks with
+       ``meta.trigger == "gate"``). The first gate that still fails raises
+       :class:`~kumiko_dramatiq.errors.BootGateError` (its message includes the
+       gate's own error) and nothing after it runs;
+    2. every ``run_on_boot`` job of the lane: the message built by
+       ``build_message(job, {}, trigger="boot", message_id=ids.boot_message_id(job,
+       prefix))`` (a per-tenant job's wrapper) goes through
+       ``broker.enqueue_atomic`` with the :data:`~kumiko_dramatiq.boot.BOOT_ONCE`
+       script: check the marker, enqueue through the id guard, set the marker, in
+       one Lua call. So it is enqueued once per dataset (Redis DB + queue prefix)
+       however many starts, concurrent or not, and its retries (on the fixed id)
+       are the ``Retries`` middleware's like any job's.
+
+    ``JobRunner.start()`` sets :attr:`Boot.driven_by_runner` and calls
+    :meth:`run` itself, so a failure raises from ``start()`` before its worker
+    exists. ``dramatiq kumiko_dramatiq.app`` reaches :meth:`run` through
+    ``after_process_boot`` in every worker process; there a failure logs one
+    critical line and raises ``SystemExit(3)`` (``emit_after`` swallows only
+    ``Exception``), which ends the process before its worker starts, and
+    Dramatiq's main process then stops the others and exits non-zero.
+
+    Options read: ``boot_gate``, ``run_on_boot``, ``run_in``, ``retries``,
+    ``backoff``, ``timeout_ms``. Message options written: those of
+    ``build_message`` with ``kumiko_trigger="boot"``. Redis keys: for each
+    boot-once job ``keys.boot_marker(prefix, job)`` (no TTL) and
+    ``keys.enqueue_guard(prefix, boot id)`` (TTL ``retention.completed_age_s``),
+    plus the lane queue's message hash and list; gates touch none. A lane without
+    gates or boot-once jobs makes no Redis call. Second in the chain (after
+    ``Lane``); it has no message hooks, so it costs deliveries nothing.
+    """
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        #: Set by ``JobRunner.start()``, which runs :meth:`run` itself.
+        self.driven_by_runner = False
+
+    def after_process_boot(self, broker: Broker) -> None:
+        if self.driven_by_runner:
+            return
+        try:
+            self.run(broker)
+        except Exception as exc:
+            logger.critical("kumiko worker for %s did not start: %s", self.runtime.queue_name, exc)
+            raise SystemExit(BOOT_FAILED_EXIT_STATUS) from exc
+
+    def run(self, broker: Broker) -> None:
+        """Run the lane's boot gates, then enqueue its boot-once jobs.
+
+        Raises ``BootGateError`` (gates) or ``RedisUnavailableError``.
+        """
+        for gate in boot_gates(self.runtime.registry, self.runtime.lane):
+            run_gate(self.runtime, gate)
+        for job in boot_once_jobs(self.runtime.registry, self.runtime.lane):
+            self._enqueue_once(job)
+
+    def _enqueue_once(self, job: JobDefinition) -> None:
+        runtime = self.runtime
+        prefix = runtime.queue_prefix
+        message_id = boot_message_id(job.qualified_name, prefix)
+        message = build_message(job, {}, queue_prefix=prefix, trigger="boot", message_id=message_id)
+        broker = runtime.broker
+        try:
+            _, reply = broker.enqueue_step(
+                message,
+                broker.lua.boot_once,
+                keys=[
+                    keys.boot_marker(prefix, job.qualified_name),
+                    keys.enqueue_guard(prefix, message_id),
+                ],
+                args=[runtime.settings.retention.completed_age_s * 1000, message_id],
+            )
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise RedisUnavailableError(
+                describe_client(broker.client), f"enqueuing boot job {job.qualified_name}", exc
+            ) from exc
+        outcome = reply[1]
+        if outcome == "enqueued":
+            logger.info("boot job %s enqueued as %s", job.qualified_name, message_id)
+        elif outcome == "guarded":
+            logger.warning(
+                "boot job %s: marker was missing but %s was enqueued already; marker restored",
+                job.qualified_name,
+                message_id,
+            )
+        else:
+            logger.debug("boot job %s was enqueued by an earlier start", job.qualified_name)

@@ -1,26 +1,37 @@
-"""The ``kumiko`` command (also ``python -m kumiko_dramatiq.cli``): operator tools.
+"""The command lines: ``kumiko`` (also ``python -m kumiko_dramatiq.cli``), operator tools,
+and ``kumiko-scheduler`` (:func:`scheduler_main`, also ``python -m kumiko_dramatiq.scheduler``).
 
 ``kumiko reset-boot JOB_NAME``  forget that boot-once job ``JOB_NAME`` was
                                enqueued, so the next worker start enqueues it
 ``kumiko reset-boot --all``     the same for every ``run_on_boot`` job of the app
 
 The app and its dataset come from the same variables as the worker
-(:mod:`kumiko_dramatiq.environment`): ``KUMIKO_APP``, ``KUMIKO_REDIS_URL``,
+(:mod:`kumiko_dramatiq.apps`): ``KUMIKO_APP``, ``KUMIKO_REDIS_URL``,
 ``KUMIKO_QUEUE_PREFIX``. One line is printed per job reset. Exit status: 0 on
 success, 1 when Redis does not answer, 2 on bad input (one line on stderr).
+
+``kumiko-scheduler`` runs the cron scheduler (:class:`~kumiko_dramatiq.scheduler.Scheduler`)
+for the same app until SIGTERM or SIGINT (status 0); a missing or bad ``KUMIKO_APP`` is one
+line on stderr and status 2; Redis unreachable at start (within ``boot_redis_timeout_ms``)
+is one line and status 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import logging
+import signal
 import sys
+import threading
 from collections.abc import Sequence
+from types import FrameType
 from typing import NoReturn
 
+from .apps import load_runner
 from .boot import reset_boot_marker
-from .environment import AppLoadError, runner_from_environment
-from .errors import RedisUnavailableError
+from .environment import app_target
+from .errors import AppLoadError, RedisUnavailableError
+from .scheduler import Scheduler
 
 EXIT_OK = 0
 EXIT_REDIS = 1
@@ -69,7 +80,7 @@ def _reset_boot(job_name: str | None, every: bool) -> int:
     if (job_name is None) == (not every):
         _fail("kumiko reset-boot: give either JOB_NAME or --all")
     try:
-        runner = runner_from_environment()
+        runner = load_runner()
     except AppLoadError as exc:
         _fail(f"kumiko reset-boot: {exc}")
     try:
@@ -88,7 +99,7 @@ def _reset_boot(job_name: str | None, every: bool) -> int:
         else:
             names = [job_name]
         if not names:
-            print(f"no run_on_boot job in {os.environ.get('KUMIKO_APP')}; nothing to reset")
+            print(f"no run_on_boot job in {app_target()}; nothing to reset")
             return EXIT_OK
         prefix = runner.queue_prefix
         for name in names:
@@ -102,6 +113,54 @@ def _reset_boot(job_name: str | None, every: bool) -> int:
         return EXIT_OK
     finally:
         runner.stop()
+
+
+def scheduler_main() -> int:
+    """``kumiko-scheduler``: run the scheduler until SIGTERM or SIGINT; return the status."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO,
+            stream=sys.stderr,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+        logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    try:
+        runner = load_runner()
+    except Exception as exc:  # any failure to load the app is one line, status 2
+        print(f"kumiko-scheduler: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+
+    stopping = threading.Event()
+
+    def request_stop(signum: int, frame: FrameType | None) -> None:
+        stopping.set()
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        try:
+            runner.wait_for_redis()
+        except RedisUnavailableError as exc:
+            print(f"kumiko-scheduler: {_one_line(exc)}", file=sys.stderr)
+            return EXIT_REDIS
+        scheduler = Scheduler(runner.broker, runner.registry, retention=runner.retention)
+        scheduler.start()
+        try:
+            while not stopping.wait(timeout=3600):
+                pass
+        finally:
+            scheduler.stop()
+    finally:
+        runner.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return EXIT_OK
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    if isinstance(exc, AppLoadError | RedisUnavailableError):
+        return text
+    return f"{type(exc).__name__}: {text}"
 
 
 if __name__ == "__main__":

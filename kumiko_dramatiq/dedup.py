@@ -1,4 +1,4 @@
-"""Dedup keys: the record that ties a key to the life of ONE job, and the producer side.
+"""Dedup keys: the record that ties a key to the life of ONE job, producer and worker side.
 
 A dedup key ``k`` of job ``j`` has at most one record, a Redis hash at
 :func:`kumiko_dramatiq.keys.dedup` (``kumiko:{prefix}:dedup:{job}:{k}``)::
@@ -15,9 +15,8 @@ Producer decision (:func:`dispatch_with_key`, ONE Lua call that also writes
 the message): no record -> write ``{id, queued}`` and enqueue; ``queued`` ->
 return ``id``; ``running`` -> the first trigger allocates ``fid`` (its own
 message id), every later one returns it and replaces ``fpayload``;
-``ending`` -> return ``fid``. The worker side (``middleware.dedup.Dedup``)
-moves the record along and frees it, compare-and-delete, when the job ends
-for good.
+``ending`` -> return ``fid``. The worker side (:class:`Dedup`, below) moves the record
+along and frees it, compare-and-delete, when the job ends for good.
 
 Lifetime: every write by the worker and the producer's creation set the
 record's TTL to :func:`record_ttl_ms`, a bound on the whole remaining life
@@ -29,25 +28,25 @@ lost for good frees itself however many triggers keep arriving.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
-import redis
-from redis.commands.core import Script
+from dramatiq.broker import Broker, MessageProxy
+from dramatiq.middleware import Middleware
 
 from . import keys
-from .broker import AtomicStep
+from .codec import DEDUP_KEY
 from .context import Trigger
 from .errors import PayloadError
+from .execution import Execution, execution_of
 from .messages import build_message
 from .options import Event
 from .registry import JobDefinition
+from .retries import retry_window_ms
 from .runtime import Runtime
-from .scripts import PRELUDE
 
-#: Message option that marks a message as the live job of a dedup key.
-DEDUP_KEY_OPTION = "kumiko_dedup_key"
+logger = logging.getLogger("kumiko_dramatiq")
 
 #: Run bound assumed for a run without ``timeout_ms`` (and for per-tenant
 #: wrappers, which have no time limit): 1 h.
@@ -104,7 +103,7 @@ def job_record_ttl_ms(job: JobDefinition, *, heartbeat_timeout_ms: int, delay_ms
     return record_ttl_ms(
         timeout_ms=None if options.per_tenant else options.timeout_ms,
         max_attempts=options.max_attempts,
-        retry_window_ms=options.retry_window_ms(),
+        retry_window_ms=retry_window_ms(options),
         heartbeat_timeout_ms=heartbeat_timeout_ms,
         delay_ms=delay_ms,
     )
@@ -160,123 +159,7 @@ def event_dedup_keys(jobs: Sequence[JobDefinition], payload: dict[str, Any]) -> 
     return result
 
 
-# -- Lua ---------------------------------------------------------------------
-
-#: enqueue_atomic step. KEYS[3] = record; ARGV[3] = TTL ms, ARGV[4] = this
-#: message's id, ARGV[5] = payload JSON, ARGV[6] = trigger.
-#: Returns {1, id} (enqueued) or {0, id of the job the key stands for}.
-DISPATCH = """
-local record = KEYS[3]
-local live = redis.call("hmget", record, "id", "state", "fid")
-if not live[1] then
-    redis.call("del", record)
-    redis.call("hset", record, "id", ARGV[4], "state", "queued")
-    redis.call("pexpire", record, ARGV[3])
-    enqueue_message()
-    return {1, ARGV[4]}
-end
-if live[2] == "running" then
-    local fid = live[3] or ARGV[4]
-    redis.call("hset", record, "fid", fid, "fpayload", ARGV[5], "ftrigger", ARGV[6])
-    return {0, fid}
-end
-if live[2] == "ending" and live[3] then
-    return {0, live[3]}
-end
-return {0, live[1]}
-"""
-
-#: KEYS[1] = record; ARGV[1] = message id, ARGV[2] = TTL ms.
-#: Marks the record running iff it points at this message. Returns 1 or 0.
-MARK_RUNNING = """
-if redis.call("hget", KEYS[1], "id") ~= ARGV[1] then
-    return 0
-end
-redis.call("hset", KEYS[1], "state", "running")
-redis.call("pexpire", KEYS[1], ARGV[2])
-return 1
-"""
-
-#: KEYS[1] = record; ARGV[1] = message id, ARGV[2] = next live id, ARGV[3] = TTL ms.
-#: Iff the record points at this message: point it at ARGV[2] (a retry: the
-#: same id; a sequential hand-off: the requeued id), state queued; a pending
-#: follow-up stays. Returns 1 or 0.
-REQUEUE = """
-if redis.call("hget", KEYS[1], "id") ~= ARGV[1] then
-    return 0
-end
-redis.call("hset", KEYS[1], "id", ARGV[2], "state", "queued")
-redis.call("pexpire", KEYS[1], ARGV[3])
-return 1
-"""
-
-#: KEYS[1] = record; ARGV[1] = message id, ARGV[2] = TTL ms.
-#: The job ended for good. Iff the record points at this message: without a
-#: follow-up delete it ({"freed"}); with one, freeze it as "ending" and
-#: return {"follow-up", fid, fpayload, ftrigger}. Else {"gone"}.
-FINISH = """
-local rec = redis.call("hmget", KEYS[1], "id", "fid", "fpayload", "ftrigger")
-if rec[1] ~= ARGV[1] then
-    return {"gone"}
-end
-if not rec[2] then
-    redis.call("del", KEYS[1])
-    return {"freed"}
-end
-redis.call("hset", KEYS[1], "state", "ending")
-redis.call("pexpire", KEYS[1], ARGV[2])
-return {"follow-up", rec[2], rec[3], rec[4]}
-"""
-
-#: enqueue_atomic step. KEYS[3] = record; ARGV[3] = ending message id,
-#: ARGV[4] = follow-up id, ARGV[5] = TTL ms. Iff the record is still this
-#: message's "ending" with this follow-up: enqueue the follow-up and make it
-#: the live job (queued). Returns {1} or {0}.
-HANDOVER = """
-local rec = redis.call("hmget", KEYS[3], "id", "state", "fid")
-if rec[1] ~= ARGV[3] or rec[2] ~= "ending" or rec[3] ~= ARGV[4] then
-    return {0}
-end
-enqueue_message()
-redis.call("del", KEYS[3])
-redis.call("hset", KEYS[3], "id", ARGV[4], "state", "queued")
-redis.call("pexpire", KEYS[3], ARGV[5])
-return {1}
-"""
-
-
-@dataclass(frozen=True)
-class DedupScripts:
-    """The dedup scripts, registered on one broker's client."""
-
-    dispatch: Script
-    mark_running: Script
-    requeue: Script
-    finish: Script
-    handover: Script
-
-    @classmethod
-    def register(cls, client: redis.Redis) -> DedupScripts:
-        return cls(
-            dispatch=client.register_script(PRELUDE + DISPATCH),
-            mark_running=client.register_script(MARK_RUNNING),
-            requeue=client.register_script(REQUEUE),
-            finish=client.register_script(FINISH),
-            handover=client.register_script(PRELUDE + HANDOVER),
-        )
-
-
-def scripts_for(runtime: Runtime) -> DedupScripts:
-    """The scripts registered for ``runtime``'s broker (held by its ``Dedup`` middleware)."""
-    from .middleware.dedup import Dedup
-
-    for middleware in runtime.broker.middleware:
-        if isinstance(middleware, Dedup):
-            return middleware.scripts
-    return DedupScripts.register(runtime.broker.client)
-
-
-# -- producer ----------------------------------------------------------------
+# -- producer ------------------------------------------------------------------
 
 
 def dispatch_with_key(
@@ -298,21 +181,223 @@ def dispatch_with_key(
     """
     broker = runtime.broker
     message = build_message(
-        job,
-        payload,
-        queue_prefix=runtime.queue_prefix,
-        trigger=trigger,
-        extra_options={DEDUP_KEY_OPTION: dedup_key},
+        job, payload, queue_prefix=runtime.queue_prefix, trigger=trigger, dedup_key=dedup_key
     )
     ttl_ms = job_record_ttl_ms(
         job,
         heartbeat_timeout_ms=broker.heartbeat_timeout,
         delay_ms=0 if delay_ms is None else delay_ms,
     )
-    step = AtomicStep(
-        scripts_for(runtime).dispatch,
+    _, reply = broker.enqueue_step(
+        message,
+        broker.lua.dedup_dispatch,
         keys=[keys.dedup(runtime.queue_prefix, job.qualified_name, dedup_key)],
         args=[ttl_ms, str(message.message_id), json.dumps(payload), trigger],
+        delay=delay_ms,
     )
-    _, reply = broker.enqueue_atomic(message, step, delay=delay_ms)
     return str(reply[1])
+
+
+# -- worker ----------------------------------------------------------------------
+
+
+class Dedup(Middleware):
+    """The worker side of dedup keys.
+
+    This middleware: the worker side of dedup keys, moving each key's record along its job's life.
+
+    Acts only on messages that carry ``kumiko_dedup_key`` (set by
+    :func:`kumiko_dramatiq.dedup.dispatch_with_key`; on a per-tenant job only the
+    wrapper carries it): every other message returns before any Redis call.
+    Reads the message options ``kumiko_dedup_key``, ``kumiko_retries`` and
+    ``kumiko_failures`` (through ``Execution.meta``) and, after a sequential
+    hand-off, ``Execution.handoff_id``. Writes no message
+    option of its own; a follow-up it enqueues is built by ``build_message`` with
+    ``kumiko_dedup_key``. Touches one Redis key per keyed message:
+    :func:`kumiko_dramatiq.keys.dedup` (the record described in
+    :mod:`kumiko_dramatiq.dedup`), plus the queue keys of a follow-up.
+
+    Place: after ``Sequential`` and before ``Hooks``, so ``before_process_message``
+    sees whether the run handed off, and the record is marked running before
+    ``on_job_start``; after-hooks run in reverse, so the key is released after
+    ``on_job_complete``/``on_job_failed`` and before ``Retries`` enqueues a retry.
+
+    Transitions (each one Lua call that first checks the record still points at
+    this message id, and refreshes its TTL, :func:`~kumiko_dramatiq.dedup.record_ttl_ms`, in ms):
+
+    - ``before_process_message``: mark ``running`` (a hand-off is not a run).
+    - ``after_process_message``: success or a failure on the final attempt ends
+      the job: delete the record, or, if a trigger arrived during the run, enqueue
+      the follow-up through ``KumikoBroker.enqueue_atomic`` (one more Lua call that
+      writes the message and makes it the live job) ; a failure that will be
+      retried sets ``queued`` (the retry keeps the id); a sequential hand-off
+      points the record at the requeued message, ``queued``.
+    - ``after_skip_message`` (a malformed message dead-lettered, any skip): the
+      job ended for good, as above.
+
+    Redis errors: a failed transition is logged and never stops the message; the
+    record then frees itself at its TTL (the run itself goes ahead even if it
+    could not be marked running: a trigger during it then collapses into it).
+    """
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    # -- hooks ---------------------------------------------------------------
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        execution = execution_of(message)
+        if execution is None or execution.handed_off:
+            return
+        keyed = self._keyed(execution.job, execution.is_wrapper, execution.options.dedup_key)
+        if keyed is None:
+            return
+        job, dedup_key = keyed
+        message_id = execution.message_id
+        try:
+            owned = self.runtime.broker.lua.dedup_mark_running(
+                keys=[self._record(job, dedup_key)], args=[message_id, self._ttl_ms(job)]
+            )
+        except Exception:
+            logger.exception(
+                "%s %s: could not mark dedup key %r running; running anyway",
+                job.qualified_name,
+                message_id,
+                dedup_key,
+            )
+            return
+        if not owned:
+            logger.info(
+                "%s %s runs without dedup key %r: the key moved on to another message",
+                job.qualified_name,
+                message_id,
+                dedup_key,
+            )
+
+    def after_process_message(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        execution = execution_of(message)
+        if execution is None:
+            return
+        keyed = self._keyed(execution.job, execution.is_wrapper, execution.options.dedup_key)
+        if keyed is None:
+            return
+        outcome = delivery_outcome(
+            handed_off=execution.handed_off,
+            failed=exception is not None,
+            final_attempt=execution.meta.final_attempt,
+        )
+        self._transition(*keyed, execution.message_id, outcome, execution)
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        execution = execution_of(message)
+        if execution is not None:
+            keyed = self._keyed(execution.job, execution.is_wrapper, execution.options.dedup_key)
+            outcome: Outcome = "handoff" if execution.handed_off else "end"
+        else:
+            # A malformed message dead-lettered before its options decoded: its key (if it
+            # is one of ours) is freed, so it never blocks later dispatches.
+            found = self.runtime.registry.actor(message.actor_name)
+            raw = message.options.get(DEDUP_KEY) if isinstance(message.options, dict) else None
+            keyed = None if found is None else self._keyed(*found, raw)
+            outcome = "end"
+        if keyed is not None:
+            self._transition(*keyed, str(message.message_id), outcome, execution)
+
+    # -- transitions -----------------------------------------------------------
+    def _transition(
+        self,
+        job: JobDefinition,
+        dedup_key: str,
+        message_id: str,
+        outcome: Outcome,
+        execution: Execution | None,
+    ) -> None:
+        record = self._record(job, dedup_key)
+        ttl_ms = self._ttl_ms(job)
+        lua = self.runtime.broker.lua
+        try:
+            if outcome == "retry":
+                lua.dedup_requeue(keys=[record], args=[message_id, message_id, ttl_ms])
+                return
+            if outcome == "handoff":
+                handoff_id = None if execution is None else execution.handoff_id
+                if handoff_id is not None:
+                    lua.dedup_requeue(keys=[record], args=[message_id, handoff_id, ttl_ms])
+                    return
+                logger.warning(
+                    "%s %s handed off without a hand-off id; freeing dedup key %r",
+                    job.qualified_name,
+                    message_id,
+                    dedup_key,
+                )
+            self._finish(job, dedup_key, record, message_id, ttl_ms)
+        except Exception:
+            logger.exception(
+                "%s %s: could not update dedup key %r (%s); it frees itself within %d ms",
+                job.qualified_name,
+                message_id,
+                dedup_key,
+                outcome,
+                ttl_ms,
+            )
+
+    def _finish(
+        self, job: JobDefinition, dedup_key: str, record: str, message_id: str, ttl_ms: int
+    ) -> None:
+        """The job ended for good: free the key, or hand it to the pending follow-up."""
+        broker = self.runtime.broker
+        reply = _decoded(broker.lua.dedup_finish(keys=[record], args=[message_id, ttl_ms]))
+        if reply[0] != "follow-up":
+            return
+        follow_up_id, payload_json, trigger = reply[1], reply[2], reply[3]
+        follow_up = build_message(
+            job,
+            json.loads(payload_json),
+            queue_prefix=self.runtime.queue_prefix,
+            trigger=cast(Trigger, trigger),
+            message_id=follow_up_id,
+            dedup_key=dedup_key,
+        )
+        _, result = broker.enqueue_step(
+            follow_up,
+            broker.lua.dedup_handover,
+            keys=[record],
+            args=[message_id, follow_up_id, ttl_ms],
+        )
+        if result[0] == 1:
+            logger.info(
+                "%s %s ended; follow-up %s enqueued for dedup key %r",
+                job.qualified_name,
+                message_id,
+                follow_up_id,
+                dedup_key,
+            )
+
+    # -- helpers ---------------------------------------------------------------
+    @staticmethod
+    def _keyed(
+        job: JobDefinition, is_wrapper: bool, dedup_key: Any
+    ) -> tuple[JobDefinition, str] | None:
+        """(job, key) if the delivery holds a dedup key, else ``None`` (no Redis call)."""
+        if not isinstance(dedup_key, str) or not dedup_key:
+            return None
+        if job.options.per_tenant and not is_wrapper:
+            return None  # a per-tenant key covers the wrapper, never a child
+        return job, dedup_key
+
+    def _record(self, job: JobDefinition, dedup_key: str) -> str:
+        return keys.dedup(self.runtime.queue_prefix, job.qualified_name, dedup_key)
+
+    def _ttl_ms(self, job: JobDefinition) -> int:
+        return job_record_ttl_ms(job, heartbeat_timeout_ms=self.runtime.broker.heartbeat_timeout)
+
+
+def _decoded(reply: Any) -> list[Any]:
+    items = reply if isinstance(reply, list) else [reply]
+    return [item.decode() if isinstance(item, bytes) else item for item in items]

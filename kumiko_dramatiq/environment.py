@@ -1,72 +1,79 @@
-"""Building the app's ``JobRunner`` from the environment (worker CLI and scheduler).
+"""The one module that reads the environment: ``KUMIKO_*`` variables and ``KUMIKO_APP``.
 
-``KUMIKO_APP``          ``"package.module:attribute"``: a ``Registry``, or a
-                        ``JobRunner`` whose own settings then win (required)
-``KUMIKO_REDIS_URL``    default ``redis://127.0.0.1:6379/0``
-``KUMIKO_QUEUE_PREFIX`` default ``kumiko``
-``KUMIKO_LANE``         default ``worker``
-
-Every problem is an :class:`AppLoadError` with a one-line message that says
-what to set; the entry points print it and exit with status 2.
+:func:`resolve_settings` turns ``JobRunner`` arguments into
+:class:`~kumiko_dramatiq.settings.Settings` (see there for the table): an argument not
+given takes its ``KUMIKO_*`` variable when that is set, else its default. A variable that
+does not parse is a :class:`~kumiko_dramatiq.errors.JobConfigError` naming the variable.
+:mod:`kumiko_dramatiq.apps` loads ``KUMIKO_APP`` with what :func:`app_target` and
+:func:`variable_values` read here.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, Final
 
-from .errors import KumikoError
-from .registry import Registry
-from .runner import JobRunner
+from .errors import JobConfigError
+from .settings import UNSET, Settings
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+#: ``KUMIKO_*`` variable -> (setting, parser).
+VARIABLES: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
+    "KUMIKO_REDIS_URL": ("redis_url", str),
+    "KUMIKO_QUEUE_PREFIX": ("queue_prefix", str),
+    "KUMIKO_LANE": ("lane", str),
+    "KUMIKO_HEARTBEAT_TIMEOUT_MS": ("heartbeat_timeout_ms", int),
+    "KUMIKO_MAINTENANCE_CHANCE": ("maintenance_chance", int),
+    "KUMIKO_LOCK_TTL_MS": ("lock_ttl_ms", int),
+    "KUMIKO_IDLE_WAIT_MS": ("idle_wait_ms", int),
+}
 
 
-class AppLoadError(KumikoError):
-    """``KUMIKO_APP`` (or another variable) does not name a loadable app."""
+def _environ(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
 
 
-def runner_from_environment(environ: Mapping[str, str] | None = None) -> JobRunner:
-    """The runner the environment describes (it opens no connection)."""
-    env = os.environ if environ is None else environ
-    target = env.get("KUMIKO_APP", "").strip()
-    if not target:
-        raise AppLoadError(
-            "KUMIKO_APP is not set: set it to 'package.module:attribute', "
-            "naming a kumiko_dramatiq Registry or JobRunner"
-        )
-    module_name, sep, attribute = target.partition(":")
-    if not sep or not module_name or not attribute:
-        raise AppLoadError(
-            f"KUMIKO_APP={target!r} must look like 'package.module:attribute' "
-            "(a Registry or a JobRunner)"
-        )
+def variable_values(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The settings that set ``KUMIKO_*`` variables give, parsed (empty values are unset)."""
+    env = _environ(environ)
+    values: dict[str, Any] = {}
+    for variable, (setting, parse) in VARIABLES.items():
+        raw = env.get(variable, "").strip()
+        if not raw:
+            continue
+        try:
+            values[setting] = parse(raw)
+        except ValueError:
+            raise JobConfigError(None, variable, "must be an integer", raw) from None
+    return values
+
+
+def resolve_settings(
+    explicit: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Settings from ``explicit`` arguments (``UNSET`` = not given), then variables, then
+    defaults. Raises ``JobConfigError`` for a bad value, naming the variable it came from."""
+    given = {name: value for name, value in explicit.items() if value is not UNSET}
+    from_env = {k: v for k, v in variable_values(environ).items() if k not in given}
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise AppLoadError(
-            f"KUMIKO_APP={target!r}: cannot import module {module_name!r} ({exc}); "
-            "check the name and that it is on PYTHONPATH"
-        ) from None
-    try:
-        app = getattr(module, attribute)
-    except AttributeError:
-        raise AppLoadError(
-            f"KUMIKO_APP={target!r}: module {module_name!r} has no attribute {attribute!r}"
-        ) from None
-    if isinstance(app, JobRunner):
-        return app
-    if not isinstance(app, Registry):
-        raise AppLoadError(
-            f"KUMIKO_APP={target!r} is a {type(app).__name__}, not a Registry or a JobRunner"
-        )
-    try:
-        return JobRunner(
-            app,
-            redis_url=env.get("KUMIKO_REDIS_URL") or DEFAULT_REDIS_URL,
-            queue_prefix=env.get("KUMIKO_QUEUE_PREFIX") or "kumiko",
-            lane=env.get("KUMIKO_LANE") or "worker",
-        )
-    except KumikoError as exc:
-        raise AppLoadError(f"KUMIKO_APP={target!r}: {exc}") from None
+        return Settings(**from_env, **given)
+    except JobConfigError as exc:
+        variable = variable_for(exc.field)
+        if exc.field in from_env and variable is not None:
+            raise JobConfigError(None, variable, exc.problem, exc.value) from None
+        raise
+
+
+def app_target(environ: Mapping[str, str] | None = None) -> str:
+    """``KUMIKO_APP``, stripped ("" when unset)."""
+    return _environ(environ).get("KUMIKO_APP", "").strip()
+
+
+def variable_for(setting: str) -> str | None:
+    """The ``KUMIKO_*`` variable of ``setting``, if it has one."""
+    return next((v for v, (s, _) in VARIABLES.items() if s == setting), None)
+
+
+def raw_value(variable: str, environ: Mapping[str, str] | None = None) -> str:
+    """The text of ``variable`` as set, stripped."""
+    return _environ(environ).get(variable, "").strip()

@@ -122,3 +122,7 @@ def _redact(url: str) -> str:
     creds, _, host = rest.rpartition("@")
     user = creds.split(":", 1)[0]
     return f"{scheme}://{user}:***@{host}"
+
+
+class AppLoadError(KumikoError):
+    """``KUMIKO_APP`` (or a ``KUMIKO_*`` variable) does not name a loadable app."""

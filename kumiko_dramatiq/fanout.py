@@ -45,23 +45,22 @@ expires after ``completed_age_s``.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterable, Iterator, Sequence
+from datetime import datetime
 from typing import Any
 
 from . import keys
 from .errors import TenantListError
+from .execution import Execution
 from .ids import child_message_id
 from .messages import build_message
 from .registry import JobDefinition
-from .runtime import Execution, Runtime
+from .runtime import Runtime
 
 logger = logging.getLogger("kumiko_dramatiq")
 
 #: Children enqueued per Lua call (one round trip). 10,000 tenants cost 20 calls.
 CHILD_BATCH_SIZE = 500
-
-#: Wrapper message options a child inherits (besides what build_message sets).
-INHERITED_OPTIONS = ("kumiko_scheduled_at",)
 
 _RESOLVER = "get_active_tenant_ids()"
 
@@ -81,12 +80,9 @@ def fan_out(runtime: Runtime, execution: Execution, payload: dict[str, Any]) -> 
             "%s wrapper %s: no active tenants, nothing to fan out", job.qualified_name, wrapper_id
         )
         return
-    inherited = {
-        name: execution.message.options[name]
-        for name in INHERITED_OPTIONS
-        if execution.message.options.get(name) is not None
-    }
-    fresh = enqueue_children(runtime, job, wrapper_id, payload, tenants, inherited)
+    fresh = enqueue_children(
+        runtime, job, wrapper_id, payload, tenants, scheduled_at=execution.options.scheduled_at
+    )
     logger.info(
         "%s wrapper %s fanned out to %d tenant(s): %d newly enqueued, %d already enqueued",
         job.qualified_name,
@@ -139,7 +135,8 @@ def enqueue_children(
     wrapper_id: str,
     payload: dict[str, Any],
     tenants: Sequence[str],
-    inherited_options: Mapping[str, Any] | None = None,
+    *,
+    scheduled_at: datetime | None = None,
 ) -> int:
     """Enqueue the child of each tenant not enqueued before; return how many were new.
 
@@ -161,7 +158,7 @@ def enqueue_children(
                     trigger="fanout",
                     message_id=child_id,
                     tenant_id=tenant,
-                    extra_options=inherited_options,
+                    scheduled_at=scheduled_at,
                 )
             )
             guards.append(keys.enqueue_guard(prefix, child_id))
@@ -169,7 +166,7 @@ def enqueue_children(
             runtime.broker.enqueue_guarded_batch(
                 messages,
                 guards,
-                guard_ttl_ms=runtime.retention.completed_age_s * 1000,
+                guard_ttl_ms=runtime.settings.retention.completed_age_s * 1000,
                 guard_value=wrapper_id,
             )
         )

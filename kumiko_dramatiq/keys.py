@@ -1,38 +1,16 @@
-"""Every Redis key kumiko writes, one function each, all under ``kumiko:{queue_prefix}:``.
+"""Every Redis key of kumiko's own, one function each, all under ``kumiko:{queue_prefix}:``.
 
-A dataset is one Redis database plus one queue prefix: runners with
-different prefixes never touch each other's keys. Dramatiq's own keys
-(``dramatiq:{queue}``, ``dramatiq:{queue}.msgs``, ``.DQ``, ``.XQ``) are
-built by :func:`queue_list` and :func:`queue_messages` only.
+A dataset is one Redis database plus one queue prefix: runners with different prefixes
+never touch each other's keys. Dramatiq's own layout (``dramatiq:{queue}``, ``.msgs``,
+``.DQ``, ``.XQ``, ack sets, heartbeats) is the broker's business: its key builders live in
+:mod:`kumiko_dramatiq.broker`, the one module that knows that layout.
 """
 
 from __future__ import annotations
 
-DRAMATIQ_NAMESPACE = "dramatiq"
-
 
 def _root(queue_prefix: str) -> str:
     return f"kumiko:{queue_prefix}"
-
-
-def queue_list(queue_name: str, namespace: str = DRAMATIQ_NAMESPACE) -> str:
-    """Dramatiq's list of redis message ids of ``queue_name``."""
-    return f"{namespace}:{queue_name}"
-
-
-def queue_messages(queue_name: str, namespace: str = DRAMATIQ_NAMESPACE) -> str:
-    """Dramatiq's hash of redis message id -> encoded message of ``queue_name``."""
-    return f"{namespace}:{queue_name}.msgs"
-
-
-def consumer_acks(worker_id: str, queue_name: str, namespace: str = DRAMATIQ_NAMESPACE) -> str:
-    """Dramatiq's set of fetched-but-unacked redis message ids of one worker and queue."""
-    return f"{namespace}:__acks__.{worker_id}.{queue_name}"
-
-
-def heartbeats(namespace: str = DRAMATIQ_NAMESPACE) -> str:
-    """Dramatiq's sorted set of worker ids by last heartbeat."""
-    return f"{namespace}:__heartbeats__"
 
 
 def sent(queue_prefix: str, redis_message_id: str) -> str:

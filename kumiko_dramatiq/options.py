@@ -3,40 +3,26 @@
 ``JobOptions`` is the one validated option set of a job (pydantic, frozen,
 ``extra="forbid"``, strict integers: ``True``, ``2.0`` and ``"3"`` are
 rejected). Every validation failure becomes one :class:`JobConfigError` that
-names the job, the option and the bad value.
-
-``build_message_options`` is the ONLY place that turns a job's retry policy
-into Dramatiq message options. Every enqueue path (dispatch, event, cron
-tick, boot-once, per-tenant wrapper and child, sequential re-enqueue) builds
-its message through :func:`kumiko_dramatiq.messages.build_message`, which
-calls it; nothing else writes the ``kumiko_retries``/``kumiko_backoff*`` keys.
-
-Message option keys written (all JSON-native, so they survive the JSON round
-trip of delays and retries unchanged):
-
-``kumiko_retries``          int, retries after the first attempt
-``kumiko_backoff``          ``None`` | ``"fixed"`` | ``"exponential"``
-``kumiko_backoff_delay_ms`` int (base delay) or ``None`` without backoff
+names the job, the option and the bad value. Triggers (``Manual``, ``Event``;
+``Cron`` lives in :mod:`kumiko_dramatiq.cron`), ``Backoff`` and ``Retention``
+are declared here too. What the retry options mean at run time (backoff maths,
+the message options every enqueue path attaches) is :mod:`kumiko_dramatiq.retries`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .codec import BackoffType
 from .cron import Cron
 from .errors import JobConfigError
 
-if TYPE_CHECKING:
-    from .registry import JobDefinition
-
 #: Base delay of a backoff declared without ``delay_ms``.
 DEFAULT_BACKOFF_DELAY_MS = 1_000
-
-BackoffType = Literal["fixed", "exponential"]
 
 
 @dataclass(frozen=True)
@@ -115,15 +101,6 @@ class BackoffPolicy(BaseModel):
     type: BackoffType
     delay_ms: int = Field(gt=0)
 
-    def delay_for_retry_ms(self, retry_number: int) -> int:
-        """Delay before retry ``retry_number`` (1-based)."""
-        if self.type == "fixed":
-            return self.delay_ms
-        return int(self.delay_ms * 2 ** (retry_number - 1))
-
-
-Trigger = Manual | Cron | Event
-
 
 class JobOptions(BaseModel):
     """The validated option set of one job. See the README's option table."""
@@ -184,14 +161,6 @@ class JobOptions(BaseModel):
     def max_attempts(self) -> int:
         return self.retries + 1
 
-    def retry_window_ms(self) -> int:
-        """Worst-case time spent waiting out backoffs across all retries."""
-        if self.backoff is None or self.retries == 0:
-            return 0
-        if self.backoff.type == "fixed":
-            return self.retries * self.backoff.delay_ms
-        return int(self.backoff.delay_ms * (2**self.retries - 1))
-
 
 def parse_job_options(job_name: str, options: Mapping[str, Any]) -> JobOptions:
     """Validate ``options`` for ``job_name``; raise one :class:`JobConfigError`."""
@@ -201,31 +170,6 @@ def parse_job_options(job_name: str, options: Mapping[str, Any]) -> JobOptions:
         raise _config_error(job_name, exc) from None
     except _FieldProblem as problem:  # raised outside pydantic's wrapping
         raise JobConfigError(job_name, problem.field, problem.problem, problem.value) from None
-
-
-def build_message_options(job: JobDefinition) -> dict[str, Any]:
-    """The retry/backoff options every enqueue path attaches to a message.
-
-    Pure and deterministic; JSON-native values only.
-    """
-    options = job.options
-    backoff = options.backoff
-    return {
-        "kumiko_retries": options.retries,
-        "kumiko_backoff": None if backoff is None else backoff.type,
-        "kumiko_backoff_delay_ms": None if backoff is None else backoff.delay_ms,
-    }
-
-
-def retry_delay_ms(message_options: Mapping[str, Any], retry_number: int) -> int | None:
-    """Delay before retry ``retry_number`` (1-based) for a message carrying
-    :func:`build_message_options`; ``None`` means "retry at once"."""
-    backoff = message_options.get("kumiko_backoff")
-    if backoff is None:
-        return None
-    return BackoffPolicy(
-        type=backoff, delay_ms=message_options["kumiko_backoff_delay_ms"]
-    ).delay_for_retry_ms(retry_number)
 
 
 _PROBLEMS: dict[str, str] = {

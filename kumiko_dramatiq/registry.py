@@ -26,11 +26,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import JobConfigError
 from .options import Event, JobOptions, parse_job_options
+from .settings import lane_queue
 
 if TYPE_CHECKING:
     from .context import JobContext
 
 _NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+
+#: A per-tenant job's wrapper actor is named ``qualified_name + WRAPPER_SUFFIX``.
+WRAPPER_SUFFIX = ":fanout"
 
 Handler = Callable[[dict[str, Any], "JobContext"], Any]
 H = TypeVar("H", bound=Callable[..., Any])
@@ -60,6 +64,15 @@ class JobDefinition:
     def event_name(self) -> str | None:
         trigger = self.options.trigger
         return trigger.name if isinstance(trigger, Event) else None
+
+    @property
+    def wrapper_actor_name(self) -> str:
+        """Actor name of a per-tenant job's fan-out wrapper (contains the qualified name)."""
+        return self.qualified_name + WRAPPER_SUFFIX
+
+    def queue_name(self, queue_prefix: str) -> str:
+        """The job's lane queue: ``f"{queue_prefix}-{run_in}"``."""
+        return lane_queue(queue_prefix, self.options.run_in)
 
 
 class Feature:
@@ -120,6 +133,16 @@ class Registry:
             if job.event_name is not None:
                 events.setdefault(job.event_name, []).append(job)
         self._events = {name: tuple(defs) for name, defs in events.items()}
+        actors: dict[str, tuple[JobDefinition, bool]] = {}
+        for job in jobs.values():
+            actors[job.qualified_name] = (job, False)
+            if job.options.per_tenant:
+                actors[job.wrapper_actor_name] = (job, True)
+        self._actors = actors
+
+    def actor(self, actor_name: Any) -> tuple[JobDefinition, bool] | None:
+        """``(job, is the per-tenant wrapper)`` of a kumiko actor name, else ``None``."""
+        return self._actors.get(actor_name) if isinstance(actor_name, str) else None
 
     def jobs_for_event(self, event_name: str) -> tuple[JobDefinition, ...]:
         """Jobs whose trigger is ``Event(event_name)``, in declaration order."""

@@ -1,16 +1,15 @@
 """``JobRunner``: builds a runner's broker, declares its actors, runs its worker.
 
-One runner = one ``KumikoBroker`` (never Dramatiq's global broker), one
-middleware chain (:func:`build_middleware`, shared with ``dramatiq
-kumiko_dramatiq.app``), one actor per job named by its qualified name on the
-queue ``f"{queue_prefix}-{run_in}"``, plus a wrapper actor per per-tenant job.
+One runner = one ``KumikoBroker`` (never Dramatiq's global broker), one middleware chain
+(:func:`build_middleware`, shared with ``dramatiq kumiko_dramatiq.app``), one actor per job
+named by its qualified name on the queue ``f"{queue_prefix}-{run_in}"``, plus a wrapper actor
+per per-tenant job. Every setting is a validated argument (:mod:`kumiko_dramatiq.settings`);
+an argument not given falls back to its ``KUMIKO_*`` variable, then to its default.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,50 +21,51 @@ from dramatiq.middleware import Middleware, TimeLimit
 from dramatiq.worker import Worker
 
 from .actors import declare_actors
+from .boot import Boot
 from .broker import KumikoBroker, make_connection_pool
-from .dedup import dispatch_with_key, event_dedup_keys
+from .completed import Completed
+from .dedup import Dedup, dispatch_with_key, event_dedup_keys
+from .environment import resolve_settings
 from .errors import JobConfigError, PayloadError, RedisUnavailableError, UnknownJobError
+from .executions import Executions
+from .hooks import Hooks
+from .lanes import Lane
 from .messages import build_message, validate_payload
-from .middleware.boot import Boot
-from .middleware.dedup import Dedup
-from .middleware.execution import Executions
-from .middleware.hooks import Hooks
-from .middleware.lane import Lane
-from .middleware.retries import Retries
-from .middleware.sequential import Sequential
 from .options import Retention
 from .registry import JobDefinition, Registry
+from .retries import Retries, retry_window_ms
 from .runtime import FailedHook, HookSet, Runtime, StartHook, TenantResolver
+from .scheduler import Scheduler
+from .sequential import Sequential
+from .settings import UNSET, Unset
 
 logger = logging.getLogger("kumiko_dramatiq")
 
-_PREFIX_RE = re.compile(r"[A-Za-z_][A-Za-z0-9._-]*")
-_LANES = ("worker", "api")
 
-#: Dramatiq's crash recovery: a worker silent this long is dead and its
-#: unacked messages go back to their queue. Override with
-#: ``KUMIKO_HEARTBEAT_TIMEOUT_MS`` (tests and soak runs shrink it).
-DEFAULT_HEARTBEAT_TIMEOUT_MS = 60_000
-#: Chance per million broker calls that a call also runs that recovery;
-#: ``KUMIKO_MAINTENANCE_CHANCE`` overrides it.
-DEFAULT_MAINTENANCE_CHANCE = 1_000
-#: How long an idle worker thread or consumer waits before looking again: it
-#: bounds how late an idle worker notices new work and how long ``stop()``
-#: takes. Dramatiq's default is 1000 ms.
-WORKER_TIMEOUT_MS = 200
+def build_middleware(runtime: Runtime) -> list[Middleware]:
+    """The one middleware chain of a kumiko broker, in ``before_*`` order (``after_*`` hooks
+    run in reverse)::
 
-
-def build_middleware(runtime: Runtime, *, timeout_check_ms: int = 1_000) -> list[Middleware]:
-    """The one middleware chain of a kumiko broker, in ``before_*`` order."""
+        Lane        consume only the runner's lane
+        Boot        boot gates and boot-once jobs on process boot
+        Executions  open each delivery's Execution; dead-letter malformed messages
+        Completed   the ack writes the "already completed" marker of a completed run
+        Retries     retry failed attempts on the same message id (after: runs late)
+        Sequential  the lease of sequential jobs (before: acquire or hand off; after: release)
+        Dedup       the life of dedup keys
+        Hooks       on_job_start / on_job_complete / on_job_failed
+        TimeLimit   Dramatiq's, last so its timer covers only the handler
+    """
     return [
         Lane(runtime.queue_name),
         Boot(runtime),
         Executions(runtime),
-        Retries(runtime),
+        Completed(),
+        Retries(),
         Sequential(runtime),
         Dedup(runtime),
         Hooks(runtime),
-        TimeLimit(time_limit=float("inf"), interval=timeout_check_ms),
+        TimeLimit(time_limit=float("inf"), interval=runtime.settings.timeout_check_ms),
     ]
 
 
@@ -80,40 +80,44 @@ class JobRunner:
         self,
         registry: Registry,
         *,
-        redis_url: str = "redis://127.0.0.1:6379/0",
-        lane: str = "worker",
-        queue_prefix: str = "kumiko",
+        redis_url: str | Unset = UNSET,
+        lane: str | Unset = UNSET,
+        queue_prefix: str | Unset = UNSET,
         context: Any = None,
         get_active_tenant_ids: TenantResolver | None = None,
         on_job_start: StartHook | None = None,
         on_job_complete: StartHook | None = None,
         on_job_failed: FailedHook | None = None,
         retention: Retention | None = None,
-        worker_threads: int = 8,
-        run_scheduler: bool = False,
-        boot_redis_timeout_ms: int = 5_000,
-        sequential_retry_delay_ms: int = 1_000,
+        worker_threads: int | Unset = UNSET,
+        run_scheduler: bool | Unset = UNSET,
+        boot_redis_timeout_ms: int | Unset = UNSET,
+        sequential_retry_delay_ms: int | Unset = UNSET,
+        lock_ttl_ms: int | Unset = UNSET,
+        heartbeat_timeout_ms: int | Unset = UNSET,
+        maintenance_chance: int | Unset = UNSET,
+        idle_wait_ms: int | Unset = UNSET,
+        timeout_check_ms: int | Unset = UNSET,
     ) -> None:
         if not isinstance(registry, Registry):
             raise JobConfigError(None, "registry", "must be a Registry", registry)
-        if lane not in _LANES:
-            raise JobConfigError(None, "lane", 'must be "worker" or "api"', lane)
-        if not isinstance(queue_prefix, str) or not _PREFIX_RE.fullmatch(queue_prefix):
-            raise JobConfigError(
-                None, "queue_prefix", "must match [A-Za-z_][A-Za-z0-9._-]*", queue_prefix
-            )
-        if not isinstance(redis_url, str) or "://" not in redis_url:
-            raise JobConfigError(None, "redis_url", "must be a redis:// URL", redis_url)
-        retention = Retention() if retention is None else retention
-        if not isinstance(retention, Retention):
-            raise JobConfigError(None, "retention", "must be a Retention", retention)
-        for name, value in (
-            ("worker_threads", worker_threads),
-            ("boot_redis_timeout_ms", boot_redis_timeout_ms),
-            ("sequential_retry_delay_ms", sequential_retry_delay_ms),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise JobConfigError(None, name, "must be a positive integer", value)
+        settings = resolve_settings(
+            {
+                "redis_url": redis_url,
+                "lane": lane,
+                "queue_prefix": queue_prefix,
+                "retention": UNSET if retention is None else retention,
+                "worker_threads": worker_threads,
+                "run_scheduler": run_scheduler,
+                "boot_redis_timeout_ms": boot_redis_timeout_ms,
+                "sequential_retry_delay_ms": sequential_retry_delay_ms,
+                "lock_ttl_ms": lock_ttl_ms,
+                "heartbeat_timeout_ms": heartbeat_timeout_ms,
+                "maintenance_chance": maintenance_chance,
+                "idle_wait_ms": idle_wait_ms,
+                "timeout_check_ms": timeout_check_ms,
+            }
+        )
         for name, hook in (
             ("on_job_start", on_job_start),
             ("on_job_complete", on_job_complete),
@@ -122,44 +126,67 @@ class JobRunner:
         ):
             if hook is not None and not callable(hook):
                 raise JobConfigError(None, name, "must be callable or None", hook)
-        _check_retention_covers_retries(registry, retention)
+        _check_retention_covers_retries(registry, settings.retention)
 
         self.registry = registry
-        self.redis_url = redis_url
-        self.lane = lane
-        self.queue_prefix = queue_prefix
-        self.retention = retention
-        self.worker_threads = worker_threads
-        self.run_scheduler = run_scheduler
-        self.boot_redis_timeout_ms = boot_redis_timeout_ms
+        self.settings = settings
         self.runtime = Runtime(
             registry=registry,
-            queue_prefix=queue_prefix,
-            lane=lane,
+            settings=settings,
             app=context,
             hooks=HookSet(on_job_start, on_job_complete, on_job_failed),
-            retention=retention,
             get_active_tenant_ids=get_active_tenant_ids,
-            sequential_retry_delay_ms=sequential_retry_delay_ms,
         )
+        retention_ms = settings.retention.completed_age_s * 1000
         self.broker = KumikoBroker(
             middleware=build_middleware(self.runtime),
             client=redis.Redis(
-                connection_pool=make_connection_pool(redis_url, boot_redis_timeout_ms / 1000)
+                connection_pool=make_connection_pool(
+                    settings.redis_url, settings.boot_redis_timeout_ms / 1000
+                )
             ),
-            heartbeat_timeout=_env_int("KUMIKO_HEARTBEAT_TIMEOUT_MS", DEFAULT_HEARTBEAT_TIMEOUT_MS),
-            maintenance_chance=_env_int("KUMIKO_MAINTENANCE_CHANCE", DEFAULT_MAINTENANCE_CHANCE),
-            dead_message_ttl=retention.failed_age_s * 1000,
-            queue_prefix=queue_prefix,
-            completed_ttl_ms=retention.completed_age_s * 1000,
-            moved_marker_ttl_ms=retention.completed_age_s * 1000,
+            heartbeat_timeout=settings.heartbeat_timeout_ms,
+            maintenance_chance=settings.maintenance_chance,
+            dead_message_ttl=settings.retention.failed_age_s * 1000,
+            queue_prefix=settings.queue_prefix,
+            completed_ttl_ms=retention_ms,
+            moved_marker_ttl_ms=retention_ms,
         )
         self.runtime.attach(self.broker)
         declare_actors(self.broker, self.runtime)
         self._worker: Worker | None = None
-        self._scheduler: Any = None
+        self._scheduler: Scheduler | None = None
         self._started = False
         self._stopped = False
+
+    # -- settings, as attributes --------------------------------------------
+    @property
+    def redis_url(self) -> str:
+        return self.settings.redis_url
+
+    @property
+    def lane(self) -> str:
+        return self.settings.lane
+
+    @property
+    def queue_prefix(self) -> str:
+        return self.settings.queue_prefix
+
+    @property
+    def retention(self) -> Retention:
+        return self.settings.retention
+
+    @property
+    def worker_threads(self) -> int:
+        return self.settings.worker_threads
+
+    @property
+    def run_scheduler(self) -> bool:
+        return self.settings.run_scheduler
+
+    @property
+    def boot_redis_timeout_ms(self) -> int:
+        return self.settings.boot_redis_timeout_ms
 
     # -- producing --------------------------------------------------------
     def dispatch(
@@ -234,7 +261,7 @@ class JobRunner:
         self._started = True
         boot = self._middleware(Boot)
         boot.driven_by_runner = True
-        self.broker.emit_after("process_boot")
+        self.broker.boot_process()
         try:
             boot.run(self.broker)
         except BaseException:
@@ -244,13 +271,11 @@ class JobRunner:
             self.broker,
             queues={self.runtime.queue_name},
             worker_threads=self.worker_threads,
-            worker_timeout=WORKER_TIMEOUT_MS,
+            worker_timeout=self.settings.idle_wait_ms,
         )
         self._worker.start()
         if self.run_scheduler:
-            from .scheduler import Scheduler
-
-            self._scheduler = Scheduler(self)
+            self._scheduler = Scheduler(self.broker, self.registry, retention=self.retention)
             self._scheduler.start()
         logger.info(
             "kumiko runner consuming %s (%d threads)", self.runtime.queue_name, self.worker_threads
@@ -334,7 +359,7 @@ class JobRunner:
 
     def _close(self) -> None:
         self.runtime.loop.stop()
-        self.broker.client.connection_pool.disconnect()
+        self.broker.close()
 
 
 def check_lane_can_run(runtime: Runtime) -> None:
@@ -355,7 +380,7 @@ def _check_retention_covers_retries(registry: Registry, retention: Retention) ->
     for job in registry.jobs.values():
         if not job.options.per_tenant:
             continue
-        window_ms = job.options.retry_window_ms()
+        window_ms = retry_window_ms(job.options)
         if window_ms >= limit_ms:
             raise JobConfigError(
                 job.qualified_name,
@@ -364,13 +389,3 @@ def _check_retention_covers_retries(registry: Registry, retention: Retention) ->
                 f"retention.completed_age_s ({retention.completed_age_s} s): child dedup "
                 "records would expire while the wrapper can still retry",
             )
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise JobConfigError(None, name, "must be an integer", raw) from None

@@ -34,6 +34,7 @@ from kumiko_dramatiq import (
     keys,
 )
 from kumiko_dramatiq.boot import reset_boot_marker
+from kumiko_dramatiq.broker import queue_list, queue_messages
 from kumiko_dramatiq.errors import BootGateError
 from kumiko_dramatiq.ids import boot_message_id
 from tests.apps import boot_app
@@ -70,7 +71,7 @@ def queued_ids(client: redis.Redis, prefix: str, lane: str = "worker") -> list[s
     """Message ids held in the lane queue (main and delay queue) right now."""
     found: list[str] = []
     for queue in (f"{prefix}-{lane}", f"{prefix}-{lane}.DQ"):
-        for data in client.hvals(keys.queue_messages(queue)):
+        for data in client.hvals(queue_messages(queue)):
             raw = data if isinstance(data, bytes) else data.encode()
             found.append(Message.decode(raw).message_id)
     return found
@@ -84,7 +85,7 @@ def boot_messages_seen(recorder: Recorder, client: redis.Redis, prefix: str, job
 
 
 def queue_length(client: redis.Redis, prefix: str, lane: str = "worker") -> int:
-    return int(client.llen(keys.queue_list(f"{prefix}-{lane}")))
+    return int(client.llen(queue_list(f"{prefix}-{lane}")))
 
 
 class EnqueueLog(Middleware):

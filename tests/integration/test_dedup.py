@@ -25,6 +25,7 @@ from kumiko_dramatiq import (
     Registry,
 )
 from kumiko_dramatiq import keys as kumiko_keys
+from kumiko_dramatiq.broker import queue_messages
 from tests.apps import dedup_app
 from tests.conftest import Recorder, RunnerFactory, wait_for
 
@@ -63,7 +64,7 @@ def stored_messages(client: redis.Redis, prefix: str) -> list[dict[str, Any]]:
     """Every message waiting in the worker lane: its queue and its delay queue."""
     found: list[dict[str, Any]] = []
     for queue in (f"{prefix}-worker", f"{prefix}-worker.DQ"):
-        for data in client.hvals(kumiko_keys.queue_messages(queue)):
+        for data in client.hvals(queue_messages(queue)):
             found.append(json.loads(data))
     return found
 
@@ -192,7 +193,7 @@ def test_a_delayed_keyed_job_holds_its_key_while_it_waits(
     assert again == first
     assert record(redis_client, prefix, "k") == {"id": first, "state": "queued"}
     assert redis_client.pttl(record_key(prefix, "k")) > 60_000
-    assert redis_client.hlen(kumiko_keys.queue_messages(f"{prefix}-worker.DQ")) == 1
+    assert redis_client.hlen(queue_messages(f"{prefix}-worker.DQ")) == 1
 
 
 # -- while running ----------------------------------------------------------------
@@ -338,7 +339,7 @@ def test_a_malformed_keyed_message_frees_its_key_when_dead_lettered(
     runner = make_runner(registry_of(noop), **recorder.hooks())
     first = runner.dispatch(JOB, dedup_key="k")
     # Corrupt the queued message: no argument instead of one JSON object.
-    messages_key = kumiko_keys.queue_messages(f"{prefix}-worker")
+    messages_key = queue_messages(f"{prefix}-worker")
     [(redis_id, data)] = redis_client.hgetall(messages_key).items()
     broken = json.loads(data)
     broken["args"] = []

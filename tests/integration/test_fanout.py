@@ -12,11 +12,12 @@ import itertools
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import datetime
 from typing import Any
 
 import pytest
 import redis
-from dramatiq.broker import Broker, MessageProxy
+from dramatiq.broker import Broker
 from dramatiq.common import dq_name
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware, MiddlewareError
@@ -33,11 +34,13 @@ from kumiko_dramatiq import (
     keys,
 )
 from kumiko_dramatiq import fanout as fanout_module
+from kumiko_dramatiq.broker import Delivery, queue_messages
+from kumiko_dramatiq.codec import KumikoOptions
 from kumiko_dramatiq.errors import KumikoError, TenantListError
+from kumiko_dramatiq.execution import Execution
 from kumiko_dramatiq.fanout import fan_out
 from kumiko_dramatiq.ids import child_message_id
-from kumiko_dramatiq.messages import build_message, meta_from_options
-from kumiko_dramatiq.runtime import Execution
+from kumiko_dramatiq.messages import build_message
 from tests.conftest import HookEvent, Recorder, RunnerFactory, wait_for
 
 JOB = "reports:job:nightly"
@@ -71,8 +74,8 @@ def drained(client: redis.Redis, prefix: str) -> bool:
     """
     queue = f"{prefix}-worker"
     pipe = client.pipeline(transaction=True)
-    pipe.hlen(keys.queue_messages(queue))
-    pipe.hlen(keys.queue_messages(dq_name(queue)))
+    pipe.hlen(queue_messages(queue))
+    pipe.hlen(queue_messages(dq_name(queue)))
     return bool(pipe.execute() == [0, 0])
 
 
@@ -238,7 +241,8 @@ def test_children_do_not_inherit_the_wrapper_dedup_key_but_inherit_its_cron_tick
         queue_prefix=prefix,
         trigger="cron",
         failures=1,
-        extra_options={"kumiko_dedup_key": "nightly", "kumiko_scheduled_at": tick},
+        dedup_key="nightly",
+        scheduled_at=datetime.fromisoformat(tick),
     )
     # When it fans out
     fan_out(runner.runtime, _execution(registry, wrapper), {"n": 1})
@@ -383,12 +387,13 @@ def test_fan_out_enqueues_many_tenants_in_batches_with_guards_living_completed_a
 def _execution(registry: Registry, wrapper: Message[Any]) -> Execution:
     """The Execution the worker would open for a delivery of ``wrapper``."""
     job = registry.jobs[JOB]
-    return Execution(job, MessageProxy(wrapper), meta_from_options(wrapper.options), True)
+    delivery = Delivery(wrapper, fetched_from=wrapper.queue_name, redis_message_id="r1")
+    return Execution(job, delivery, KumikoOptions.decode(wrapper.options), True)
 
 
 def _queued(client: redis.Redis, prefix: str) -> list[Message[Any]]:
     """Every message waiting in the worker lane's queue."""
-    raw = client.hvals(keys.queue_messages(f"{prefix}-worker"))
+    raw = client.hvals(queue_messages(f"{prefix}-worker"))
     return [Message.decode(item if isinstance(item, bytes) else item.encode()) for item in raw]
 
 

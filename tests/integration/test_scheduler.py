@@ -24,9 +24,17 @@ import pytest
 import redis
 from dramatiq.message import Message
 
-from kumiko_dramatiq import Cron, Feature, JobContext, Registry, build_message_options, keys
+from kumiko_dramatiq import (
+    Cron,
+    Feature,
+    JobContext,
+    JobRunner,
+    Registry,
+    build_message_options,
+    keys,
+)
+from kumiko_dramatiq.broker import queue_list, queue_messages
 from kumiko_dramatiq.ids import cron_tick_id
-from kumiko_dramatiq.messages import wrapper_actor_name
 from kumiko_dramatiq.scheduler import Scheduler
 from tests.apps import cron_app
 from tests.conftest import Recorder, RunnerFactory, wait_for
@@ -35,13 +43,18 @@ ROOT = Path(__file__).resolve().parents[2]
 SECOND = timedelta(seconds=1)
 
 
+def _scheduler(runner: JobRunner) -> Scheduler:
+    """A scheduler for ``runner``'s registry, broker and retention."""
+    return Scheduler(runner.broker, runner.registry, retention=runner.retention)
+
+
 def noop(payload: dict[str, Any], ctx: JobContext) -> None:
     pass
 
 
 def queued(client: redis.Redis, queue: str) -> list[Message[Any]]:
     """Every message in ``queue``'s message hash."""
-    raws: list[bytes] = client.hvals(keys.queue_messages(queue))  # type: ignore[assignment]
+    raws: list[bytes] = client.hvals(queue_messages(queue))  # type: ignore[assignment]
     return [Message.decode(raw) for raw in raws]
 
 
@@ -131,7 +144,7 @@ def test_three_schedulers_enqueue_every_tick_exactly_once(
     # Then every tick of the window is in the queue exactly once, under its tick id
     queue = f"{prefix}-worker"
     messages = queued(redis_client, queue)
-    assert redis_client.llen(keys.queue_list(queue)) == len(messages)
+    assert redis_client.llen(queue_list(queue)) == len(messages)
     found = assert_each_tick_once(messages)
     assert_contiguous(found)
     assert found[0] < all_running + SECOND
@@ -185,7 +198,7 @@ def test_a_tick_carries_the_job_options_trigger_and_scheduled_time(
     make_runner: RunnerFactory, redis_client: redis.Redis, prefix: str
 ) -> None:
     runner = make_runner(cron_app.registry)
-    scheduler = Scheduler(runner)
+    scheduler = _scheduler(runner)
     scheduler.start()
     try:
         wait_for(lambda: bool(ticks(redis_client, prefix)), what="a first tick")
@@ -205,7 +218,7 @@ def test_a_tick_carries_the_job_options_trigger_and_scheduled_time(
 def test_the_last_enqueued_tick_is_recorded(
     make_runner: RunnerFactory, redis_client: redis.Redis, prefix: str
 ) -> None:
-    scheduler = Scheduler(make_runner(cron_app.registry))
+    scheduler = _scheduler(make_runner(cron_app.registry))
     scheduler.start()
     try:
         wait_for(lambda: len(ticks(redis_client, prefix)) >= 2, what="two ticks")
@@ -222,7 +235,7 @@ def test_cron_jobs_of_every_lane_are_scheduled(
 ) -> None:
     feature = Feature("lanes")
     feature.job("api_tick", trigger=Cron("* * * * * *"), run_in="api")(noop)
-    scheduler = Scheduler(make_runner(Registry([feature])))  # a worker-lane runner
+    scheduler = _scheduler(make_runner(Registry([feature])))  # a worker-lane runner
     scheduler.start()
     try:
         wait_for(lambda: bool(queued(redis_client, f"{prefix}-api")), what="an api-lane tick")
@@ -237,14 +250,14 @@ def test_a_per_tenant_cron_job_ticks_its_wrapper(
     feature = Feature("tenants")
     feature.job("nightly", trigger=Cron("* * * * * *"), per_tenant=True)(noop)
     registry = Registry([feature])
-    scheduler = Scheduler(make_runner(registry))
+    scheduler = _scheduler(make_runner(registry))
     scheduler.start()
     try:
         wait_for(lambda: bool(ticks(redis_client, prefix)), what="a first tick")
     finally:
         scheduler.stop()
     message = queued(redis_client, f"{prefix}-worker")[0]
-    assert message.actor_name == wrapper_actor_name(registry.jobs["tenants:job:nightly"])
+    assert message.actor_name == registry.jobs["tenants:job:nightly"].wrapper_actor_name
     assert "kumiko_tenant_id" not in message.options
     assert message.message_id == cron_tick_id("tenants:job:nightly", tick_of(message))
 
@@ -258,7 +271,7 @@ def outage_then_restart(
     """Run a scheduler until it enqueued a tick, stop it for four ticks, restart it just
     after a second boundary and let it tick twice. Returns (last tick before the outage,
     restart instant, ticks enqueued after the outage)."""
-    first = Scheduler(runner)
+    first = _scheduler(runner)
     first.start()
     try:
         wait_for(lambda: bool(ticks(redis_client, prefix)), what="a first tick")
@@ -267,7 +280,7 @@ def outage_then_restart(
     last = max(ticks(redis_client, prefix))
     sleep_until(last + 4 * SECOND + timedelta(milliseconds=100))
     restart = datetime.now(UTC)
-    second = Scheduler(runner)
+    second = _scheduler(runner)
     second.start()
     try:
         wait_for(

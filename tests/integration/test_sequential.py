@@ -38,9 +38,9 @@ from kumiko_dramatiq import (
     build_message_options,
     keys,
 )
+from kumiko_dramatiq.broker import queue_messages
 from kumiko_dramatiq.errors import SequentialLockError
 from kumiko_dramatiq.ids import handoff_message_id
-from kumiko_dramatiq.middleware.sequential import NOTE_REQUEUED_ID
 from tests.apps import sequential_app
 from tests.conftest import Recorder, RunnerFactory, wait_for
 
@@ -97,7 +97,7 @@ def lock_key(prefix: str, tenant_id: str | None = None) -> str:
 def drained(client: redis.Redis, prefix: str) -> bool:
     """No message of the worker lane is queued, delayed or unacked."""
     queue = f"{prefix}-worker"
-    return all(client.hlen(keys.queue_messages(name)) == 0 for name in (queue, dq_name(queue)))
+    return all(client.hlen(queue_messages(name)) == 0 for name in (queue, dq_name(queue)))
 
 
 def started_runner(
@@ -362,7 +362,7 @@ def test_the_hand_off_id_is_noted_for_other_middleware(
         def after_process_message(self, broker: Broker, message: Any, **_: Any) -> None:
             execution = runner.runtime.current()
             if execution is not None:
-                seen.append((execution.handed_off, execution.notes.get(NOTE_REQUEUED_ID)))
+                seen.append((execution.handed_off, execution.handoff_id))
 
     runner.broker.add_middleware(Peek())
     runner.start()
@@ -464,7 +464,7 @@ def test_a_failed_hand_off_fails_the_attempt_and_loses_nothing(
     make_runner: RunnerFactory, recorder: Recorder, prefix: str, redis_client: redis.Redis
 ) -> None:
     # Given a delay queue Redis refuses to write to, and a held lock
-    delayed_messages = keys.queue_messages(dq_name(f"{prefix}-worker"))
+    delayed_messages = queue_messages(dq_name(f"{prefix}-worker"))
     redis_client.set(delayed_messages, "not a hash")
     redis_client.set(lock_key(prefix), OTHER_HOLDER, px=60_000)
 

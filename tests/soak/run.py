@@ -44,7 +44,7 @@ from dramatiq.message import Message
 
 from examples.redis_server import private_redis
 from kumiko_dramatiq import JobRunner, KumikoError
-from kumiko_dramatiq.messages import build_message, wrapper_actor_name
+from kumiko_dramatiq.messages import build_message
 
 from . import check
 from .app import (
@@ -476,7 +476,7 @@ class Faults(threading.Thread):
         else:
             message = message.copy(options={"kumiko_failures": "many"})
         if job.options.per_tenant and self.rng.random() < 0.5:
-            message = message.copy(actor_name=wrapper_actor_name(job))
+            message = message.copy(actor_name=job.wrapper_actor_name)
         message = message.copy(options={"redis_message_id": rid})
         self._push(
             "wrong_args",

@@ -19,7 +19,8 @@ from kumiko_dramatiq import (
     Retention,
     build_message_options,
 )
-from kumiko_dramatiq.options import retry_delay_ms
+from kumiko_dramatiq.codec import KumikoOptions
+from kumiko_dramatiq.retries import retry_delay_ms, retry_window_ms
 
 
 def handler(payload: dict[str, Any], ctx: JobContext) -> None:
@@ -165,8 +166,11 @@ def test_message_options_without_backoff() -> None:
 )
 def test_retry_delays_follow_the_contract(backoff: Any, delays: list[int | None]) -> None:
     job = declare(retries=4, backoff=backoff).jobs["billing:job:send_invoice"]
-    options = build_message_options(job)
-    assert [retry_delay_ms(options, n) for n in (1, 2, 3, 4)] == delays
+    # The delays as a worker computes them from the message options
+    options = KumikoOptions.decode({**build_message_options(job), "kumiko_trigger": "manual"})
+    assert [
+        retry_delay_ms(options.backoff, options.backoff_delay_ms, n) for n in (1, 2, 3, 4)
+    ] == delays
 
 
 @pytest.mark.parametrize(
@@ -180,7 +184,7 @@ def test_retry_delays_follow_the_contract(backoff: Any, delays: list[int | None]
 )
 def test_retry_window(retries: int, backoff: Any, window_ms: int) -> None:
     job = declare(retries=retries, backoff=backoff).jobs["billing:job:send_invoice"]
-    assert job.options.retry_window_ms() == window_ms
+    assert retry_window_ms(job.options) == window_ms
 
 
 def test_triggers_are_accepted() -> None:

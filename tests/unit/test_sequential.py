@@ -7,18 +7,16 @@ from typing import Any
 import pytest
 
 from kumiko_dramatiq import Feature, JobConfigError, JobContext, Registry
+from kumiko_dramatiq.environment import resolve_settings
 from kumiko_dramatiq.ids import handoff_message_id
-from kumiko_dramatiq.middleware.sequential import (
-    DEFAULT_LOCK_TTL_MS,
-    carried_options,
+from kumiko_dramatiq.registry import JobDefinition
+from kumiko_dramatiq.sequential import (
     handoff_delay_ms,
     is_locked,
     lock_tenant,
     new_token,
-    parse_lock_ttl_ms,
     renew_interval_ms,
 )
-from kumiko_dramatiq.registry import JobDefinition
 
 
 def job(**options: Any) -> JobDefinition:
@@ -66,34 +64,19 @@ def test_leases_are_renewed_three_times_per_ttl() -> None:
 
 
 def test_the_lock_ttl_defaults_to_thirty_seconds() -> None:
-    assert parse_lock_ttl_ms(None) == DEFAULT_LOCK_TTL_MS == 30_000
-    assert parse_lock_ttl_ms("") == 30_000
-    assert parse_lock_ttl_ms("1500") == 1_500
+    assert resolve_settings({}, {}).lock_ttl_ms == 30_000
+    assert resolve_settings({}, {"KUMIKO_LOCK_TTL_MS": ""}).lock_ttl_ms == 30_000
+    assert resolve_settings({}, {"KUMIKO_LOCK_TTL_MS": "1500"}).lock_ttl_ms == 1_500
+    assert resolve_settings({"lock_ttl_ms": 700}, {"KUMIKO_LOCK_TTL_MS": "1500"}).lock_ttl_ms == 700
 
 
 @pytest.mark.parametrize("raw", ["abc", "99", "-5", "1.5"])
 def test_a_bad_lock_ttl_is_a_config_error_naming_the_variable(raw: str) -> None:
-    with pytest.raises(JobConfigError, match=r"KUMIKO_LOCK_TTL_MS must be an integer >= 100"):
-        parse_lock_ttl_ms(raw)
+    with pytest.raises(JobConfigError, match=r"KUMIKO_LOCK_TTL_MS must be an integer"):
+        resolve_settings({}, {"KUMIKO_LOCK_TTL_MS": raw})
 
 
 def test_tokens_name_their_message_and_never_repeat() -> None:
     first, second = new_token("m-1"), new_token("m-1")
     assert first.startswith("m-1:")
     assert first != second
-
-
-def test_a_hand_off_carries_the_dedup_key_and_cron_tick_only() -> None:
-    options = {
-        "kumiko_dedup_key": "k",
-        "kumiko_scheduled_at": "2025-01-01T00:00:00+00:00",
-        "kumiko_failures": 2,
-        "kumiko_trigger": "cron",
-        "eta": 123,
-        "redis_message_id": "r",
-    }
-    assert carried_options(options) == {
-        "kumiko_dedup_key": "k",
-        "kumiko_scheduled_at": "2025-01-01T00:00:00+00:00",
-    }
-    assert carried_options({"kumiko_dedup_key": None}) == {}

@@ -1,9 +1,8 @@
 """``Lane``: a worker consumes only its runner's lane.
 
 Sets ``worker.consumer_whitelist`` to ``{f"{queue_prefix}-{lane}"}`` in
-``before_worker_boot`` unless the worker already has one (``dramatiq
---queues``). Used by ``JobRunner.start()`` and ``dramatiq kumiko_dramatiq.app``
-alike. Touches no Redis key.
+``before_worker_boot`` unless the worker already has one (``dramatiq --queues``). Used by
+``JobRunner.start()`` and ``dramatiq kumiko_dramatiq.app`` alike. Touches no Redis key.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-"""``Executions``: opens and closes the :class:`~kumiko_dramatiq.runtime.Execution` of a delivery.
+"""``Executions``: opens the :class:`~kumiko_dramatiq.execution.Execution` of each delivery.
 
-``before_process_message`` reads the kumiko options of the message
-(``kumiko_failures``, ``kumiko_retries``, ``kumiko_trigger``,
-``kumiko_tenant_id``...) into a ``JobMeta`` and checks the message's shape: a
-kumiko message carries exactly one positional argument, a JSON object. A
-malformed message (wrong arguments, unreadable options) is dead-lettered with
-a logged reason and never reaches the handler; the worker goes on. Messages
-of actors kumiko did not declare pass through untouched. Touches no Redis
-key. First of kumiko's message middleware, so its ``after_*`` runs last.
+``before_process_message`` decodes the kumiko options of a message of one of the runner's
+actors strictly (:meth:`~kumiko_dramatiq.codec.KumikoOptions.decode`) and checks its shape (a
+kumiko message carries exactly one positional argument, a JSON object). A malformed message
+is dead-lettered with a logged reason and never reaches the handler; the worker goes on.
+Messages of actors kumiko did not declare pass through untouched. Touches no Redis key.
+First of kumiko's message middleware, so its ``after_*`` runs last, when it closes the
+execution of the worker thread.
 """
 
 from __future__ import annotations
@@ -18,7 +17,10 @@ from typing import Any, NoReturn
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.middleware import Middleware, SkipMessage
 
-from ..runtime import Runtime
+from .broker import Delivery
+from .codec import KumikoOptions, OptionsError
+from .execution import Execution
+from .runtime import Runtime
 
 logger = logging.getLogger("kumiko_dramatiq")
 
@@ -28,16 +30,20 @@ class Executions(Middleware):
         self.runtime = runtime
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
-        try:
-            execution = self.runtime.begin(message)
-        except Exception as exc:  # unreadable kumiko options
-            self._reject(message, f"unreadable options ({type(exc).__name__}: {exc})")
-        if execution is None:
+        found = self.runtime.registry.actor(message.actor_name)
+        if found is None or not isinstance(message, Delivery):
             return
+        job, is_wrapper = found
+        try:
+            options = KumikoOptions.decode(message.options)
+        except OptionsError as exc:
+            self._reject(message, f"unreadable options ({exc})")
         problem = _shape_problem(message)
         if problem is not None:
-            self.runtime.end()
             self._reject(message, problem)
+        execution = Execution(job, message, options, is_wrapper)
+        message.execution = execution
+        self.runtime.enter(execution)
 
     def after_process_message(
         self,
@@ -47,14 +53,10 @@ class Executions(Middleware):
         result: Any = None,
         exception: BaseException | None = None,
     ) -> None:
-        execution = self.runtime.current()
-        if exception is None and execution is not None and not execution.handed_off:
-            # Read by the broker's consumer: the ack also marks the id completed.
-            message.kumiko_completed = True  # type: ignore[attr-defined]
-        self.runtime.end()
+        self.runtime.enter(None)
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
-        self.runtime.end()
+        self.runtime.enter(None)
 
     @staticmethod
     def _reject(message: MessageProxy, reason: str) -> NoReturn:

@@ -1,0 +1,202 @@
+"""kumiko's message options: every ``kumiko_*`` key, defined, written and decoded here.
+
+A kumiko message carries Dramatiq's own options (``redis_message_id``, ``eta``, ...) plus
+these, all JSON-native so they survive the JSON round trip of delays and retries unchanged:
+
+=========================== ===================================================================
+``kumiko_retries``          int >= 0: retries after the first attempt (``build_message_options``)
+``kumiko_backoff``          ``None`` | ``"fixed"`` | ``"exponential"`` (``build_message_options``)
+``kumiko_backoff_delay_ms`` int > 0 with a backoff, else ``None`` (``build_message_options``)
+``kumiko_trigger``          how the message came to be (:data:`~kumiko_dramatiq.context.Trigger`)
+``kumiko_failures``         failed attempts already spent, ``0 <= failures <= retries``
+                            (absent = 0)
+``kumiko_tenant_id``        tenant of a per-tenant child (absent = none)
+``kumiko_dedup_key``        the dedup key the message holds (absent = none)
+``kumiko_scheduled_at``     ISO-8601 tick of a cron message, with its UTC offset (absent = none)
+=========================== ===================================================================
+
+:meth:`KumikoOptions.decode` is strict: a missing required key or a value of the wrong type
+or range raises :class:`OptionsError`, never a default. Nothing else in the package spells a
+``kumiko_*`` key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import Any, Final, Literal, TypeGuard, cast, get_args
+
+from .context import JobMeta, Trigger
+
+BackoffType = Literal["fixed", "exponential"]
+
+RETRIES: Final = "kumiko_retries"
+BACKOFF: Final = "kumiko_backoff"
+BACKOFF_DELAY_MS: Final = "kumiko_backoff_delay_ms"
+TRIGGER: Final = "kumiko_trigger"
+FAILURES: Final = "kumiko_failures"
+TENANT_ID: Final = "kumiko_tenant_id"
+DEDUP_KEY: Final = "kumiko_dedup_key"
+SCHEDULED_AT: Final = "kumiko_scheduled_at"
+
+_TRIGGERS: Final = frozenset(get_args(Trigger))
+_BACKOFFS: Final = frozenset(get_args(BackoffType))
+
+
+class OptionsError(ValueError):
+    """A message's kumiko options do not decode into what kumiko writes."""
+
+    def __init__(self, key: str, problem: str, value: Any = ...) -> None:
+        self.key = key
+        self.problem = problem
+        self.value = value
+        shown = "" if value is ... else f", got {value!r:.80}"
+        super().__init__(f"option {key} {problem}{shown}")
+
+
+def encode_policy(
+    retries: int, backoff: BackoffType | None, backoff_delay_ms: int | None
+) -> dict[str, Any]:
+    """The three retry-policy keys (the body of ``build_message_options``)."""
+    return {RETRIES: retries, BACKOFF: backoff, BACKOFF_DELAY_MS: backoff_delay_ms}
+
+
+def encode_run(
+    trigger: Trigger,
+    *,
+    failures: int = 0,
+    tenant_id: str | None = None,
+    dedup_key: str | None = None,
+    scheduled_at: datetime | None = None,
+) -> dict[str, Any]:
+    """The per-message keys; those at their default (0 failures, no tenant...) are left out."""
+    options: dict[str, Any] = {TRIGGER: trigger}
+    if failures:
+        options[FAILURES] = failures
+    if tenant_id is not None:
+        options[TENANT_ID] = tenant_id
+    if dedup_key is not None:
+        options[DEDUP_KEY] = dedup_key
+    if scheduled_at is not None:
+        options[SCHEDULED_AT] = scheduled_at.isoformat()
+    return options
+
+
+@dataclass(frozen=True, slots=True)
+class KumikoOptions:
+    """The decoded kumiko options of one message."""
+
+    retries: int
+    backoff: BackoffType | None
+    backoff_delay_ms: int | None
+    trigger: Trigger
+    failures: int = 0
+    tenant_id: str | None = None
+    dedup_key: str | None = None
+    scheduled_at: datetime | None = None
+
+    def encode(self) -> dict[str, Any]:
+        """JSON-native options; keys at their default (0 failures, no tenant...) are left out."""
+        return {
+            **encode_policy(self.retries, self.backoff, self.backoff_delay_ms),
+            **encode_run(
+                self.trigger,
+                failures=self.failures,
+                tenant_id=self.tenant_id,
+                dedup_key=self.dedup_key,
+                scheduled_at=self.scheduled_at,
+            ),
+        }
+
+    @classmethod
+    def decode(cls, options: Any) -> KumikoOptions:
+        """Decode a delivered message's options; :class:`OptionsError` on anything kumiko
+        would not have written."""
+        if not isinstance(options, Mapping):
+            raise OptionsError("options", "must be a JSON object", options)
+        retries = _count(options, RETRIES, required=True)
+        backoff = options.get(BACKOFF)
+        if backoff is not None and backoff not in _BACKOFFS:
+            raise OptionsError(BACKOFF, 'must be null, "fixed" or "exponential"', backoff)
+        delay = options.get(BACKOFF_DELAY_MS)
+        if backoff is None:
+            if delay is not None:
+                raise OptionsError(BACKOFF_DELAY_MS, "must be null without a backoff", delay)
+        elif not _is_int(delay) or delay <= 0:
+            raise OptionsError(BACKOFF_DELAY_MS, "must be a positive integer", delay)
+        trigger = options.get(TRIGGER, ...)
+        if trigger not in _TRIGGERS:
+            raise OptionsError(TRIGGER, f"must be one of {sorted(_TRIGGERS)}", trigger)
+        failures = _count(options, FAILURES, required=False)
+        if failures > retries:
+            raise OptionsError(FAILURES, f"must not exceed {RETRIES} ({retries})", failures)
+        return cls(
+            retries=retries,
+            backoff=cast("BackoffType | None", backoff),
+            backoff_delay_ms=delay,
+            trigger=cast(Trigger, trigger),
+            failures=failures,
+            tenant_id=_text(options, TENANT_ID),
+            dedup_key=_text(options, DEDUP_KEY),
+            scheduled_at=_instant(options, SCHEDULED_AT),
+        )
+
+    @property
+    def max_attempts(self) -> int:
+        return self.retries + 1
+
+    @property
+    def attempt(self) -> int:
+        """The 1-based attempt this message runs as."""
+        return self.failures + 1
+
+    def meta(self) -> JobMeta:
+        return JobMeta(
+            attempt=self.attempt,
+            max_attempts=self.max_attempts,
+            tenant_id=self.tenant_id,
+            trigger=self.trigger,
+            scheduled_at=self.scheduled_at,
+            dedup_key=self.dedup_key,
+        )
+
+    def with_failures(self, failures: int) -> KumikoOptions:
+        return replace(self, failures=failures)
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count(options: Mapping[str, Any], key: str, *, required: bool) -> int:
+    if key not in options:
+        if required:
+            raise OptionsError(key, "is missing")
+        return 0
+    value = options[key]
+    if not _is_int(value) or value < 0:
+        raise OptionsError(key, "must be an integer >= 0", value)
+    return int(value)
+
+
+def _text(options: Mapping[str, Any], key: str) -> str | None:
+    value = options.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise OptionsError(key, "must be a non-empty string", value)
+    return value
+
+
+def _instant(options: Mapping[str, Any], key: str) -> datetime | None:
+    text = _text(options, key)
+    if text is None:
+        return None
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        raise OptionsError(key, "must be an ISO-8601 datetime", text) from None
+    if value.tzinfo is None:
+        raise OptionsError(key, "must carry a UTC offset", text)
+    return value

@@ -1,0 +1,59 @@
+"""``Execution``: kumiko's typed state of one delivery of one of its messages.
+
+Opened by :class:`~kumiko_dramatiq.executions.Executions` in ``before_process_message`` and
+kept on the :class:`~kumiko_dramatiq.broker.Delivery` (``delivery.execution``); every other
+middleware reads it with :func:`execution_of`. Nothing travels in untyped attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dramatiq.broker import MessageProxy
+
+from .broker import Delivery
+from .codec import KumikoOptions
+from .context import JobMeta
+from .registry import JobDefinition
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A sequential lock this delivery holds: its key and owner token."""
+
+    lock_key: str
+    token: str
+
+
+@dataclass
+class Execution:
+    """One delivery of one kumiko message on a worker thread."""
+
+    job: JobDefinition
+    delivery: Delivery
+    options: KumikoOptions
+    is_wrapper: bool
+    meta: JobMeta = field(init=False)
+    #: The sequential lock this run holds (set by ``Sequential`` when it takes it).
+    lease: Lease | None = None
+    #: The message this one handed its run off to (``Sequential``, lock held): the actor
+    #: body, the hooks and the retries then do nothing and no attempt is spent.
+    handoff_id: str | None = None
+
+    def __post_init__(self) -> None:
+        self.meta = self.options.meta()
+
+    @property
+    def message_id(self) -> str:
+        return str(self.delivery.message_id)
+
+    @property
+    def handed_off(self) -> bool:
+        return self.handoff_id is not None
+
+
+def execution_of(message: MessageProxy) -> Execution | None:
+    """The execution of a delivery, or ``None`` (a foreign actor, or not opened yet)."""
+    if isinstance(message, Delivery) and isinstance(message.execution, Execution):
+        return message.execution
+    return None

@@ -1,0 +1,17 @@
+-- cron_tick: enqueue one cron tick exactly once, however many schedulers run.
+-- KEYS[1] queue messages hash   KEYS[2] queue list   KEYS[3] the tick's guard
+-- KEYS[4] the job's last-tick record
+-- ARGV[1] redis message id   ARGV[2] encoded message   ARGV[3] guard TTL (ms)
+-- ARGV[4] guard value (the scheduler's identity)   ARGV[5] tick (UTC epoch seconds)
+-- ARGV[6] last-tick record TTL (ms)
+-- Enqueues iff the guard did not exist; raises the last-tick record to the tick either way
+-- (never lowers it) and refreshes its TTL. Returns {1} (enqueued) or {0}.
+-- @include guarded
+local enqueued = enqueue_unless_guarded(KEYS[1], KEYS[2], ARGV[1], ARGV[2], KEYS[3], ARGV[4], ARGV[3])
+local last = tonumber(redis.call("get", KEYS[4]))
+if last == nil or last < tonumber(ARGV[5]) then
+    redis.call("set", KEYS[4], ARGV[5], "PX", ARGV[6])
+else
+    redis.call("pexpire", KEYS[4], ARGV[6])
+end
+return {enqueued}

@@ -1,0 +1,16 @@
+-- dedup_handover: enqueue the follow-up of an ended keyed job and make it the live job.
+-- KEYS[1] queue messages hash   KEYS[2] queue list   KEYS[3] the key's record
+-- ARGV[1] redis message id   ARGV[2] encoded follow-up   ARGV[3] the ended message's id
+-- ARGV[4] the follow-up's id   ARGV[5] record TTL (ms)
+-- Iff the record is still ARGV[3]'s "ending" with follow-up ARGV[4]: enqueue it, record
+-- {id = ARGV[4], queued}. Returns {1} or {0}.
+-- @include enqueue
+local rec = redis.call("hmget", KEYS[3], "id", "state", "fid")
+if rec[1] ~= ARGV[3] or rec[2] ~= "ending" or rec[3] ~= ARGV[4] then
+    return {0}
+end
+enqueue_message(KEYS[1], KEYS[2], ARGV[1], ARGV[2])
+redis.call("del", KEYS[3])
+redis.call("hset", KEYS[3], "id", ARGV[4], "state", "queued")
+redis.call("pexpire", KEYS[3], ARGV[5])
+return {1}

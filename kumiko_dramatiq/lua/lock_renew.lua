@@ -1,0 +1,14 @@
+-- lock_renew: extend every lease this process still owns, in one call.
+-- KEYS[i] a lock   ARGV[i] the token expected in KEYS[i]   ARGV[#KEYS + 1] lease TTL (ms)
+-- Returns one 1 (renewed) or 0 (lost: expired or taken over) per key.
+local ttl = ARGV[#KEYS + 1]
+local renewed = {}
+for i, key in ipairs(KEYS) do
+    if redis.call("get", key) == ARGV[i] then
+        redis.call("pexpire", key, ttl)
+        renewed[i] = 1
+    else
+        renewed[i] = 0
+    end
+end
+return renewed

@@ -1,0 +1,16 @@
+-- requeue: put claimed but unprocessed messages back on their queue (worker shutdown).
+-- KEYS[1] namespace
+-- ARGV[1..6] dispatch head (see _dispatch.lua)
+-- ARGV[7..] redis message ids
+-- Each id in this worker's ack set whose message exists goes back to the queue's tail.
+-- Returns how many went back.
+-- @include dispatch
+local moved = 0
+for i = 7, #ARGV do
+    if redis.call("srem", queue_acks, ARGV[i]) == 1
+        and redis.call("hexists", queue_messages, ARGV[i]) == 1 then
+        redis.call("rpush", queue_list, ARGV[i])
+        moved = moved + 1
+    end
+end
+return moved

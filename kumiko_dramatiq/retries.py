@@ -1,0 +1,136 @@
+"""Retries: a failed attempt runs again on the SAME message id, exactly as its job says.
+
+Everything about retries is here:
+
+- **the policy on the message** (:func:`build_message_options`): the only function that turns
+  a job's ``retries``/``backoff`` into message options. Every enqueue path (dispatch, event,
+  cron tick, boot-once, per-tenant wrapper and child, sequential hand-off, dedup follow-up)
+  builds its message with :func:`kumiko_dramatiq.messages.build_message`, which merges it, so
+  none can forget it. The keys and their decoding are :mod:`kumiko_dramatiq.codec`'s;
+- **the maths** (:func:`retry_delay_ms`, :func:`retry_window_ms`), pure: attempts = retries +
+  1; the delay before retry n (n = 1, 2, ...) is ``delay_ms`` (fixed) or ``delay_ms *
+  2**(n-1)`` (exponential), without jitter or floor; no backoff retries at once;
+- **the middleware** (:class:`Retries`): after a failed attempt that is not the last, it
+  prepares the retry (a copy with ``kumiko_failures`` = attempts spent, ``before_enqueue``
+  runs now) and leaves it on the delivery's :class:`~kumiko_dramatiq.broker.Settlement`;
+  the final failure is dead-lettered (``message.fail()`` -> ``<queue>.XQ``, kept
+  ``Retention.failed_age_s``). A timeout (``TimeLimitExceeded``) is a failed attempt like any
+  other; a sequential hand-off spends none;
+- **the ack-with-retry step** (``lua/ack_retry.lua``, run by the consumer's ack): the ack of
+  the failed attempt and the enqueue of its retry are ONE Lua call, so a worker killed before
+  it leaves neither (the attempt is redelivered and runs again) and one killed after it leaves
+  both: a retry chain never forks and is never lost, at no extra round trip.
+
+Dramatiq's own ``Retries`` middleware must not be on a kumiko broker (``JobRunner.start()``
+refuses it): it would retry kumiko's messages 20 times with jittered backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from dramatiq.broker import Broker, MessageProxy
+from dramatiq.middleware import Middleware
+
+from .broker import Delivery, KumikoBroker
+from .codec import FAILURES, BackoffType, encode_policy
+from .execution import execution_of
+from .options import JobOptions
+from .registry import JobDefinition
+
+logger = logging.getLogger("kumiko_dramatiq")
+
+
+def build_message_options(job: JobDefinition) -> dict[str, Any]:
+    """The retry/backoff options every enqueue path attaches to a message of ``job``.
+
+    Pure and deterministic; JSON-native values only.
+    """
+    backoff = job.options.backoff
+    return encode_policy(
+        job.options.retries,
+        None if backoff is None else backoff.type,
+        None if backoff is None else backoff.delay_ms,
+    )
+
+
+def retry_delay_ms(
+    backoff: BackoffType | None, base_delay_ms: int | None, retry_number: int
+) -> int | None:
+    """Delay before retry ``retry_number`` (1-based) under a backoff of type ``backoff`` with
+    base delay ``base_delay_ms``; ``None`` (no backoff) means "retry at once"."""
+    if backoff is None or base_delay_ms is None:
+        return None
+    if backoff == "fixed":
+        return base_delay_ms
+    return int(base_delay_ms * 2 ** (retry_number - 1))
+
+
+def retry_window_ms(options: JobOptions) -> int:
+    """Worst-case time spent waiting out backoffs across all retries of a job."""
+    backoff = options.backoff
+    if backoff is None or options.retries == 0:
+        return 0
+    if backoff.type == "fixed":
+        return options.retries * backoff.delay_ms
+    return int(backoff.delay_ms * (2**options.retries - 1))
+
+
+def describe_error(exception: BaseException) -> str:
+    """``Type: message``, or just ``Type`` when the message is empty."""
+    text = str(exception)
+    return f"{type(exception).__name__}: {text}" if text else type(exception).__name__
+
+
+class Retries(Middleware):
+    """Retries failed kumiko attempts on their message id; dead-letters the final failure.
+
+    Reads the delivery's decoded options (``kumiko_retries``, ``kumiko_backoff``,
+    ``kumiko_backoff_delay_ms``, ``kumiko_failures``); writes ``kumiko_failures`` on the
+    retry. Touches no kumiko Redis key. After ``Executions`` in the chain, so its
+    ``after_process_message`` runs late: after the hooks, the dedup transition and the lock
+    release. Messages of actors kumiko did not declare pass through untouched.
+    """
+
+    def after_process_message(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        execution = execution_of(message)
+        if exception is None or execution is None or execution.handed_off:
+            return
+        meta, options = execution.meta, execution.options
+        if meta.final_attempt:
+            logger.warning(
+                "%s %s failed for good after %d attempt(s): %s",
+                execution.job.qualified_name,
+                message.message_id,
+                meta.attempt,
+                describe_error(exception),
+            )
+            message.fail()
+            return
+        failures = meta.attempt
+        delay_ms = retry_delay_ms(options.backoff, options.backoff_delay_ms, failures)
+        retry = message.copy(options={FAILURES: failures})
+        retry.options.pop("eta", None)
+        retry.options.pop("redis_message_id", None)
+        assert isinstance(broker, KumikoBroker)
+        assert isinstance(message, Delivery)
+        prepared = broker.prepare(retry, delay_ms)
+        broker.emit_before("enqueue", prepared, delay_ms)
+        message.settlement.retry = (prepared, delay_ms)
+        logger.info(
+            "%s %s: attempt %d of %d failed (%s), retrying %s",
+            execution.job.qualified_name,
+            message.message_id,
+            meta.attempt,
+            meta.max_attempts,
+            describe_error(exception),
+            "now" if delay_ms is None else f"in {delay_ms} ms",
+        )

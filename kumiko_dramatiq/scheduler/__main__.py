@@ -1,0 +1,7 @@
+"""``python -m kumiko_dramatiq.scheduler``: the same as ``kumiko-scheduler``."""
+
+from __future__ import annotations
+
+from ..cli import scheduler_main
+
+raise SystemExit(scheduler_main())

@@ -1,0 +1,154 @@
+"""Every setting of a runner, validated in one place.
+
+:class:`Settings` is what ``JobRunner(...)`` resolves its arguments into: an argument given
+explicitly wins, else its ``KUMIKO_*`` variable (read by :mod:`kumiko_dramatiq.environment`,
+the one module that reads the environment), else the default below. Validation errors are
+:class:`~kumiko_dramatiq.errors.JobConfigError` naming the setting and the value.
+
+================================ ============================== ===============================
+setting                          variable                       default
+================================ ============================== ===============================
+``redis_url``                    ``KUMIKO_REDIS_URL``           ``redis://127.0.0.1:6379/0``
+``queue_prefix``                 ``KUMIKO_QUEUE_PREFIX``        ``kumiko``
+``lane``                         ``KUMIKO_LANE``                ``worker``
+``heartbeat_timeout_ms``         ``KUMIKO_HEARTBEAT_TIMEOUT_MS`` 60 000
+``maintenance_chance``           ``KUMIKO_MAINTENANCE_CHANCE``  1 000 (per million calls)
+``lock_ttl_ms``                  ``KUMIKO_LOCK_TTL_MS``         30 000 (at least 100)
+``idle_wait_ms``                 ``KUMIKO_IDLE_WAIT_MS``        200
+``worker_threads``                                              8
+``boot_redis_timeout_ms``                                       5 000
+``sequential_retry_delay_ms``                                   1 000
+``timeout_check_ms``                                            1 000
+``retention``                                                   ``Retention()``
+``run_scheduler``                                               ``False``
+================================ ============================== ===============================
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Final, Literal
+
+from .errors import JobConfigError
+from .options import Retention
+
+Lane = Literal["worker", "api"]
+LANES: Final[tuple[Lane, ...]] = ("worker", "api")
+
+#: What a queue prefix must match (it becomes part of queue names and Redis keys).
+PREFIX_PATTERN: Final = re.compile(r"[A-Za-z_][A-Za-z0-9._-]*")
+
+#: Below this a lease renewer (every TTL/3) would approach a busy loop.
+MIN_LOCK_TTL_MS: Final = 100
+#: Dramatiq's maintenance chance is counted per this many broker calls.
+MAINTENANCE_SCALE: Final = 1_000_000
+
+
+class Unset(enum.Enum):
+    """The default of a ``JobRunner`` setting argument: not given, so its ``KUMIKO_*``
+    variable applies if set, else the default. (``None`` is a value, and an invalid one.)"""
+
+    UNSET = "unset"
+
+
+UNSET: Final = Unset.UNSET
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A runner's resolved, validated settings (see the module docstring)."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    queue_prefix: str = "kumiko"
+    lane: Lane = "worker"
+    #: A worker silent this long is dead; Dramatiq's maintenance then puts its unacked
+    #: messages back on their queue.
+    heartbeat_timeout_ms: int = 60_000
+    #: Per million broker calls: the chance that a call also runs that maintenance.
+    maintenance_chance: int = 1_000
+    #: Lease of a sequential job's lock: how long a dead worker's lock outlives it.
+    lock_ttl_ms: int = 30_000
+    #: The longest an idle consumer or worker thread waits before looking again: it bounds
+    #: how late an idle worker notices new work and how long ``stop()`` takes.
+    idle_wait_ms: int = 200
+    worker_threads: int = 8
+    boot_redis_timeout_ms: int = 5_000
+    sequential_retry_delay_ms: int = 1_000
+    #: How often Dramatiq's ``TimeLimit`` checks running handlers against ``timeout_ms``.
+    timeout_check_ms: int = 1_000
+    retention: Retention = field(default_factory=Retention)
+    run_scheduler: bool = False
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.redis_url, str) and "://" in self.redis_url,
+            "redis_url",
+            "must be a redis:// URL",
+            self.redis_url,
+        )
+        _check(
+            isinstance(self.queue_prefix, str) and PREFIX_PATTERN.fullmatch(self.queue_prefix),
+            "queue_prefix",
+            f"must match {PREFIX_PATTERN.pattern}",
+            self.queue_prefix,
+        )
+        _check(self.lane in LANES, "lane", 'must be "worker" or "api"', self.lane)
+        for name in (
+            "heartbeat_timeout_ms",
+            "idle_wait_ms",
+            "worker_threads",
+            "boot_redis_timeout_ms",
+            "sequential_retry_delay_ms",
+            "timeout_check_ms",
+        ):
+            value = getattr(self, name)
+            _check(_is_int(value) and value > 0, name, "must be a positive integer", value)
+        _check(
+            _is_int(self.maintenance_chance) and 0 <= self.maintenance_chance <= MAINTENANCE_SCALE,
+            "maintenance_chance",
+            f"must be an integer from 0 to {MAINTENANCE_SCALE}",
+            self.maintenance_chance,
+        )
+        _check(
+            _is_int(self.lock_ttl_ms) and self.lock_ttl_ms >= MIN_LOCK_TTL_MS,
+            "lock_ttl_ms",
+            f"must be an integer >= {MIN_LOCK_TTL_MS}",
+            self.lock_ttl_ms,
+        )
+        _check(
+            isinstance(self.retention, Retention),
+            "retention",
+            "must be a Retention",
+            self.retention,
+        )
+        _check(
+            isinstance(self.run_scheduler, bool),
+            "run_scheduler",
+            "must be a bool",
+            self.run_scheduler,
+        )
+
+    @property
+    def queue_name(self) -> str:
+        """The queue of this runner's lane."""
+        return lane_queue(self.queue_prefix, self.lane)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def lane_queue(queue_prefix: str, lane: str) -> str:
+    """The queue of ``lane``: ``f"{queue_prefix}-{lane}"``."""
+    return f"{queue_prefix}-{lane}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(ok: Any, name: str, problem: str, value: Any) -> None:
+    if not ok:
+        raise JobConfigError(None, name, problem, value)
