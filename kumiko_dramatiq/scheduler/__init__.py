@@ -347,4 +347,3 @@ class Scheduler:
                 track.cron.misfire,
                 track.grace_s,
             )
-

@@ -14,9 +14,10 @@ import kumiko_dramatiq
 from kumiko_dramatiq.lua import LuaScripts, source
 
 PACKAGE = Path(kumiko_dramatiq.__file__).parent
-MODULES = sorted(
-    info.name for info in pkgutil.walk_packages([str(PACKAGE)], prefix="kumiko_dramatiq.")
-) + ["kumiko_dramatiq"]
+MODULES = [
+    "kumiko_dramatiq",
+    *sorted(info.name for info in pkgutil.walk_packages([str(PACKAGE)], prefix="kumiko_dramatiq.")),
+]
 #: Modules imported only for their side effect of running something.
 RUN_ON_IMPORT = {"kumiko_dramatiq.app", "kumiko_dramatiq.scheduler.__main__"}
 
@@ -30,11 +31,7 @@ def test_every_module_imports_alone_in_a_fresh_interpreter() -> None:
     # package was imported before it), When it is imported, Then it imports: an import
     # cycle shows up as an ImportError for the module that closes the cycle.
     modules = [name for name in MODULES if name not in RUN_ON_IMPORT]
-    script = (
-        "import importlib, sys\n"
-        "name = sys.argv[1]\n"
-        "importlib.import_module(name)\n"
-    )
+    script = "import importlib, sys\nname = sys.argv[1]\nimportlib.import_module(name)\n"
     failures = []
     for name in modules:
         done = subprocess.run(
