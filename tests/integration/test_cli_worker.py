@@ -102,3 +102,26 @@ def test_a_bad_kumiko_app_is_a_one_line_error(
     assert len(ours) == 1, done.stderr
     assert says in ours[0]
     assert "Traceback" not in done.stderr
+
+
+def test_a_variable_that_disagrees_with_a_runner_app_stops_the_worker_naming_both(
+    redis_url: str,
+) -> None:
+    # Given a JobRunner app with its own queue prefix and lock TTL, and a variable that
+    # sets another lock TTL
+    env = worker_env(redis_url, "runnerapp", "tests.apps.runner_app:runner")
+    env["KUMIKO_LOCK_TTL_MS"] = "600"
+    # When a worker starts
+    done = subprocess.run(
+        [sys.executable, "-m", "dramatiq", "kumiko_dramatiq.app", "-p", "1", "-t", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    # Then it refuses in one line naming the variable and the runner's own value
+    assert done.returncode != 0
+    ours = [line for line in done.stderr.splitlines() if line.startswith("kumiko_dramatiq.app:")]
+    assert len(ours) == 1, done.stderr
+    assert "KUMIKO_LOCK_TTL_MS=600 disagrees with the JobRunner's lock_ttl_ms=5000" in ours[0]
