@@ -51,8 +51,8 @@ def snapshot(client: redis.Redis, prefix: str) -> dict[str, Any]:
     patterns = (f"dramatiq:{prefix}-*", f"dramatiq:__acks__.*.{prefix}-*")
     for pattern in patterns:
         for raw_key in client.scan_iter(match=pattern, count=1000):
-            key = raw_key.decode()
-            kind = client.type(key).decode()
+            key = _text(raw_key)
+            kind = _text(client.type(key))
             if kind == "list":
                 state[key] = ("list", client.lrange(key, 0, -1))
             elif kind == "hash":
@@ -63,9 +63,13 @@ def snapshot(client: redis.Redis, prefix: str) -> dict[str, Any]:
                 state[key] = ("zset", sorted(client.zrange(key, 0, -1)))
             else:
                 state[key] = (kind,)
-    beats = {member.decode() for member in client.zrange("dramatiq:__heartbeats__", 0, -1)}
+    beats = {_text(member) for member in client.zrange("dramatiq:__heartbeats__", 0, -1)}
     state["heartbeats"] = sorted(beats & {WORKER, DEAD_WORKER})
     return state
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def run(client: redis.Redis, prefix: str, broker: Any, steps: list[Step]) -> list[Any]:
