@@ -291,9 +291,9 @@ class KumikoBroker(RedisBroker):
             marker_ttl_ms = self.moved_marker_ttl_ms
         rid = prepared.options["redis_message_id"]
         self.emit_before("enqueue", prepared, delay)
-        self.lua.enqueue(
-            keys=[self.namespace, keys.sent(self.queue_prefix, rid)],
-            args=[*self._head(prepared.queue_name), rid, prepared.encode(), marker_ttl_ms],
+        self.lua.guarded_enqueue(
+            keys=[*self._queue_keys(prepared), keys.sent(self.queue_prefix, rid)],
+            args=[rid, prepared.encode(), marker_ttl_ms, "1"],
         )
         self.emit_after("enqueue", prepared, delay)
         return prepared

@@ -339,13 +339,16 @@ def test_an_enqueue_resent_after_a_dropped_connection_stores_the_message_once(
         build_message(job, {}, queue_prefix=prefix, trigger="manual"), None
     )
     rid = prepared.options["redis_message_id"]
-    keys = ["dramatiq", f"kumiko:{prefix}:sent:{rid}"]
-    head = [f"{prefix}-worker", 1, "worker-1", 60_000, 60_000, "0"]
-    args = [*head, rid, prepared.encode(), 60_000]
-    enqueue = runner.broker.lua.enqueue
+    keys = [
+        f"dramatiq:{prefix}-worker.msgs",
+        f"dramatiq:{prefix}-worker",
+        f"kumiko:{prefix}:sent:{rid}",
+    ]
+    args = [rid, prepared.encode(), 60_000, "1"]
+    enqueue = runner.broker.lua.guarded_enqueue
     # The same command sent twice, as redis-py re-sends it when the reply was lost,
-    assert enqueue(keys=keys, args=args) == 1
+    assert enqueue(keys=keys, args=args) == [1]
     # even after the first copy was consumed and acked.
     redis_client.delete(f"dramatiq:{prefix}-worker", f"dramatiq:{prefix}-worker.msgs")
-    assert enqueue(keys=keys, args=args) == 0
+    assert enqueue(keys=keys, args=args) == [0]
     assert queued(redis_client, prefix) == 0
