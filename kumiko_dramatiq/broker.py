@@ -37,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, Protocol
 from uuid import UUID, uuid4, uuid5
 
 import redis
@@ -119,10 +119,44 @@ class Delivery(MessageProxy):
 
     def __init__(self, message: Message[Any], *, fetched_from: str, redis_message_id: str) -> None:
         super().__init__(message)
+        self.message = message
         self.fetched_from = fetched_from
         self.redis_message_id = redis_message_id
         self.settlement = Settlement()
+        #: what the broker's ``message_policy`` decoded from the message (kumiko's options)
+        self.decoded: object = None
         self.execution: object | None = None
+
+
+#: What ``settle`` does with a delivery: forget it ("ack"), forget it and mark its id
+#: completed, forget it and enqueue its retry, or dead-letter it.
+Outcome = Literal["ack", "completed", "retry", "dead"]
+
+
+class MessagePolicy(Protocol):
+    """What the broker's owner says about the messages its consumers fetch."""
+
+    def check(self, message: Message[Any]) -> tuple[str | None, object]:
+        """Why a decoded ``message`` must be dead-lettered (``None``: it is fine), and
+        anything to keep on its :class:`Delivery` (``decoded``)."""
+
+    def rejected(self, message: Message[Any]) -> None:
+        """``message`` was dead-lettered by ``check``, before it ran: clean up after it."""
+
+
+@dataclass(frozen=True)
+class LaneFetch:
+    """What one ``fetch_lane`` call claimed and decided."""
+
+    fetched: list[tuple[str, bytes | None]]
+    #: message ids acked unrun because they already completed
+    completed: list[str]
+    #: (redis id, deliveries) of poison messages dead-lettered
+    buried: list[tuple[str, int]]
+    #: suspects (messages whose worker died) waiting to run alone
+    suspects_waiting: int
+    #: the one message fetched is a suspect that runs alone
+    alone: bool
 
 
 # -- the broker ----------------------------------------------------------------------------
@@ -145,6 +179,8 @@ class KumikoBroker(RedisBroker):
         queue_prefix: str,
         completed_ttl_ms: int,
         moved_marker_ttl_ms: int,
+        max_deliveries: int = 5,
+        message_policy: MessagePolicy | None = None,
     ) -> None:
         super().__init__(  # type: ignore[no-untyped-call]
             client=client,
@@ -156,6 +192,8 @@ class KumikoBroker(RedisBroker):
         self.queue_prefix = queue_prefix
         self.completed_ttl_ms = completed_ttl_ms
         self.moved_marker_ttl_ms = moved_marker_ttl_ms
+        self.max_deliveries = max_deliveries
+        self.message_policy = message_policy
         self.lua = LuaScripts.register(client)
 
     def __getattr__(self, name: str) -> Any:
@@ -193,20 +231,36 @@ class KumikoBroker(RedisBroker):
 
     def do_fetch(self, queue_name: str, count: int) -> list[bytes | None]:
         """Dramatiq's fetch: up to ``count`` encoded messages (``None`` for a vanished one)."""
-        pairs, _ = self.fetch(queue_name, count, check_completed=False)
-        return [body for _, body in pairs]
+        return [body for _, body in self.fetch(queue_name, count)]
 
-    def fetch(
-        self, queue_name: str, count: int, *, check_completed: bool
-    ) -> tuple[list[tuple[str, bytes | None]], list[str]]:
-        """Claim up to ``count`` messages: ``([(redis id, body or None)], [message ids acked
-        unrun because they already completed])``."""
-        done_prefix = keys.completed(self.queue_prefix, "") if check_completed else ""
-        pairs, dropped = self.lua.fetch(
-            keys=[self.namespace], args=[*self._head(queue_name), count, done_prefix]
+    def fetch(self, queue_name: str, count: int) -> list[tuple[str, bytes | None]]:
+        """Dramatiq's fetch, with the redis id of each message: ``[(rid, body or None)]``."""
+        reply = self.lua.fetch(keys=[self.namespace], args=[*self._head(queue_name), count])
+        return [(_text(reply[i]), reply[i + 1]) for i in range(0, len(reply), 2)]
+
+    def fetch_lane(self, queue_name: str, count: int, *, outstanding: int) -> LaneFetch:
+        """Claim up to ``count`` messages of a lane queue (``lua/fetch_lane.lua``)."""
+        fetched, completed, buried, waiting, alone = self.lua.fetch_lane(
+            keys=[
+                self.namespace,
+                keys.deliveries(self.queue_prefix),
+                keys.suspects(self.queue_prefix, queue_name),
+            ],
+            args=[
+                *self._head(queue_name),
+                count,
+                keys.completed(self.queue_prefix, ""),
+                outstanding,
+                self.max_deliveries,
+            ],
         )
-        fetched = [(_text(pairs[i]), pairs[i + 1]) for i in range(0, len(pairs), 2)]
-        return fetched, [_text(message_id) for message_id in dropped]
+        return LaneFetch(
+            fetched=[(_text(fetched[i]), fetched[i + 1]) for i in range(0, len(fetched), 2)],
+            completed=[_text(message_id) for message_id in completed],
+            buried=[(_text(buried[i]), int(buried[i + 1])) for i in range(0, len(buried), 2)],
+            suspects_waiting=int(waiting),
+            alone=alone == 1,
+        )
 
     def do_ack(self, queue_name: str, redis_message_id: str) -> None:
         self.lua.ack(
@@ -221,7 +275,10 @@ class KumikoBroker(RedisBroker):
         )
 
     def do_requeue(self, queue_name: str, *redis_message_ids: str) -> None:
-        self.lua.requeue(keys=[self.namespace], args=[*self._head(queue_name), *redis_message_ids])
+        lane = [keys.deliveries(self.queue_prefix)] if self.is_lane(queue_name) else []
+        self.lua.requeue(
+            keys=[self.namespace, *lane], args=[*self._head(queue_name), *redis_message_ids]
+        )
 
     def do_purge(self, queue_name: str) -> None:
         self.lua.purge(keys=[self.namespace], args=self._head(queue_name))
@@ -229,34 +286,38 @@ class KumikoBroker(RedisBroker):
     def do_qsize(self, queue_name: str) -> int:
         return int(self.lua.qsize(keys=[self.namespace], args=self._head(queue_name)))
 
-    def ack_completed(self, queue_name: str, redis_message_id: str, message_id: str) -> None:
-        """Ack and write the "already completed" marker of ``message_id``: one Lua call."""
-        self.lua.ack(
-            keys=[self.namespace, keys.completed(self.queue_prefix, message_id)],
-            args=[
-                *self._head(queue_name, maintenance=False),
-                redis_message_id,
-                self.completed_ttl_ms,
-            ],
-        )
-
-    def ack_and_retry(
-        self, queue_name: str, redis_message_id: str, retry: Message[Any], delay: int | None
+    def settle(
+        self,
+        queue_name: str,
+        redis_message_id: str,
+        outcome: Outcome,
+        *,
+        message_id: str,
+        retry: tuple[Message[Any], int | None] | None = None,
     ) -> bool:
-        """Ack a delivery and enqueue its prepared ``retry`` in one Lua call; ``False`` if the
-        delivery was no longer this worker's (then nothing happened)."""
-        done = self.lua.ack_retry(
-            keys=[self.namespace],
+        """The outcome of one delivery from a lane queue, in one Lua call
+        (``lua/settle.lua``); ``False`` if the delivery was no longer this worker's (then
+        nothing but its "already completed" marker was written)."""
+        retry_args: list[Any] = []
+        if retry is not None:
+            message = retry[0]
+            retry_args = [message.queue_name, message.options["redis_message_id"], message.encode()]
+        done = self.lua.settle(
+            keys=[
+                self.namespace,
+                keys.deliveries(self.queue_prefix),
+                keys.completed(self.queue_prefix, message_id),
+            ],
             args=[
                 *self._head(queue_name, maintenance=False),
                 redis_message_id,
-                retry.queue_name,
-                retry.options["redis_message_id"],
-                retry.encode(),
+                outcome,
+                self.completed_ttl_ms,
+                *retry_args,
             ],
         )
-        if done == 1:
-            self.emit_after("enqueue", retry, delay)
+        if done == 1 and retry is not None:
+            self.emit_after("enqueue", *retry)
         return bool(done == 1)
 
     # -- enqueueing --------------------------------------------------------------------------
@@ -377,8 +438,20 @@ class KumikoConsumer(Consumer):
     """What Dramatiq's worker pulls the messages of one queue from.
 
     Fetches up to ``prefetch`` outstanding messages at a time (one Lua call), waits with
-    Dramatiq's progressive backoff (up to ``timeout`` ms) when the queue is empty, and acks
-    each delivery together with its :class:`Settlement`.
+    Dramatiq's progressive backoff (up to ``timeout`` ms) when there is nothing to fetch,
+    and acks each delivery together with its :class:`Settlement`.
+
+    Every fetched message is checked before Dramatiq's worker sees it: one that does not
+    decode, or decodes into something Dramatiq's worker would crash on (a non-string actor
+    name, options that are not an object, a queue name not this queue's), or that the
+    broker's ``message_policy`` refuses, is dead-lettered with a logged reason: never run,
+    never silently acked, never left to come back.
+
+    On a kumiko lane queue, a message whose worker died while holding it (a *suspect*) runs
+    alone: the consumer stops fetching until it holds nothing, takes the suspect by itself and
+    fetches nothing else until it is settled. So a poison message (one that kills its worker)
+    takes no healthy message down with it, and after ``max_deliveries`` deaths in a row it is
+    dead-lettered (``lua/fetch_lane.lua``).
     """
 
     def __init__(self, broker: KumikoBroker, queue_name: str, prefetch: int, timeout: int) -> None:
@@ -387,9 +460,12 @@ class KumikoConsumer(Consumer):
         self.prefetch = prefetch
         self.timeout = timeout
         self.misses = 0
-        self._check_completed = broker.is_lane(queue_name)
+        self._lane = broker.is_lane(queue_name)
         self._cache: deque[tuple[str, bytes | None]] = deque()
         self._outstanding: set[str] = set()
+        #: the suspect this consumer runs alone, if any
+        self._alone: str | None = None
+        self._suspects_waiting = 0
 
     @property
     def outstanding_message_count(self) -> int:
@@ -405,8 +481,7 @@ class KumikoConsumer(Consumer):
                         self.misses = 0
                         return delivery
                     continue
-                room = self.prefetch - self.outstanding_message_count
-                if room > 0 and self._fill(room):
+                if self._fill():
                     continue
                 self.misses, backoff_ms = compute_backoff(self.misses, max_backoff=self.timeout)
                 time.sleep(backoff_ms / 1000)
@@ -414,66 +489,130 @@ class KumikoConsumer(Consumer):
         except redis.ConnectionError as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
 
-    def _fill(self, count: int) -> bool:
-        fetched, dropped = self.broker.fetch(
-            self.queue_name, count, check_completed=self._check_completed
-        )
-        for message_id in dropped:
+    def _fill(self) -> bool:
+        """Fetch what there is room for; ``False`` if nothing was (or could be) fetched."""
+        outstanding = self.outstanding_message_count
+        room = self.prefetch - outstanding
+        if room <= 0:
+            return False
+        if not self._lane:
+            fetched = self.broker.fetch(self.queue_name, room)
+            self._cache.extend(fetched)
+            return bool(fetched)
+        if self._alone is not None or (self._suspects_waiting and outstanding):
+            return False  # a suspect runs alone, or waits for this consumer to drain
+        result = self.broker.fetch_lane(self.queue_name, room, outstanding=outstanding)
+        self._suspects_waiting = result.suspects_waiting
+        for message_id in result.completed:
             logger.warning(
                 "message %s on %s already completed: acked without running it again",
                 message_id,
                 self.queue_name,
             )
-        self._cache.extend(fetched)
-        return bool(fetched)
+        for rid, deliveries in result.buried:
+            logger.error(
+                "dead-lettering message %s on %s: worker died during %d deliveries",
+                rid,
+                self.queue_name,
+                deliveries,
+            )
+        if result.alone:
+            self._alone = result.fetched[0][0]
+            logger.warning(
+                "message %s on %s: its worker died while running it; running it alone",
+                self._alone,
+                self.queue_name,
+            )
+        self._cache.extend(result.fetched)
+        return bool(result.fetched)
 
     def _deliver(self, rid: str, body: bytes | None) -> Delivery | None:
         if body is None:
             logger.warning("message %s vanished from %s before its fetch", rid, self.queue_name)
-            self.broker.do_ack(self.queue_name, rid)
+            self._settle_unrun(rid, "ack")
             return None
         try:
             message = Message.decode(body)
+            problem = _shape_problem(message, self.queue_name)
         except Exception as exc:
+            message, problem = None, f"it does not decode ({exc.__cause__ or exc})"
+        decoded: object = None
+        policy = self.broker.message_policy
+        if message is not None and problem is None and policy is not None:
+            problem, decoded = policy.check(message)
+        if message is None or problem is not None:
             logger.error(
-                "dead-lettering an undecodable message %s on %s: %.160s",
+                "dead-lettering message %s (redis id %s) on %s: %.200s",
+                "?" if message is None else message.message_id,
                 rid,
                 self.queue_name,
-                exc.__cause__ or exc,
+                problem,
             )
-            self.broker.do_nack(self.queue_name, rid)
+            self._settle_unrun(rid, "dead")
+            if message is not None and policy is not None:
+                policy.rejected(message)
             return None
         self._outstanding.add(rid)
-        return Delivery(message, fetched_from=self.queue_name, redis_message_id=rid)
+        delivery = Delivery(message, fetched_from=self.queue_name, redis_message_id=rid)
+        delivery.decoded = decoded
+        return delivery
+
+    def _settle_unrun(self, rid: str, outcome: Outcome) -> None:
+        """Settle a fetched message that never reaches Dramatiq's worker."""
+        if self._lane:
+            self.broker.settle(self.queue_name, rid, outcome, message_id=rid)
+        elif outcome == "dead":
+            self.broker.do_nack(self.queue_name, rid)
+        else:
+            self.broker.do_ack(self.queue_name, rid)
+        self._done(rid)
+
+    def _done(self, rid: str) -> None:
+        self._outstanding.discard(rid)
+        if rid == self._alone:
+            self._alone = None
 
     def ack(self, message: MessageProxy) -> None:
         rid = _redis_id(message)
         try:
-            settlement = message.settlement if isinstance(message, Delivery) else None
-            if settlement is not None and settlement.retry is not None:
-                if not self.broker.ack_and_retry(self.queue_name, rid, *settlement.retry):
-                    logger.warning(
-                        "message %s was recovered by another worker before its ack; "
-                        "its retry is left to that delivery",
-                        message.message_id,
-                    )
-            elif settlement is not None and settlement.completed:
-                self.broker.ack_completed(self.queue_name, rid, str(message.message_id))
-            else:
+            if not self._lane or not isinstance(message, Delivery):
                 self.broker.do_ack(self.queue_name, rid)
+                return
+            settlement = message.settlement
+            outcome: Outcome = "ack"
+            if settlement.retry is not None:
+                outcome = "retry"
+            elif settlement.completed:
+                outcome = "completed"
+            owned = self.broker.settle(
+                self.queue_name,
+                rid,
+                outcome,
+                message_id=str(message.message_id),
+                retry=settlement.retry,
+            )
+            if not owned:
+                logger.warning(
+                    "message %s was recovered by another worker before its ack; "
+                    "its outcome is left to that delivery",
+                    message.message_id,
+                )
         except redis.ConnectionError as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         finally:
-            self._outstanding.discard(rid)
+            self._done(rid)
 
     def nack(self, message: MessageProxy) -> None:
         rid = _redis_id(message)
         try:
-            self.broker.do_nack(self.queue_name, rid)
+            if self._lane:
+                self.broker.settle(self.queue_name, rid, "dead", message_id=str(message.message_id))
+            else:
+                self.broker.do_nack(self.queue_name, rid)
         except redis.ConnectionError as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         finally:
-            self._outstanding.discard(rid)
+            self._done(rid)
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         rids = [_redis_id(message) for message in messages]
@@ -482,7 +621,23 @@ class KumikoConsumer(Consumer):
         if not rids:
             return
         self.broker.do_requeue(self.queue_name, *rids)
-        self._outstanding.difference_update(rids)
+        for rid in rids:
+            self._done(rid)
+
+
+def _shape_problem(message: Message[Any], queue_name: str) -> str | None:
+    """What in a decoded message would crash Dramatiq's worker, or ``None``."""
+    if not isinstance(message.actor_name, str):
+        return f"actor_name must be a string, got {message.actor_name!r:.40}"
+    if not isinstance(message.options, dict):
+        return "options must be a JSON object"
+    if not isinstance(message.args, list | tuple) or not isinstance(message.kwargs, dict):
+        return "args must be a list and kwargs an object"
+    if not isinstance(message.message_id, str) or not message.message_id:
+        return "message_id must be a non-empty string"
+    if message.queue_name != queue_name:
+        return f"queue_name must be {queue_name!r}, got {message.queue_name!r:.60}"
+    return None
 
 
 def _redis_id(message: MessageProxy) -> str:

@@ -22,12 +22,13 @@ or range raises :class:`OptionsError`, never a default. Nothing else in the pack
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Final, Literal, TypeGuard, cast, get_args
 
 from .context import JobMeta, Trigger
+from .limits import dedup_key_problem, tenant_id_problem
 
 BackoffType = Literal["fixed", "exponential"]
 
@@ -137,8 +138,8 @@ class KumikoOptions:
             backoff_delay_ms=delay,
             trigger=cast(Trigger, trigger),
             failures=failures,
-            tenant_id=_text(options, TENANT_ID),
-            dedup_key=_text(options, DEDUP_KEY),
+            tenant_id=_checked(options, TENANT_ID, tenant_id_problem),
+            dedup_key=_checked(options, DEDUP_KEY, dedup_key_problem),
             scheduled_at=_instant(options, SCHEDULED_AT),
         )
 
@@ -187,6 +188,16 @@ def _text(options: Mapping[str, Any], key: str) -> str | None:
     if not isinstance(value, str) or not value:
         raise OptionsError(key, "must be a non-empty string", value)
     return value
+
+
+def _checked(
+    options: Mapping[str, Any], key: str, problem_of: Callable[[str], str | None]
+) -> str | None:
+    text = _text(options, key)
+    problem = None if text is None else problem_of(text)
+    if problem is not None:
+        raise OptionsError(key, problem, text)
+    return text
 
 
 def _instant(options: Mapping[str, Any], key: str) -> datetime | None:

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any, Literal, cast
 
 from dramatiq.broker import Broker, MessageProxy
+from dramatiq.message import Message
 from dramatiq.middleware import Middleware
 
 from . import keys
@@ -40,6 +41,7 @@ from .codec import DEDUP_KEY
 from .context import Trigger
 from .errors import PayloadError
 from .execution import Execution, execution_of
+from .limits import check_dedup_key
 from .messages import build_message
 from .options import Event
 from .registry import JobDefinition
@@ -125,13 +127,6 @@ def delivery_outcome(*, handed_off: bool, failed: bool, final_attempt: bool) -> 
     return "end"
 
 
-def check_dedup_key(job_name: str, field: str, key: Any) -> str:
-    """Return ``key`` if it is a non-empty string, else raise :class:`PayloadError`."""
-    if not isinstance(key, str) or not key:
-        raise PayloadError(job_name, field, "must be a non-empty string", key)
-    return key
-
-
 def event_dedup_keys(jobs: Sequence[JobDefinition], payload: dict[str, Any]) -> list[str | None]:
     """The dedup key of each job for an event ``payload`` (``None``: no key function).
 
@@ -202,9 +197,7 @@ def dispatch_with_key(
 
 
 class Dedup(Middleware):
-    """The worker side of dedup keys.
-
-    This middleware: the worker side of dedup keys, moving each key's record along its job's life.
+    """The worker side of dedup keys: moves each key's record along its job's life.
 
     Acts only on messages that carry ``kumiko_dedup_key`` (set by
     :func:`kumiko_dramatiq.dedup.dispatch_with_key`; on a per-tenant job only the
@@ -228,12 +221,12 @@ class Dedup(Middleware):
     - ``before_process_message``: mark ``running`` (a hand-off is not a run).
     - ``after_process_message``: success or a failure on the final attempt ends
       the job: delete the record, or, if a trigger arrived during the run, enqueue
-      the follow-up through ``KumikoBroker.enqueue_atomic`` (one more Lua call that
+      the follow-up through ``KumikoBroker.enqueue_step`` (one more Lua call that
       writes the message and makes it the live job) ; a failure that will be
       retried sets ``queued`` (the retry keeps the id); a sequential hand-off
       points the record at the requeued message, ``queued``.
-    - ``after_skip_message`` (a malformed message dead-lettered, any skip): the
-      job ended for good, as above.
+    - ``after_skip_message`` (any skip) and :meth:`release_rejected` (a malformed
+      message dead-lettered at fetch, before it ran): the job ended for good, as above.
 
     Redis errors: a failed transition is logged and never stops the message; the
     record then frees itself at its TTL (the run itself goes ahead even if it
@@ -296,18 +289,23 @@ class Dedup(Middleware):
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         execution = execution_of(message)
-        if execution is not None:
-            keyed = self._keyed(execution.job, execution.is_wrapper, execution.options.dedup_key)
-            outcome: Outcome = "handoff" if execution.handed_off else "end"
-        else:
-            # A malformed message dead-lettered before its options decoded: its key (if it
-            # is one of ours) is freed, so it never blocks later dispatches.
-            found = self.runtime.registry.actor(message.actor_name)
-            raw = message.options.get(DEDUP_KEY) if isinstance(message.options, dict) else None
-            keyed = None if found is None else self._keyed(*found, raw)
-            outcome = "end"
+        if execution is None:
+            self.release_rejected(message)
+            return
+        keyed = self._keyed(execution.job, execution.is_wrapper, execution.options.dedup_key)
         if keyed is not None:
-            self._transition(*keyed, str(message.message_id), outcome, execution)
+            outcome: Outcome = "handoff" if execution.handed_off else "end"
+            self._transition(*keyed, execution.message_id, outcome, execution)
+
+    def release_rejected(self, message: Message[Any] | MessageProxy) -> None:
+        """A message dead-lettered before it ran (malformed): free its dedup key, if it holds
+        one of ours, so it never blocks later dispatches."""
+        found = self.runtime.registry.actor(message.actor_name)
+        options = message.options
+        raw = options.get(DEDUP_KEY) if isinstance(options, dict) else None
+        keyed = None if found is None else self._keyed(*found, raw)
+        if keyed is not None:
+            self._transition(*keyed, str(message.message_id), "end", None)
 
     # -- transitions -----------------------------------------------------------
     def _transition(

@@ -26,6 +26,8 @@ VARIABLES: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
     "KUMIKO_MAINTENANCE_CHANCE": ("maintenance_chance", int),
     "KUMIKO_LOCK_TTL_MS": ("lock_ttl_ms", int),
     "KUMIKO_IDLE_WAIT_MS": ("idle_wait_ms", int),
+    "KUMIKO_MAX_DELIVERIES": ("max_deliveries", int),
+    "KUMIKO_MAX_PAYLOAD_BYTES": ("max_payload_bytes", int),
 }
 
 

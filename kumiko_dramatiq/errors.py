@@ -60,7 +60,7 @@ class RedisUnavailableError(KumikoError, ConnectionError):
     def __init__(self, redis_url: str, action: str, cause: BaseException | None = None) -> None:
         self.redis_url = redis_url
         reason = f": {cause}" if cause is not None else ""
-        super().__init__(f"Redis at {_redact(redis_url)} is unavailable while {action}{reason}")
+        super().__init__(f"Redis at {redact_url(redis_url)} is unavailable while {action}{reason}")
 
 
 class BootGateError(KumikoError, RuntimeError):
@@ -114,13 +114,15 @@ def _short_repr(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _redact(url: str) -> str:
-    """Hide a password in a redis URL: ``redis://:secret@host`` -> ``redis://:***@host``."""
+def redact_url(url: Any) -> Any:
+    """``url`` with any password replaced by ``***``."""
+    if not isinstance(url, str):
+        return url
     scheme, sep, rest = url.partition("://")
     if not sep or "@" not in rest:
         return url
-    creds, _, host = rest.rpartition("@")
-    user = creds.split(":", 1)[0]
+    credentials, _, host = rest.rpartition("@")
+    user = credentials.split(":", 1)[0]
     return f"{scheme}://{user}:***@{host}"
 
 

@@ -8,13 +8,16 @@ middleware reads it with :func:`execution_of`. Nothing travels in untyped attrib
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dramatiq.broker import MessageProxy
 
 from .broker import Delivery
 from .codec import KumikoOptions
 from .context import JobMeta
-from .registry import JobDefinition
+
+if TYPE_CHECKING:
+    from .registry import JobDefinition
 
 
 @dataclass(frozen=True)

@@ -1,28 +1,65 @@
-"""``Executions``: opens the :class:`~kumiko_dramatiq.execution.Execution` of each delivery.
+"""Executions: what a kumiko message must be, and the ``Execution`` of each delivery.
 
-``before_process_message`` decodes the kumiko options of a message of one of the runner's
-actors strictly (:meth:`~kumiko_dramatiq.codec.KumikoOptions.decode`) and checks its shape (a
-kumiko message carries exactly one positional argument, a JSON object). A malformed message
-is dead-lettered with a logged reason and never reaches the handler; the worker goes on.
-Messages of actors kumiko did not declare pass through untouched. Touches no Redis key.
-First of kumiko's message middleware, so its ``after_*`` runs last, when it closes the
-execution of the worker thread.
+:func:`check_message` is the broker's ``message_check``: at fetch, before Dramatiq's worker
+sees a message of one of the runner's actors, it decodes its kumiko options strictly
+(:meth:`~kumiko_dramatiq.codec.KumikoOptions.decode`) and checks its shape (exactly one
+positional argument, a JSON object; no keyword arguments). Anything kumiko did not write is
+dead-lettered by the consumer with a logged reason: never run, never silently acked, never
+left to come back. Messages of actors kumiko did not declare pass untouched.
+
+:class:`Executions` opens each delivery's :class:`~kumiko_dramatiq.execution.Execution` from
+those decoded options in ``before_process_message``. Touches no Redis key. First of kumiko's
+message middleware, so its ``after_*`` runs last, when it closes the execution of the worker
+thread.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from dramatiq.broker import Broker, MessageProxy
+from dramatiq.message import Message
 from dramatiq.middleware import Middleware, SkipMessage
 
 from .broker import Delivery
 from .codec import KumikoOptions, OptionsError
 from .execution import Execution
+from .registry import Registry
 from .runtime import Runtime
 
 logger = logging.getLogger("kumiko_dramatiq")
+
+
+def check_message(registry: Registry, message: Message[Any]) -> tuple[str | None, object]:
+    """Why ``message`` must be dead-lettered (``None``: fine) and its decoded options."""
+    if registry.actor(message.actor_name) is None:
+        return None, None
+    try:
+        options = KumikoOptions.decode(message.options)
+    except OptionsError as exc:
+        return f"{message.actor_name}: unreadable options ({exc})", None
+    problem = _shape_problem(message.args, message.kwargs)
+    if problem is not None:
+        return f"{message.actor_name}: {problem}", None
+    return None, options
+
+
+class KumikoMessages:
+    """The broker's :class:`~kumiko_dramatiq.broker.MessagePolicy` for a runner's actors:
+    :func:`check_message` at fetch, and ``rejected`` (the dedup key of a message
+    dead-lettered there is freed)."""
+
+    def __init__(self, registry: Registry, rejected: Callable[[Message[Any]], None]) -> None:
+        self.registry = registry
+        self._rejected = rejected
+
+    def check(self, message: Message[Any]) -> tuple[str | None, object]:
+        return check_message(self.registry, message)
+
+    def rejected(self, message: Message[Any]) -> None:
+        self._rejected(message)
 
 
 class Executions(Middleware):
@@ -34,13 +71,11 @@ class Executions(Middleware):
         if found is None or not isinstance(message, Delivery):
             return
         job, is_wrapper = found
-        try:
-            options = KumikoOptions.decode(message.options)
-        except OptionsError as exc:
-            self._reject(message, f"unreadable options ({exc})")
-        problem = _shape_problem(message)
-        if problem is not None:
-            self._reject(message, problem)
+        options = message.decoded
+        if not isinstance(options, KumikoOptions):  # not fetched by kumiko's consumer
+            problem, options = check_message(self.runtime.registry, message.message)
+            if not isinstance(options, KumikoOptions):
+                self._reject(message, str(problem))
         execution = Execution(job, message, options, is_wrapper)
         message.execution = execution
         self.runtime.enter(execution)
@@ -70,8 +105,7 @@ class Executions(Middleware):
         raise SkipMessage(reason)
 
 
-def _shape_problem(message: MessageProxy) -> str | None:
-    args, kwargs = message.args, message.kwargs
+def _shape_problem(args: Any, kwargs: Any) -> str | None:
     if kwargs:
         return f"unexpected keyword arguments {sorted(kwargs)!r}"
     if len(args) != 1 or not isinstance(args[0], dict):

@@ -6,7 +6,8 @@ attempt of the wrapper:
 
 1. calls ``get_active_tenant_ids`` (sync, ``async def``, or returning an
    async iterable) and validates its output completely (:func:`tenant_ids`):
-   an iterable that is not a string, of non-empty strings; duplicates
+   an iterable that is not a string, of valid tenant ids (non-empty strings of
+   at most 256 bytes without control characters); duplicates
    collapse, first-seen order kept. Anything else raises
    :class:`~kumiko_dramatiq.errors.TenantListError` (naming the job and the
    bad value) before any child is enqueued. So does a resolver that raises:
@@ -53,6 +54,7 @@ from . import keys
 from .errors import TenantListError
 from .execution import Execution
 from .ids import child_message_id
+from .limits import tenant_id_problem
 from .messages import build_message
 from .registry import JobDefinition
 from .runtime import Runtime
@@ -113,10 +115,9 @@ def tenant_ids(job_name: str, resolved: Any) -> list[str]:
         ) from None
     unique: dict[str, None] = {}
     for index, tenant in enumerate(iterator):
-        if not isinstance(tenant, str) or not tenant:
-            raise TenantListError(
-                job_name, f"{_RESOLVER}[{index}]", "must be a non-empty string", tenant
-            )
+        problem = tenant_id_problem(tenant)
+        if problem is not None:
+            raise TenantListError(job_name, f"{_RESOLVER}[{index}]", problem, tenant)
         unique.setdefault(tenant, None)
     return list(unique)
 

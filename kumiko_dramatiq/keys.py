@@ -48,3 +48,14 @@ def cron_last_tick(queue_prefix: str, job_name: str) -> str:
     """The latest tick of cron job ``job_name`` enqueued in this dataset
     (UTC epoch seconds); the scheduler's misfire catch-up starts after it."""
     return f"{_root(queue_prefix)}:cron:last:{job_name}"
+
+
+def deliveries(queue_prefix: str) -> str:
+    """Hash: redis message id -> deliveries to a worker without an outcome (crashes)."""
+    return f"{_root(queue_prefix)}:deliveries"
+
+
+def suspects(queue_prefix: str, queue_name: str) -> str:
+    """List: redis ids of ``queue_name`` whose worker died while holding them, waiting to run
+    alone."""
+    return f"{_root(queue_prefix)}:suspects:{queue_name}"

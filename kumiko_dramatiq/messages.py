@@ -4,12 +4,11 @@
 so no enqueue path (dispatch, event, cron tick, boot-once, per-tenant wrapper and child,
 sequential hand-off, dedup follow-up) can forget the retry policy. The per-message options it
 writes (trigger, spent failures, tenant, dedup key, cron tick) are encoded by
-:mod:`kumiko_dramatiq.codec`. :func:`validate_payload` checks what a caller hands in.
+:mod:`kumiko_dramatiq.codec`. What a caller hands in is checked by :mod:`kumiko_dramatiq.limits`.
 """
 
 from __future__ import annotations
 
-import math
 from datetime import datetime
 from typing import Any
 
@@ -17,7 +16,6 @@ from dramatiq.message import Message, generate_unique_id
 
 from .codec import encode_run
 from .context import Trigger
-from .errors import PayloadError
 from .registry import JobDefinition
 from .retries import build_message_options
 
@@ -59,34 +57,3 @@ def build_message(
         options=options,
         message_id=generate_unique_id() if message_id is None else message_id,
     )
-
-
-def validate_payload(job_name: str, payload: Any) -> dict[str, Any]:
-    """Return ``payload`` (``None`` -> ``{}``) if it is a JSON object of JSON values, else
-    raise :class:`PayloadError` naming the job and the path."""
-    if payload is None:
-        return {}
-    if not isinstance(payload, dict):
-        raise PayloadError(job_name, "payload", "must be a JSON object (dict)", payload)
-    _check_json(job_name, "payload", payload)
-    return payload
-
-
-def _check_json(job_name: str, path: str, value: Any) -> None:
-    if value is None or isinstance(value, str | bool | int):
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise PayloadError(job_name, path, "must be a finite number", value)
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise PayloadError(job_name, path, "must have string keys", key)
-            _check_json(job_name, f"{path}[{key!r}]", item)
-        return
-    if isinstance(value, list):
-        for index, item in enumerate(value):
-            _check_json(job_name, f"{path}[{index}]", item)
-        return
-    raise PayloadError(job_name, path, "must be a JSON value", value)

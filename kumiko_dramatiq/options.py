@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .codec import BackoffType
 from .cron import Cron
 from .errors import JobConfigError
+from .limits import MAX_DURATION_MS, MAX_RETRIES
 
 #: Base delay of a backoff declared without ``delay_ms``.
 DEFAULT_BACKOFF_DELAY_MS = 1_000
@@ -99,7 +100,7 @@ class BackoffPolicy(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     type: BackoffType
-    delay_ms: int = Field(gt=0)
+    delay_ms: int = Field(gt=0, le=MAX_DURATION_MS)
 
 
 class JobOptions(BaseModel):
@@ -110,14 +111,14 @@ class JobOptions(BaseModel):
     )
 
     trigger: Manual | Cron | Event = Field(default_factory=Manual)
-    retries: int = Field(default=0, ge=0)
+    retries: int = Field(default=0, ge=0, le=MAX_RETRIES)
     backoff: BackoffPolicy | None = None
     per_tenant: bool = False
     concurrency: Literal["parallel", "sequential"] = "parallel"
     run_on_boot: bool = False
     boot_gate: bool = False
     run_in: Literal["worker", "api"] = "worker"
-    timeout_ms: int | None = Field(default=None, gt=0)
+    timeout_ms: int | None = Field(default=None, gt=0, le=MAX_DURATION_MS)
 
     @field_validator("trigger", mode="before")
     @classmethod
@@ -207,6 +208,9 @@ def _config_error(job_name: str, exc: ValidationError) -> JobConfigError:
         return JobConfigError(job_name, field, f"is not a job option (options: {known})")
     if field == "trigger":
         return JobConfigError(job_name, field, _PROBLEMS["trigger"], error["input"])
+    if error["type"] == "less_than_equal":
+        limit = (error.get("ctx") or {}).get("le")
+        return JobConfigError(job_name, field, f"is too large (at most {limit})", error["input"])
     return JobConfigError(job_name, field, _PROBLEMS.get(field, error["msg"]), error["input"])
 
 

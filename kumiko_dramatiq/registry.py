@@ -25,7 +25,9 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import JobConfigError
+from .limits import MAX_DURATION_MS
 from .options import Event, JobOptions, parse_job_options
+from .retries import retry_window_ms
 from .settings import lane_queue
 
 if TYPE_CHECKING:
@@ -97,6 +99,14 @@ class Feature:
         _check_name(f"{self.name}:job:{name}" if isinstance(name, str) else None, "job name", name)
         qualified = qualified_name(self.name, name)
         job_options = parse_job_options(qualified, options)
+        window_ms = retry_window_ms(job_options)
+        if window_ms > MAX_DURATION_MS:
+            raise JobConfigError(
+                qualified,
+                "retries/backoff",
+                f"give a retry window of {window_ms} ms, too large (at most {MAX_DURATION_MS} "
+                "ms, 366 days)",
+            )
 
         def register(handler: H) -> H:
             if not callable(handler):

@@ -28,7 +28,7 @@ refuses it): it would retry kumiko's messages 20 times with jittered backoff.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.middleware import Middleware
@@ -36,8 +36,10 @@ from dramatiq.middleware import Middleware
 from .broker import Delivery, KumikoBroker
 from .codec import FAILURES, BackoffType, encode_policy
 from .execution import execution_of
-from .options import JobOptions
-from .registry import JobDefinition
+
+if TYPE_CHECKING:
+    from .options import JobOptions
+    from .registry import JobDefinition
 
 logger = logging.getLogger("kumiko_dramatiq")
 

@@ -26,11 +26,12 @@ from .broker import KumikoBroker, make_connection_pool
 from .completed import Completed
 from .dedup import Dedup, dispatch_with_key, event_dedup_keys
 from .environment import resolve_settings
-from .errors import JobConfigError, PayloadError, RedisUnavailableError, UnknownJobError
-from .executions import Executions
+from .errors import JobConfigError, RedisUnavailableError, UnknownJobError
+from .executions import Executions, KumikoMessages
 from .hooks import Hooks
 from .lanes import Lane
-from .messages import build_message, validate_payload
+from .limits import check_dedup_key, check_delay_ms, check_payload
+from .messages import build_message
 from .options import Retention
 from .registry import JobDefinition, Registry
 from .retries import Retries, retry_window_ms
@@ -42,7 +43,7 @@ from .settings import UNSET, Unset
 logger = logging.getLogger("kumiko_dramatiq")
 
 
-def build_middleware(runtime: Runtime) -> list[Middleware]:
+def build_middleware(runtime: Runtime, dedup: Dedup) -> list[Middleware]:
     """The one middleware chain of a kumiko broker, in ``before_*`` order (``after_*`` hooks
     run in reverse)::
 
@@ -63,7 +64,7 @@ def build_middleware(runtime: Runtime) -> list[Middleware]:
         Completed(),
         Retries(),
         Sequential(runtime),
-        Dedup(runtime),
+        dedup,
         Hooks(runtime),
         TimeLimit(time_limit=float("inf"), interval=runtime.settings.timeout_check_ms),
     ]
@@ -98,6 +99,9 @@ class JobRunner:
         maintenance_chance: int | Unset = UNSET,
         idle_wait_ms: int | Unset = UNSET,
         timeout_check_ms: int | Unset = UNSET,
+        max_deliveries: int | Unset = UNSET,
+        max_payload_bytes: int | Unset = UNSET,
+        log_payloads: bool | Unset = UNSET,
     ) -> None:
         if not isinstance(registry, Registry):
             raise JobConfigError(None, "registry", "must be a Registry", registry)
@@ -116,6 +120,9 @@ class JobRunner:
                 "maintenance_chance": maintenance_chance,
                 "idle_wait_ms": idle_wait_ms,
                 "timeout_check_ms": timeout_check_ms,
+                "max_deliveries": max_deliveries,
+                "max_payload_bytes": max_payload_bytes,
+                "log_payloads": log_payloads,
             }
         )
         for name, hook in (
@@ -138,8 +145,9 @@ class JobRunner:
             get_active_tenant_ids=get_active_tenant_ids,
         )
         retention_ms = settings.retention.completed_age_s * 1000
+        dedup = Dedup(self.runtime)
         self.broker = KumikoBroker(
-            middleware=build_middleware(self.runtime),
+            middleware=build_middleware(self.runtime, dedup),
             client=redis.Redis(
                 connection_pool=make_connection_pool(
                     settings.redis_url, settings.boot_redis_timeout_ms / 1000
@@ -151,6 +159,8 @@ class JobRunner:
             queue_prefix=settings.queue_prefix,
             completed_ttl_ms=retention_ms,
             moved_marker_ttl_ms=retention_ms,
+            max_deliveries=settings.max_deliveries,
+            message_policy=KumikoMessages(registry, rejected=dedup.release_rejected),
         )
         self.runtime.attach(self.broker)
         declare_actors(self.broker, self.runtime)
@@ -204,16 +214,11 @@ class JobRunner:
         and ``RedisUnavailableError`` when Redis does not answer.
         """
         job = self._job(job_name)
-        body = validate_payload(job.qualified_name, payload)
-        if delay_ms is not None and (
-            not isinstance(delay_ms, int) or isinstance(delay_ms, bool) or delay_ms < 0
-        ):
-            raise PayloadError(job.qualified_name, "delay_ms", "must be an integer >= 0", delay_ms)
+        name = job.qualified_name
+        body = check_payload(name, payload, max_bytes=self.settings.max_payload_bytes)
+        delay_ms = check_delay_ms(name, delay_ms)
         if dedup_key is not None:
-            if not isinstance(dedup_key, str) or not dedup_key:
-                raise PayloadError(
-                    job.qualified_name, "dedup_key", "must be a non-empty string", dedup_key
-                )
+            dedup_key = check_dedup_key(name, "dedup_key", dedup_key)
             with self._redis("dispatching " + job.qualified_name):
                 return dispatch_with_key(
                     self.runtime, job, body, dedup_key, trigger="manual", delay_ms=delay_ms
@@ -234,7 +239,9 @@ class JobRunner:
         jobs = self.registry.jobs_for_event(event_name)
         if not jobs:
             return []
-        body = validate_payload(f"event {event_name}", payload)
+        body = check_payload(
+            f"event {event_name}", payload, max_bytes=self.settings.max_payload_bytes
+        )
         dedup_keys = event_dedup_keys(jobs, body)
         ids: list[str] = []
         for job, dedup_key in zip(jobs, dedup_keys, strict=True):

@@ -15,6 +15,9 @@ setting                          variable                       default
 ``maintenance_chance``           ``KUMIKO_MAINTENANCE_CHANCE``  1 000 (per million calls)
 ``lock_ttl_ms``                  ``KUMIKO_LOCK_TTL_MS``         30 000 (at least 100)
 ``idle_wait_ms``                 ``KUMIKO_IDLE_WAIT_MS``        200
+``max_deliveries``               ``KUMIKO_MAX_DELIVERIES``      5
+``max_payload_bytes``            ``KUMIKO_MAX_PAYLOAD_BYTES``   1 048 576 (1 MiB)
+``log_payloads``                                                ``False``
 ``worker_threads``                                              8
 ``boot_redis_timeout_ms``                                       5 000
 ``sequential_retry_delay_ms``                                   1 000
@@ -30,8 +33,10 @@ import enum
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Final, Literal
+from urllib.parse import parse_qs, urlsplit
 
-from .errors import JobConfigError
+from .errors import JobConfigError, redact_url
+from .limits import DEFAULT_MAX_PAYLOAD_BYTES, MAX_DURATION_MS, TOO_LARGE
 from .options import Retention
 
 Lane = Literal["worker", "api"]
@@ -73,6 +78,13 @@ class Settings:
     #: The longest an idle consumer or worker thread waits before looking again: it bounds
     #: how late an idle worker notices new work and how long ``stop()`` takes.
     idle_wait_ms: int = 200
+    #: A message whose worker dies while running it this many times in a row is
+    #: dead-lettered ("worker died during N deliveries"); a crash is not a failed attempt.
+    max_deliveries: int = 5
+    #: The largest payload ``dispatch`` and ``handle_event`` accept, JSON-encoded.
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    #: Whether log lines about a run may show its payload (they never do by default).
+    log_payloads: bool = False
     worker_threads: int = 8
     boot_redis_timeout_ms: int = 5_000
     sequential_retry_delay_ms: int = 1_000
@@ -82,12 +94,9 @@ class Settings:
     run_scheduler: bool = False
 
     def __post_init__(self) -> None:
-        _check(
-            isinstance(self.redis_url, str) and "://" in self.redis_url,
-            "redis_url",
-            "must be a redis:// URL",
-            self.redis_url,
-        )
+        problem = redis_url_problem(self.redis_url)
+        if problem is not None:
+            raise JobConfigError(None, "redis_url", problem, redact_url(self.redis_url))
         _check(
             isinstance(self.queue_prefix, str) and PREFIX_PATTERN.fullmatch(self.queue_prefix),
             "queue_prefix",
@@ -102,9 +111,12 @@ class Settings:
             "boot_redis_timeout_ms",
             "sequential_retry_delay_ms",
             "timeout_check_ms",
+            "max_deliveries",
+            "max_payload_bytes",
         ):
             value = getattr(self, name)
             _check(_is_int(value) and value > 0, name, "must be a positive integer", value)
+            _check(not name.endswith("_ms") or value <= MAX_DURATION_MS, name, TOO_LARGE, value)
         _check(
             _is_int(self.maintenance_chance) and 0 <= self.maintenance_chance <= MAINTENANCE_SCALE,
             "maintenance_chance",
@@ -117,6 +129,7 @@ class Settings:
             f"must be an integer >= {MIN_LOCK_TTL_MS}",
             self.lock_ttl_ms,
         )
+        _check(self.lock_ttl_ms <= MAX_DURATION_MS, "lock_ttl_ms", TOO_LARGE, self.lock_ttl_ms)
         _check(
             isinstance(self.retention, Retention),
             "retention",
@@ -143,6 +156,39 @@ class Settings:
 def lane_queue(queue_prefix: str, lane: str) -> str:
     """The queue of ``lane``: ``f"{queue_prefix}-{lane}"``."""
     return f"{queue_prefix}-{lane}"
+
+
+_URL_SCHEMES: Final = ("redis", "rediss", "unix")
+
+
+def redis_url_problem(url: Any) -> str | None:
+    """Why ``url`` is not a usable Redis URL, or ``None``: a ``redis://``, ``rediss://`` or
+    ``unix://`` URL with a host (or a socket path), a valid port and database number."""
+    expected = "must be a redis://, rediss:// or unix:// URL"
+    if not isinstance(url, str):
+        return expected
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return f"{expected} with a valid port"
+    if parts.scheme not in _URL_SCHEMES:
+        return expected
+    if parts.scheme == "unix":
+        if not parts.path:
+            return "must name a socket path: unix:///path/to/redis.sock"
+    elif not parts.hostname:
+        return f"{expected} with a host: redis://host:6379/0"
+    if port is not None and not 0 < port < 65536:
+        return f"{expected} with a valid port"
+    databases = parse_qs(parts.query).get("db", [])
+    path_db = parts.path.strip("/") if parts.scheme != "unix" else ""
+    if path_db:
+        databases.append(path_db)
+    for database in databases:
+        if not database.isdigit() or not database.isascii():
+            return "must name its database by number: redis://host:6379/0"
+    return None
 
 
 def _is_int(value: Any) -> bool:

@@ -4,11 +4,13 @@ Every script file starts with a comment header that names its ``KEYS`` and ``ARG
 it returns. A line ``-- @include <piece>`` pulls in the shared piece ``_<piece>.lua`` (once,
 before the script's own code; pieces may include pieces). Two calling conventions:
 
-- **broker commands** (``enqueue``, ``fetch``, ``ack``, ``ack_retry``, ``nack``, ``requeue``,
-  ``purge``, ``qsize``) include ``dispatch``: ``KEYS[1]`` is Dramatiq's namespace and
+- **broker commands** include ``dispatch``: ``KEYS[1]`` is Dramatiq's namespace and
   ``ARGV[1..6]`` queue, now, worker id, heartbeat timeout, dead-message TTL and a maintenance
   flag, as Dramatiq's own dispatch script takes them; they write Dramatiq's Redis layout and
-  are called only by :mod:`kumiko_dramatiq.broker`;
+  are called only by :mod:`kumiko_dramatiq.broker`. Dramatiq's own commands (``enqueue``,
+  ``fetch``, ``ack``, ``nack``, ``requeue``, ``purge``, ``qsize``) behave exactly as
+  Dramatiq's; kumiko's lane queues use ``fetch_lane`` and ``settle``, which add the poison
+  message bound, the "already completed" markers and the ack-with-retry;
 - **enqueue steps** (scripts that write a message together with kumiko's own records):
   ``KEYS[1]`` the queue's message hash, ``KEYS[2]`` its list, ``ARGV[1]`` the redis message
   id, ``ARGV[2]`` the encoded message; their own keys and arguments follow. They run through
@@ -58,8 +60,9 @@ class LuaScripts:
     # broker commands (Dramatiq's layout)
     enqueue: Script
     fetch: Script
+    fetch_lane: Script
     ack: Script
-    ack_retry: Script
+    settle: Script
     nack: Script
     requeue: Script
     purge: Script

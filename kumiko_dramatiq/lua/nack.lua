@@ -5,14 +5,8 @@
 -- If the id is in this worker's ack set and its message exists, the message moves to
 -- <namespace>:<canonical queue>.XQ (scored by now) and .XQ.msgs. Returns 1 if moved, else 0.
 -- @include dispatch
+-- @include dead_letter
 if redis.call("srem", queue_acks, ARGV[7]) == 0 then
     return 0
 end
-local body = redis.call("hget", queue_messages, ARGV[7])
-if not body then
-    return 0
-end
-redis.call("zadd", dead_letters, now, ARGV[7])
-redis.call("hset", dead_bodies, ARGV[7], body)
-redis.call("hdel", queue_messages, ARGV[7])
-return 1
+return dead_letter(ARGV[7])

@@ -9,7 +9,7 @@ import pytest
 
 from kumiko_dramatiq import PayloadError
 from kumiko_dramatiq.ids import boot_message_id, child_message_id, cron_tick_id
-from kumiko_dramatiq.messages import validate_payload
+from kumiko_dramatiq.limits import check_payload
 
 
 def test_child_ids_are_deterministic() -> None:
@@ -47,7 +47,7 @@ def test_cron_tick_ids_identify_the_instant_not_the_zone() -> None:
 
 
 def test_none_is_an_empty_payload() -> None:
-    assert validate_payload("f:job:a", None) == {}
+    assert check_payload("f:job:a", None, max_bytes=1024) == {}
 
 
 @pytest.mark.parametrize(
@@ -64,11 +64,11 @@ def test_none_is_an_empty_payload() -> None:
 )
 def test_a_bad_payload_names_the_job_and_the_path(payload: Any, path: str) -> None:
     with pytest.raises(PayloadError) as caught:
-        validate_payload("f:job:a", payload)
+        check_payload("f:job:a", payload, max_bytes=1024)
     assert str(caught.value).startswith(f"f:job:a: {path} ")
     assert "got" in str(caught.value)
 
 
 def test_json_values_pass() -> None:
     payload = {"a": [1, 2.5, "x", None, True, {"b": []}]}
-    assert validate_payload("f:job:a", payload) is payload
+    assert check_payload("f:job:a", payload, max_bytes=1024) is payload

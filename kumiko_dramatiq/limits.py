@@ -1,0 +1,149 @@
+"""Limits on input: what kumiko accepts from callers and declarations, checked up front.
+
+Bad input is refused before anything is written, with one line naming the job, the field
+and the bad value (:class:`~kumiko_dramatiq.errors.PayloadError` for a call,
+:class:`~kumiko_dramatiq.errors.JobConfigError` for a declaration or a setting):
+
+- **durations**: every duration an option, a setting or a call can produce is at most
+  :data:`MAX_DURATION_MS` (366 days): ``delay_ms``, ``backoff.delay_ms``, ``timeout_ms``, the
+  worst-case retry window, the runner's millisecond settings; ``retries`` is at most
+  :data:`MAX_RETRIES`. So every TTL derived from them (a dedup record's bound is the largest)
+  stays far inside what Redis accepts, and no write can fail half-way for a TTL Redis refuses;
+- **payloads** (:func:`check_payload`): a JSON object whose values are JSON values (``None``,
+  ``bool``, ``int`` within +-(2**63-1), finite ``float``, ``str``, ``list``, ``dict`` with
+  ``str`` keys), nested at most :data:`MAX_NESTING` levels, strings valid Unicode (no lone
+  surrogates), at most ``max_payload_bytes`` once JSON-encoded (default 1 MiB);
+- **dedup keys** (:func:`check_dedup_key`): a non-empty string of valid Unicode, at most
+  :data:`MAX_DEDUP_KEY_BYTES` bytes in UTF-8;
+- **tenant ids** (:func:`tenant_id_problem`): a non-empty string of valid Unicode without
+  control characters, at most :data:`MAX_TENANT_ID_BYTES` bytes in UTF-8.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import unicodedata
+from typing import Any, Final
+
+from .errors import PayloadError
+
+#: The longest duration anything may ask for: 366 days, in ms.
+MAX_DURATION_MS: Final = 366 * 86_400_000
+#: The most retries a job may declare.
+MAX_RETRIES: Final = 10_000
+#: Payloads nest at most this deep (the payload object itself is level 1).
+MAX_NESTING: Final = 100
+#: Default of ``max_payload_bytes`` (``KUMIKO_MAX_PAYLOAD_BYTES``): 1 MiB.
+DEFAULT_MAX_PAYLOAD_BYTES: Final = 1_048_576
+MAX_DEDUP_KEY_BYTES: Final = 512
+MAX_TENANT_ID_BYTES: Final = 256
+_INT_LIMIT: Final = 2**63 - 1
+
+TOO_LARGE: Final = f"is too large (at most {MAX_DURATION_MS} ms, 366 days)"
+
+
+def unicode_problem(text: str) -> str | None:
+    """Why ``text`` is not valid Unicode (a lone surrogate), or ``None``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"must be valid Unicode (lone surrogate at position {exc.start})"
+    return None
+
+
+def check_payload(job_name: str, payload: Any, *, max_bytes: int) -> dict[str, Any]:
+    """Return ``payload`` (``None`` -> ``{}``) if it is within the limits, else raise
+    :class:`PayloadError` naming the job, the path of the bad value and the value."""
+    if payload is None:
+        return {}
+    if not isinstance(payload, dict):
+        raise PayloadError(job_name, "payload", "must be a JSON object (dict)", payload)
+    # Iterative walk: a payload nested 10,000 levels deep must not hit Python's recursion
+    # limit before it hits ours.
+    stack: list[tuple[str, Any, int]] = [("payload", payload, 1)]
+    while stack:
+        path, value, depth = stack.pop()
+        if value is None or isinstance(value, bool):
+            continue
+        if isinstance(value, int):
+            if not -_INT_LIMIT <= value <= _INT_LIMIT:
+                raise PayloadError(job_name, path, "must be an integer within +-(2**63-1)", value)
+            continue
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise PayloadError(job_name, path, "must be a finite number", value)
+            continue
+        if isinstance(value, str):
+            problem = unicode_problem(value)
+            if problem is not None:
+                raise PayloadError(job_name, path, problem, value)
+            continue
+        if isinstance(value, dict | list):
+            if depth > MAX_NESTING:
+                raise PayloadError(
+                    job_name, "payload", f"nests deeper than {MAX_NESTING} levels", "[...]"
+                )
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    if not isinstance(key, str):
+                        raise PayloadError(job_name, path, "must have string keys", key)
+                    problem = unicode_problem(key)
+                    if problem is not None:
+                        raise PayloadError(job_name, f"{path} key", problem, key)
+                    stack.append((f"{path}[{key!r}]", item, depth + 1))
+            else:
+                stack.extend((f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value))
+            continue
+        raise PayloadError(job_name, path, "must be a JSON value", value)
+    size = len(json.dumps(payload, allow_nan=False, separators=(",", ":")).encode())
+    if size > max_bytes:
+        raise PayloadError(
+            job_name, "payload", f"is too large once encoded (at most {max_bytes} bytes)", size
+        )
+    return payload
+
+
+def check_delay_ms(job_name: str, delay_ms: Any) -> int | None:
+    """``delay_ms`` of a call: ``None`` or an integer from 0 to :data:`MAX_DURATION_MS`."""
+    if delay_ms is None:
+        return None
+    if not isinstance(delay_ms, int) or isinstance(delay_ms, bool) or delay_ms < 0:
+        raise PayloadError(job_name, "delay_ms", "must be an integer >= 0", delay_ms)
+    if delay_ms > MAX_DURATION_MS:
+        raise PayloadError(job_name, "delay_ms", TOO_LARGE, delay_ms)
+    return delay_ms
+
+
+def dedup_key_problem(key: Any) -> str | None:
+    """Why ``key`` is not a valid dedup key, or ``None``."""
+    if not isinstance(key, str) or not key:
+        return "must be a non-empty string"
+    problem = unicode_problem(key)
+    if problem is not None:
+        return problem
+    if len(key.encode()) > MAX_DEDUP_KEY_BYTES:
+        return f"is too long (at most {MAX_DEDUP_KEY_BYTES} bytes in UTF-8)"
+    return None
+
+
+def check_dedup_key(job_name: str, field: str, key: Any) -> str:
+    """Return ``key`` if it is a valid dedup key, else raise :class:`PayloadError`."""
+    problem = dedup_key_problem(key)
+    if problem is not None:
+        raise PayloadError(job_name, field, problem, key)
+    return str(key)
+
+
+def tenant_id_problem(tenant_id: Any) -> str | None:
+    """Why ``tenant_id`` is not a valid tenant id, or ``None``."""
+    if not isinstance(tenant_id, str) or not tenant_id:
+        return "must be a non-empty string"
+    problem = unicode_problem(tenant_id)
+    if problem is not None:
+        return problem
+    if len(tenant_id.encode()) > MAX_TENANT_ID_BYTES:
+        return f"is too long (at most {MAX_TENANT_ID_BYTES} bytes in UTF-8)"
+    if any(unicodedata.category(char) == "Cc" for char in tenant_id):
+        return "must not contain control characters"
+    return None

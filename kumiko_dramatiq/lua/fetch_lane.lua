@@ -1,0 +1,84 @@
+-- fetch_lane: claim up to N messages of a kumiko lane queue, keeping poison messages apart.
+-- KEYS[1] namespace   KEYS[2] deliveries hash (redis id -> deliveries without an outcome)
+-- KEYS[3] suspects list of this queue (redis ids whose worker died while they were out)
+-- ARGV[1..6] dispatch head (see _dispatch.lua)
+-- ARGV[7] N   ARGV[8] "already completed" marker prefix ("" = no check)
+-- ARGV[9] messages this consumer holds (fetched, not yet acked)
+-- ARGV[10] max deliveries: a message delivered this many times without an outcome (its
+--          worker died each time) is dead-lettered here instead of delivered again
+-- Each claimed id joins this worker's ack set and its deliveries count goes up by one; the
+-- settle script clears it. An id with deliveries already (a suspect) is never delivered
+-- beside other messages: with ARGV[9] = 0 and nothing claimed yet it is delivered alone (first
+-- from the suspects list), else it waits in the suspects list. A message whose id carries an
+-- "already completed" marker is acked unrun.
+-- Returns {{rid, body, ...}, {message ids acked as already completed},
+--          {rid, deliveries, ...} dead-lettered, suspects waiting, 1 if a suspect was claimed}.
+-- @include dispatch
+-- @include dead_letter
+local deliveries = KEYS[2]
+local suspects = KEYS[3]
+local wanted = tonumber(ARGV[7])
+local done_prefix = ARGV[8]
+local idle = tonumber(ARGV[9]) == 0
+local max_deliveries = tonumber(ARGV[10])
+local fetched, dropped, buried = {}, {}, {}
+local alone = 0
+
+local function claim(rid)
+    redis.call("sadd", queue_acks, rid)
+    redis.call("hincrby", deliveries, rid, 1)
+    local body = redis.call("hget", queue_messages, rid)
+    if body and done_prefix ~= "" then
+        local ok, message = pcall(cjson.decode, body)
+        if ok and type(message) == "table" and type(message.message_id) == "string"
+            and redis.call("exists", done_prefix .. message.message_id) == 1 then
+            redis.call("srem", queue_acks, rid)
+            redis.call("hdel", queue_messages, rid)
+            redis.call("hdel", deliveries, rid)
+            dropped[#dropped + 1] = message.message_id
+            return false
+        end
+    end
+    fetched[#fetched + 1] = rid
+    fetched[#fetched + 1] = body
+    return true
+end
+
+-- a suspect: bury it, run it alone, or set it aside
+local function suspect(rid, seen)
+    if seen >= max_deliveries then
+        dead_letter(rid)
+        redis.call("hdel", deliveries, rid)
+        buried[#buried + 1] = rid
+        buried[#buried + 1] = seen
+    elseif idle and #fetched == 0 and alone == 0 then
+        if claim(rid) then
+            alone = 1
+        end
+    else
+        redis.call("rpush", suspects, rid)
+    end
+end
+
+if idle then
+    while alone == 0 do
+        local rid = redis.call("lpop", suspects)
+        if not rid then
+            break
+        end
+        suspect(rid, tonumber(redis.call("hget", deliveries, rid)) or 0)
+    end
+end
+while alone == 0 and #fetched < 2 * wanted do
+    local rid = redis.call("lpop", queue_list)
+    if not rid then
+        break
+    end
+    local seen = tonumber(redis.call("hget", deliveries, rid)) or 0
+    if seen > 0 then
+        suspect(rid, seen)
+    else
+        claim(rid)
+    end
+end
+return {fetched, dropped, buried, redis.call("llen", suspects), alone}
