@@ -8,6 +8,7 @@ and timeouts live in middleware.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ from .broker import KumikoBroker
 from .fanout import fan_out
 from .registry import JobDefinition
 from .runtime import Runtime
+from .timeouts import check_elapsed
 
 
 def declare_actors(broker: KumikoBroker, runtime: Runtime) -> None:
@@ -48,7 +50,9 @@ def _job_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]]
         execution = runtime.current()
         if execution is None or execution.handed_off:
             return
+        started = time.monotonic()
         runtime.call_handler(job, payload, runtime.context_for(execution))
+        check_elapsed(job, started)
 
     run.__name__ = run.__qualname__ = job.qualified_name
     return run

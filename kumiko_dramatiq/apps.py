@@ -53,6 +53,13 @@ def load_runner(environ: Mapping[str, str] | None = None) -> JobRunner:
             f"KUMIKO_APP={target!r}: cannot import module {module_name!r} ({exc}); "
             "check the name and that it is on PYTHONPATH"
         ) from None
+    except Exception as exc:  # the app's own module failed: a syntax error, a raise, ...
+        where = f" ({exc.filename}, line {exc.lineno})" if isinstance(exc, SyntaxError) else ""
+        detail = " ".join(str(exc).split())
+        raise AppLoadError(
+            f"KUMIKO_APP={target!r}: importing module {module_name!r} raised "
+            f"{type(exc).__name__}: {detail}{where}"
+        ) from None
     try:
         app = getattr(module, attribute)
     except AttributeError:

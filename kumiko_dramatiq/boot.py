@@ -278,6 +278,7 @@ class Boot(Middleware):
         if self.driven_by_runner:
             return
         try:
+            self.runtime.broker.check_access(self.runtime.settings.redis_url)
             self.run(broker)
         except Exception as exc:
             logger.critical("kumiko worker for %s did not start: %s", self.runtime.queue_name, exc)

@@ -30,7 +30,7 @@ from typing import NoReturn
 from .apps import load_runner
 from .boot import reset_boot_marker
 from .environment import app_target
-from .errors import AppLoadError, RedisUnavailableError
+from .errors import AppLoadError, RedisAccessError, RedisUnavailableError
 from .scheduler import Scheduler
 
 EXIT_OK = 0
@@ -104,8 +104,9 @@ def _reset_boot(job_name: str | None, every: bool) -> int:
         prefix = runner.queue_prefix
         for name in names:
             try:
+                runner.check_redis()
                 deleted = reset_boot_marker(runner.broker.client, prefix, name)
-            except RedisUnavailableError as exc:
+            except (RedisUnavailableError, RedisAccessError) as exc:
                 print(f"kumiko reset-boot: {exc}", file=sys.stderr)
                 return EXIT_REDIS
             state = "boot marker deleted" if deleted else "had no boot marker"
@@ -138,8 +139,8 @@ def scheduler_main() -> int:
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         try:
-            runner.wait_for_redis()
-        except RedisUnavailableError as exc:
+            runner.check_redis()
+        except (RedisUnavailableError, RedisAccessError) as exc:
             print(f"kumiko-scheduler: {_one_line(exc)}", file=sys.stderr)
             return EXIT_REDIS
         scheduler = Scheduler(runner.broker, runner.registry, retention=runner.retention)
@@ -158,7 +159,7 @@ def scheduler_main() -> int:
 
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
-    if isinstance(exc, AppLoadError | RedisUnavailableError):
+    if isinstance(exc, AppLoadError | RedisUnavailableError | RedisAccessError):
         return text
     return f"{type(exc).__name__}: {text}"
 

@@ -16,7 +16,8 @@ Allowed values: second and minute 0-59, hour 0-23, day-of-month 1-31, month 1-12
 (or ``JAN``..``DEC``), day-of-week 0-7 (or ``SUN``..``SAT``). Day-of-week numbering:
 0 and 7 are both Sunday, 1 is Monday ... 6 is Saturday. Names are case-insensitive and
 may appear wherever a number may (``mon-fri``, ``jan/3``); ``SUN`` as the upper end of a
-day-of-week range means 7 (``fri-sun`` is Friday, Saturday, Sunday).
+day-of-week range that starts after Sunday means 7 (``fri-sun`` is Friday, Saturday, Sunday;
+``sun-sun`` is Sunday only).
 
 Each field is a comma-separated list of parts; a part is one of
 
@@ -44,18 +45,28 @@ Ticks are wall-clock times in ``timezone`` (an IANA name resolved with
 :class:`zoneinfo.ZoneInfo`). Results are aware datetimes in that zone with microsecond 0;
 instants are always compared in UTC.
 
-* A wall time that does not exist (spring-forward gap) fires once, at the instant it maps
-  to with ``fold=0``, i.e. shifted forward by the size of the gap: ``30 2 * * *`` in
-  Europe/Berlin fires at 03:30 CEST on 2026-03-29. Further gap wall times that would map
-  onto an instant already returned, or not strictly after ``after``, are skipped, so
-  ``* * * * *`` yields 01:59 CET, 03:00 CEST, 03:01 CEST, ...
-* A wall time that occurs twice (fall-back) fires once, at its first occurrence
-  (``fold=0``). When ``after`` lies in the second occurrence, the next tick is the first
-  wall time whose ``fold=0`` instant is strictly after ``after``.
+The fire instants of a cron are ``{instant(w) : w a wall time matching the expression}``,
+where ``instant(w)`` reads the naive wall time ``w`` in the zone with ``fold=0``
+(``w.replace(tzinfo=zone, fold=0)``). ``next_fire_time(after)`` is the smallest of these
+instants strictly after ``after``, whatever the order of the wall times. Hence:
+
+* A wall time that does not exist (spring-forward gap) fires once, shifted forward by the
+  size of the gap: ``30 2 * * *`` in Europe/Berlin fires at 03:30 CEST on 2026-03-29, also
+  for an ``after`` of 03:10 CEST that day (a scheduler restarted inside the shifted hour
+  does not skip the day's run); ``*/15 2 * * *`` fires at 03:00, 03:15, 03:30 and 03:45
+  CEST. In Australia/Lord_Howe (02:00 -> 02:30 on 2026-10-04) ``15,40 2 * * *`` fires at
+  02:40 (an existing wall time) and then 02:45 (02:15 shifted by 30 minutes).
+* A wall time that occurs twice (fall-back) fires once, at its first occurrence. When
+  ``after`` lies in the second occurrence, the repeated wall times have had their (only)
+  instant already; the next tick is the first matching wall time after the repeated range.
+* Two wall times that map to the same instant fire once: ``* * * * *`` yields 01:59 CET,
+  03:00 CEST, 03:01 CEST, ... (02:01 maps onto 03:01 CEST).
 
 Consequently, feeding each result back as ``after`` yields strictly increasing instants
 and never the same instant twice. Compare results in UTC (``t.astimezone(UTC)``): Python
-never treats an ambiguous wall time as equal to a datetime in another zone.
+never treats an ambiguous wall time as equal to a datetime in another zone. The search
+assumes that a zone's UTC offset changes by at most 3 hours at a time and not twice within
+30 minutes, true of every DST rule in tzdata.
 
 ``next_fire_time(after)`` and ``fire_times(after, until)`` take aware datetimes in any zone;
 a naive one raises ``ValueError`` (a non-datetime ``TypeError``).
@@ -115,6 +126,14 @@ _MAX_DAYS: Final = (0, 31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
 _SEARCH_YEARS: Final = 401
 
 _ONE_SECOND: Final = timedelta(seconds=1)
+
+# The largest change of a zone's UTC offset the tick search allows for: the largest DST shift
+# in tzdata is 2 h (Antarctica/Troll), so 3 h leaves a margin.
+_MAX_SHIFT: Final = timedelta(hours=3)
+
+# The zone's offset is probed this often to find its changes; no zone changes it twice within
+# this span.
+_PROBE_STEP: Final = timedelta(minutes=30)
 
 
 class _ParseError(Exception):
@@ -340,26 +359,27 @@ class Cron:
         return (_make_cron, (self._expr, self._timezone, self._misfire, self._grace_s))
 
     # -- tick computation -----------------------------------------------------------------
+    #
+    # The fire instants are { instant(w) : w a matching wall time }, instant(w) being w read
+    # with fold=0 (see the module docstring). Within a stretch of wall time whose fold=0
+    # offset is constant, instant() grows with the wall time, so "the first matching wall
+    # time after wall(after)" is the answer there: that is the fast path. Around an offset
+    # change it is not: the wall times of a spring-forward gap map to instants AFTER those of
+    # the wall times that follow the gap (02:30 -> 03:30 CEST, later than 03:10 CEST), and in
+    # a repeated range the wall time after wall(after) may map before `after`. There the
+    # search splits wall time into its constant-offset segments and takes, per segment, the
+    # first matching wall time whose instant is after `after`; the answer is the smallest.
 
     def next_fire_time(self, after: datetime) -> datetime:
         """Return the first tick strictly after ``after``.
 
         ``after`` must be timezone-aware (any zone); a naive datetime raises ``ValueError``.
-        The result is an aware datetime in this cron's zone, microsecond 0. Gap and
-        repeated wall times follow the DST rules of the module docstring.
+        The result is an aware datetime in this cron's zone, microsecond 0: the smallest
+        fire instant strictly after ``after`` (see the DST rules of the module docstring).
         """
         after_utc = _as_utc(after, "after")
         try:
-            local = after_utc.astimezone(self._zone)
-            start = local.replace(tzinfo=None, microsecond=0, fold=0) + _ONE_SECOND
-            while True:
-                wall = self._next_wall(start)
-                instant = wall.replace(tzinfo=self._zone).astimezone(UTC)
-                if instant > after_utc:
-                    return instant.astimezone(self._zone)
-                # Only reachable when `after` lies in the second occurrence of a repeated
-                # wall-clock range: this wall time's first occurrence is already past.
-                start = self._first_wall_after(wall, after_utc)
+            return self._next_instant(after_utc).astimezone(self._zone)
         except OverflowError:
             raise ValueError(
                 f"{self!r} has no fire time after {after.isoformat()} before year {MAXYEAR}"
@@ -369,6 +389,8 @@ class Cron:
         """Yield every tick ``t`` with ``after < t <= until``, in increasing order.
 
         Both bounds must be timezone-aware (``ValueError`` otherwise, raised at the call).
+        Each tick is the :meth:`next_fire_time` of the previous one, so the instants strictly
+        increase and none is yielded twice.
         """
         after_utc = _as_utc(after, "after")
         until_utc = _as_utc(until, "until")
@@ -383,37 +405,140 @@ class Cron:
                 return
             yield tick
 
-    def _first_wall_after(self, wall: datetime, after_utc: datetime) -> datetime:
-        """Return the smallest whole-second wall time > ``wall`` whose first occurrence
-        (``fold=0``) is strictly after ``after_utc``, given that ``wall``'s is not.
+    def _next_instant(self, after_utc: datetime) -> datetime:
+        """Return the smallest fire instant strictly after ``after_utc``, in UTC.
 
-        Inside a repeated range the ``fold=0`` instant grows with the wall time, so an
-        exponential then binary search over whole seconds finds the boundary in a few steps
-        instead of testing every candidate of, say, ``* * * * * *`` in the repeated hour.
+        With ``w1`` the first matching wall time after wall(``after``) and ``c`` its instant:
+        a matching wall time up to wall(``after``) maps at most ``_MAX_SHIFT`` past ``after``,
+        and one from ``w1`` on maps at least ``_MAX_SHIFT`` before ``c``; nothing matches in
+        between. So when no offset changes within ``_MAX_SHIFT`` of ``after`` and of ``c``,
+        ``c`` is the answer; otherwise the answer lies within ``2 * _MAX_SHIFT`` after
+        ``after`` or before ``c``, where :meth:`_first_instant_in` searches exactly.
         """
+        window = 2 * _MAX_SHIFT
+        while True:
+            local = after_utc.astimezone(self._zone)
+            wall = self._next_wall(local.replace(tzinfo=None, microsecond=0, fold=0) + _ONE_SECOND)
+            candidate = self._instant(wall)
+            if candidate > after_utc:
+                if self._steady_around(after_utc, candidate):
+                    return candidate
+                if candidate - after_utc <= 2 * window:
+                    found = self._first_instant_in(after_utc, candidate)
+                else:
+                    found = self._first_instant_in(after_utc, after_utc + window)
+                    if found is None:
+                        found = self._first_instant_in(candidate - window, candidate)
+                # `candidate` lies in the searched range, so `found` is never None.
+                return candidate if found is None else min(found, candidate)
+            # `after` lies in the second occurrence of a repeated range (the first matching
+            # wall time maps to its first occurrence, before `after`).
+            found = self._first_instant_in(after_utc, after_utc + window)
+            if found is not None:
+                return found
+            after_utc += window  # no fire instant in (after, after + window]
 
-        def passes(candidate: datetime) -> bool:
-            return candidate.replace(tzinfo=self._zone).astimezone(UTC) > after_utc
+    def _instant(self, wall: datetime) -> datetime:
+        """The instant of a naive wall time: ``fold=0``, so a gap wall time maps forward by
+        the size of the gap and a repeated one to its first occurrence."""
+        return wall.replace(tzinfo=self._zone, fold=0).astimezone(UTC)
 
-        low, span = wall, 1
-        high = wall + _ONE_SECOND
-        while not passes(high):
-            low, span = high, span * 2
-            high = wall + timedelta(seconds=span)
-        while (gap := (high - low) // _ONE_SECOND) > 1:
-            middle = low + timedelta(seconds=gap // 2)
-            if passes(middle):
-                high = middle
-            else:
-                low = middle
-        return high
+    def _offset(self, instant: datetime) -> timedelta:
+        offset = instant.astimezone(self._zone).utcoffset()
+        if offset is None:  # pragma: no cover - a ZoneInfo always has an offset
+            raise ValueError(f"time zone {self._timezone!r} has no UTC offset")
+        return offset
+
+    def _steady_around(self, first: datetime, last: datetime) -> bool:
+        """Whether the zone's offset is constant within ``_MAX_SHIFT`` of both instants."""
+        if last - first <= 2 * _MAX_SHIFT:
+            return not self._offset_changes(first - _MAX_SHIFT, last + _MAX_SHIFT, locate=False)
+        return not (
+            self._offset_changes(first - _MAX_SHIFT, first + _MAX_SHIFT, locate=False)
+            or self._offset_changes(last - _MAX_SHIFT, last + _MAX_SHIFT, locate=False)
+        )
+
+    def _offset_changes(
+        self, low: datetime, high: datetime, *, locate: bool = True
+    ) -> list[tuple[datetime, timedelta, timedelta]]:
+        """Return the zone's offset changes in ``[low, high]`` (UTC) as (first instant with
+        the new offset, offset before, offset after), oldest first.
+
+        The offset is probed every ``_PROBE_STEP`` (no zone changes it twice that fast) and
+        each change is located to the second by bisection unless ``locate`` is false.
+        """
+        changes: list[tuple[datetime, timedelta, timedelta]] = []
+        probe = low.replace(microsecond=0)
+        offset = self._offset(probe)
+        while probe < high:
+            following = probe + _PROBE_STEP
+            following_offset = self._offset(following)
+            if following_offset != offset:
+                if not locate:
+                    return [(following, offset, following_offset)]
+                below, above = probe, following
+                while (span := int((above - below).total_seconds())) > 1:
+                    middle = below + timedelta(seconds=span // 2)
+                    if self._offset(middle) == offset:
+                        below = middle
+                    else:
+                        above = middle
+                changes.append((above, offset, following_offset))
+            probe, offset = following, following_offset
+        return changes
+
+    def _first_instant_in(self, low: datetime, high: datetime) -> datetime | None:
+        """Return the smallest fire instant ``t`` with ``low < t <= high`` (UTC), if any.
+
+        Wall time is cut into segments of constant ``fold=0`` offset: an offset change at
+        instant ``T`` from ``before`` to ``after`` ends the old offset's wall times at
+        ``T + max(before, after)`` (a gap's wall times and a repeated range's first
+        occurrence keep the old offset). Offset changes up to ``_MAX_SHIFT`` outside
+        ``[low, high]`` are taken into account; further ones cannot move a wall time into it.
+        Within a segment the instant grows with the wall time, so the first matching wall
+        time whose instant is past ``low`` is the segment's smallest.
+        """
+        changes = self._offset_changes(low - _MAX_SHIFT, high + _MAX_SHIFT)
+        first_offset = self._offset(low - _MAX_SHIFT)
+        starts: list[datetime | None] = [None]
+        offsets = [first_offset]
+        for change, before, after in changes:
+            starts.append((change + max(before, after)).replace(tzinfo=None))
+            offsets.append(after)
+        ends = [*starts[1:], None]
+
+        best: datetime | None = None
+        for start, end, offset in zip(starts, ends, offsets, strict=True):
+            # Whole-second wall times w with low < w - offset <= high, inside the segment.
+            first = (low + offset).replace(tzinfo=None, microsecond=0) + _ONE_SECOND
+            last = (high + offset).replace(tzinfo=None, microsecond=0)
+            if start is not None:
+                first = max(first, start)
+            if end is not None:
+                last = min(last, end - _ONE_SECOND)
+            if first > last:
+                continue
+            wall = self._first_wall(first, last)
+            if wall is not None:
+                instant = self._instant(wall)
+                if best is None or instant < best:
+                    best = instant
+        return best
 
     def _next_wall(self, start: datetime) -> datetime:
         """Return the earliest matching naive wall time ``>= start`` (microsecond 0)."""
+        last_year = min(start.year + _SEARCH_YEARS, MAXYEAR)
+        wall = self._first_wall(start, datetime(last_year, 12, 31, 23, 59, 59))
+        if wall is None:
+            raise OverflowError("no matching wall time in the supported date range")
+        return wall
+
+    def _first_wall(self, start: datetime, last: datetime) -> datetime | None:
+        """Return the earliest matching naive wall time in ``[start, last]``, if any."""
         year, month, day = start.year, start.month, start.day
         time_from = (start.hour, start.minute, start.second)
-        last_year = min(year + _SEARCH_YEARS, MAXYEAR)
-        while year <= last_year:
+        last_day = last.date()
+        while (year, month) <= (last_day.year, last_day.month):
             if month in self._months:
                 days_in_month = calendar.monthrange(year, month)[1]
                 cron_weekday = (calendar.weekday(year, month, day) + 1) % 7
@@ -421,7 +546,8 @@ class Cron:
                     if self._day_matches(current_day, cron_weekday):
                         time = self._next_time(*time_from)
                         if time is not None:
-                            return datetime(year, month, current_day, *time)
+                            wall = datetime(year, month, current_day, *time)
+                            return wall if wall <= last else None
                     time_from = (0, 0, 0)
                     cron_weekday = (cron_weekday + 1) % 7
             month += 1
@@ -430,7 +556,7 @@ class Cron:
             if month > 12:
                 month = 1
                 year += 1
-        raise OverflowError("no matching wall time in the supported date range")
+        return None
 
     def _day_matches(self, day: int, cron_weekday: int) -> bool:
         dom_ok = day in self._dom

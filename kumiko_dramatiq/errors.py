@@ -128,3 +128,27 @@ def redact_url(url: Any) -> Any:
 
 class AppLoadError(KumikoError):
     """``KUMIKO_APP`` (or a ``KUMIKO_*`` variable) does not name a loadable app."""
+
+
+class JobTimeoutError(KumikoError, TimeoutError):
+    """A run finished over its ``timeout_ms`` without being interrupted (a blocking C call):
+    the attempt fails like one that was interrupted."""
+
+    def __init__(self, job_name: str, timeout_ms: int, elapsed_ms: int) -> None:
+        self.job_name = job_name
+        self.timeout_ms = timeout_ms
+        self.elapsed_ms = elapsed_ms
+        super().__init__(
+            f"{job_name}: ran {elapsed_ms} ms, over its timeout_ms={timeout_ms} (a blocking "
+            "call could not be interrupted)"
+        )
+
+
+class RedisAccessError(KumikoError):
+    """Redis answers but refuses what kumiko needs: a database that does not exist, a
+    password it rejects, or an ACL user without a command or key pattern kumiko uses."""
+
+    def __init__(self, redis_url: str, problem: str) -> None:
+        self.redis_url = redis_url
+        self.problem = problem
+        super().__init__(f"Redis at {redact_url(redis_url)} {problem}")

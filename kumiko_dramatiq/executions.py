@@ -109,5 +109,6 @@ def _shape_problem(args: Any, kwargs: Any) -> str | None:
     if kwargs:
         return f"unexpected keyword arguments {sorted(kwargs)!r}"
     if len(args) != 1 or not isinstance(args[0], dict):
-        return f"expected one JSON object argument, got {args!r:.80}"
+        kinds = ", ".join(type(arg).__name__ for arg in args) if isinstance(args, list) else "?"
+        return f"expected one JSON object argument, got ({kinds})"
     return None

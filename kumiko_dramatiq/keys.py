@@ -59,3 +59,8 @@ def suspects(queue_prefix: str, queue_name: str) -> str:
     """List: redis ids of ``queue_name`` whose worker died while holding them, waiting to run
     alone."""
     return f"{_root(queue_prefix)}:suspects:{queue_name}"
+
+
+def probe(queue_prefix: str) -> str:
+    """Base of the keys the start-up permission probe writes and deletes at once."""
+    return f"{_root(queue_prefix)}:probe"

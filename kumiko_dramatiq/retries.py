@@ -88,12 +88,18 @@ def describe_error(exception: BaseException) -> str:
 class Retries(Middleware):
     """Retries failed kumiko attempts on their message id; dead-letters the final failure.
 
+    Logs each failed attempt: retried ones at WARNING (``Type: message``), the final one at
+    ERROR with its traceback; the payload only with ``log_payloads``.
+
     Reads the delivery's decoded options (``kumiko_retries``, ``kumiko_backoff``,
     ``kumiko_backoff_delay_ms``, ``kumiko_failures``); writes ``kumiko_failures`` on the
     retry. Touches no kumiko Redis key. After ``Executions`` in the chain, so its
     ``after_process_message`` runs late: after the hooks, the dedup transition and the lock
     release. Messages of actors kumiko did not declare pass through untouched.
     """
+
+    def __init__(self, *, log_payloads: bool = False) -> None:
+        self.log_payloads = log_payloads
 
     def after_process_message(
         self,
@@ -107,13 +113,16 @@ class Retries(Middleware):
         if exception is None or execution is None or execution.handed_off:
             return
         meta, options = execution.meta, execution.options
+        payload = f" payload={message.args[0]!r}" if self.log_payloads else ""
         if meta.final_attempt:
-            logger.warning(
-                "%s %s failed for good after %d attempt(s): %s",
+            logger.error(
+                "%s %s failed for good after %d attempt(s), dead-lettered: %s%s",
                 execution.job.qualified_name,
                 message.message_id,
                 meta.attempt,
                 describe_error(exception),
+                payload,
+                exc_info=exception,
             )
             message.fail()
             return
@@ -127,12 +136,13 @@ class Retries(Middleware):
         prepared = broker.prepare(retry, delay_ms)
         broker.emit_before("enqueue", prepared, delay_ms)
         message.settlement.retry = (prepared, delay_ms)
-        logger.info(
-            "%s %s: attempt %d of %d failed (%s), retrying %s",
+        logger.warning(
+            "%s %s: attempt %d of %d failed (%s), retrying %s%s",
             execution.job.qualified_name,
             message.message_id,
             meta.attempt,
             meta.max_attempts,
             describe_error(exception),
             "now" if delay_ms is None else f"in {delay_ms} ms",
+            payload,
         )

@@ -17,7 +17,7 @@ from typing import Any
 
 import dramatiq
 import redis
-from dramatiq.middleware import Middleware, TimeLimit
+from dramatiq.middleware import Middleware
 from dramatiq.worker import Worker
 
 from .actors import declare_actors
@@ -26,11 +26,12 @@ from .broker import KumikoBroker, make_connection_pool
 from .completed import Completed
 from .dedup import Dedup, dispatch_with_key, event_dedup_keys
 from .environment import resolve_settings
-from .errors import JobConfigError, RedisUnavailableError, UnknownJobError
+from .errors import JobConfigError, RedisAccessError, RedisUnavailableError, UnknownJobError
 from .executions import Executions, KumikoMessages
 from .hooks import Hooks
 from .lanes import Lane
 from .limits import check_dedup_key, check_delay_ms, check_payload
+from .logs import install_log_filter
 from .messages import build_message
 from .options import Retention
 from .registry import JobDefinition, Registry
@@ -39,6 +40,7 @@ from .runtime import FailedHook, HookSet, Runtime, StartHook, TenantResolver
 from .scheduler import Scheduler
 from .sequential import Sequential
 from .settings import UNSET, Unset
+from .timeouts import Timeouts
 
 logger = logging.getLogger("kumiko_dramatiq")
 
@@ -55,18 +57,18 @@ def build_middleware(runtime: Runtime, dedup: Dedup) -> list[Middleware]:
         Sequential  the lease of sequential jobs (before: acquire or hand off; after: release)
         Dedup       the life of dedup keys
         Hooks       on_job_start / on_job_complete / on_job_failed
-        TimeLimit   Dramatiq's, last so its timer covers only the handler
+        Timeouts    Dramatiq's TimeLimit, last so its timer covers only the handler
     """
     return [
         Lane(runtime.queue_name),
         Boot(runtime),
         Executions(runtime),
         Completed(),
-        Retries(),
+        Retries(log_payloads=runtime.settings.log_payloads),
         Sequential(runtime),
         dedup,
         Hooks(runtime),
-        TimeLimit(time_limit=float("inf"), interval=runtime.settings.timeout_check_ms),
+        Timeouts(interval=runtime.settings.timeout_check_ms),
     ]
 
 
@@ -135,6 +137,7 @@ class JobRunner:
                 raise JobConfigError(None, name, "must be callable or None", hook)
         _check_retention_covers_retries(registry, settings.retention)
 
+        install_log_filter()
         self.registry = registry
         self.settings = settings
         self.runtime = Runtime(
@@ -264,7 +267,7 @@ class JobRunner:
         if self._started:
             raise RuntimeError("this JobRunner was started already; build a new one")
         self._check_can_consume()
-        self.wait_for_redis()
+        self.check_redis()
         self._started = True
         boot = self._middleware(Boot)
         boot.driven_by_runner = True
@@ -310,9 +313,17 @@ class JobRunner:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
+    def check_redis(self) -> None:
+        """Wait for Redis (:meth:`wait_for_redis`), then check that it lets this runner do
+        everything kumiko needs (``RedisAccessError``, one line naming what is refused)."""
+        self.wait_for_redis()
+        with self._redis("checking its permissions"):
+            self.broker.check_access(self.redis_url)
+
     def wait_for_redis(self) -> None:
         """Ping Redis until it answers; ``RedisUnavailableError`` after
-        ``boot_redis_timeout_ms``."""
+        ``boot_redis_timeout_ms``, ``RedisAccessError`` at once when it refuses the
+        credentials or the database number."""
         deadline = time.monotonic() + self.boot_redis_timeout_ms / 1000
         last_error: BaseException | None = None
         while True:
@@ -328,6 +339,10 @@ class JobRunner:
             try:
                 probe.ping()
                 return
+            except redis.AuthenticationError as exc:
+                raise RedisAccessError(self.redis_url, f"refuses the credentials: {exc}") from None
+            except redis.ResponseError as exc:
+                raise RedisAccessError(self.redis_url, f"refuses the connection: {exc}") from None
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 last_error = exc
                 time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))

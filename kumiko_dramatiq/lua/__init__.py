@@ -81,6 +81,8 @@ class LuaScripts:
     lock_acquire: Script
     lock_renew: Script
     lock_release: Script
+    # the start-up check of a user's permissions
+    probe: Script
 
     @classmethod
     def register(cls, client: redis.Redis) -> LuaScripts:
@@ -89,3 +91,15 @@ class LuaScripts:
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+_CALL = re.compile(r'redis\.p?call\("([a-z]+)"')
+
+
+def commands() -> list[str]:
+    """Every Redis command kumiko's scripts run (the probe's own excepted), sorted."""
+    found: set[str] = set()
+    for name in LuaScripts.names():
+        if name != "probe":
+            found.update(_CALL.findall(source(name)))
+    return sorted(found)

@@ -4,7 +4,9 @@
 -- BEFORE its guard: Lua does not roll back, so an error while writing the message (a key of
 -- the wrong type) must never leave a guard that silently blocks the message for good.
 -- @include enqueue
+-- @include ttl
 local function enqueue_unless_guarded(messages, list, rid, body, guard, guard_value, guard_ttl_ms)
+    ttl_ms(guard_ttl_ms, "guard")
     if redis.call("exists", guard) == 1 then
         return 0
     end

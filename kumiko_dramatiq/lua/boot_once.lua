@@ -7,6 +7,7 @@
 -- also when the guard already existed (which restores a lost marker without a second enqueue).
 -- Returns {1, "enqueued"}, {0, "marked"} (marker present) or {0, "guarded"}.
 -- @include guarded
+ttl_ms(ARGV[3], "boot guard")
 if redis.call("exists", KEYS[3]) == 1 then
     return {0, "marked"}
 end

@@ -10,6 +10,8 @@
 -- ending with a follow-up -> {0, follow-up id}. queued (or anything else) -> {0, live id}.
 -- A trigger never extends the TTL.
 -- @include enqueue
+-- @include ttl
+ttl_ms(ARGV[3], "dedup record")
 local record = KEYS[3]
 local live = redis.call("hmget", record, "id", "state", "fid")
 if not live[1] then

@@ -5,6 +5,8 @@
 -- Iff the record is still ARGV[3]'s "ending" with follow-up ARGV[4]: enqueue it, record
 -- {id = ARGV[4], queued}. Returns {1} or {0}.
 -- @include enqueue
+-- @include ttl
+ttl_ms(ARGV[5], "dedup record")
 local rec = redis.call("hmget", KEYS[3], "id", "state", "fid")
 if rec[1] ~= ARGV[3] or rec[2] ~= "ending" or rec[3] ~= ARGV[4] then
     return {0}

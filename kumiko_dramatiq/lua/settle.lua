@@ -15,6 +15,10 @@
 -- @include dispatch
 -- @include enqueue
 -- @include dead_letter
+-- @include ttl
+if ARGV[8] == "completed" then
+    ttl_ms(ARGV[9], "completed marker")
+end
 local rid, outcome = ARGV[7], ARGV[8]
 redis.call("hdel", KEYS[2], rid)
 if outcome == "completed" then
