@@ -16,6 +16,7 @@ from dramatiq import Actor
 
 from .broker import KumikoBroker
 from .fanout import fan_out
+from .logs import hide_arguments
 from .registry import JobDefinition
 from .runtime import Runtime
 from .timeouts import check_elapsed
@@ -26,7 +27,7 @@ def declare_actors(broker: KumikoBroker, runtime: Runtime) -> None:
     for job in runtime.registry.jobs.values():
         queue = job.queue_name(runtime.queue_prefix)
         time_limit = float("inf") if job.options.timeout_ms is None else job.options.timeout_ms
-        Actor(
+        actor = Actor(
             _job_body(runtime, job),
             broker=broker,
             actor_name=job.qualified_name,
@@ -34,8 +35,10 @@ def declare_actors(broker: KumikoBroker, runtime: Runtime) -> None:
             priority=0,
             options={"time_limit": time_limit},
         )
+        if not runtime.settings.log_payloads:
+            hide_arguments(actor.logger)
         if job.options.per_tenant:
-            Actor(
+            wrapper = Actor(
                 _wrapper_body(runtime, job),
                 broker=broker,
                 actor_name=job.wrapper_actor_name,
@@ -43,6 +46,8 @@ def declare_actors(broker: KumikoBroker, runtime: Runtime) -> None:
                 priority=0,
                 options={"time_limit": float("inf")},
             )
+            if not runtime.settings.log_payloads:
+                hide_arguments(wrapper.logger)
 
 
 def _job_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]], None]:

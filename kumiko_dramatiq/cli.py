@@ -98,13 +98,17 @@ def _reset_boot(job_name: str | None, every: bool) -> int:
             _fail(f"kumiko reset-boot: job {job_name} is not run_on_boot; it has no boot marker")
         else:
             names = [job_name]
+        try:
+            runner.check_redis()
+        except (RedisUnavailableError, RedisAccessError) as exc:
+            print(f"kumiko reset-boot: {exc}", file=sys.stderr)
+            return EXIT_REDIS
         if not names:
             print(f"no run_on_boot job in {app_target()}; nothing to reset")
             return EXIT_OK
         prefix = runner.queue_prefix
         for name in names:
             try:
-                runner.check_redis()
                 deleted = reset_boot_marker(runner.broker.client, prefix, name)
             except (RedisUnavailableError, RedisAccessError) as exc:
                 print(f"kumiko reset-boot: {exc}", file=sys.stderr)

@@ -5,7 +5,8 @@ attempt that is retried at WARNING, a dead letter at ERROR with its traceback, n
 payload unless ``JobRunner(log_payloads=True)``. Dramatiq's worker logs messages by their
 ``str()``, which shows their arguments (the payload) and logs every failure at ERROR;
 :func:`install_log_filter` puts :class:`KumikoRecords` on its worker logger, which names a
-kumiko message by job and message id instead and leaves the failure line to kumiko's own.
+kumiko message by job and message id instead and leaves the failure line to kumiko's own;
+each kumiko actor's logger gets :class:`HiddenArguments` unless payloads may be logged.
 Messages of other actors are logged as Dramatiq logs them.
 """
 
@@ -58,6 +59,26 @@ class KumikoRecords(logging.Filter):
             return False
         record.args = tuple(_Named(arg) if _is_kumiko(arg) else arg for arg in args)
         return True
+
+
+class HiddenArguments(logging.Filter):
+    """On a kumiko actor's own logger: Dramatiq's "Received args=..." line (DEBUG) without
+    the arguments, which are the payload."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("Received args"):
+            record.msg = "Received its payload (hidden; JobRunner(log_payloads=True) shows it)."
+            record.args = ()
+        return True
+
+
+def hide_arguments(actor_logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+    """Put :class:`HiddenArguments` on a kumiko actor's logger, once."""
+    target = actor_logger
+    if isinstance(target, logging.LoggerAdapter):
+        target = target.logger
+    if not any(isinstance(f, HiddenArguments) for f in target.filters):
+        target.addFilter(HiddenArguments())
 
 
 def install_log_filter() -> None:

@@ -482,7 +482,7 @@ class Faults(threading.Thread):
             "wrong_args",
             rid,
             message.encode(),
-            needle=f"dead-lettering malformed message {message_id}",
+            needle=f"dead-lettering message {message_id}",
         )
 
     def _push(self, kind: str, rid: str, data: bytes, *, needle: str) -> None:

@@ -1,0 +1,413 @@
+"""Bad input, forged messages, poison messages, unclear errors: refused up front, never lost."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from kumiko_dramatiq import (
+    Backoff,
+    Event,
+    Feature,
+    JobConfigError,
+    JobContext,
+    JobRunner,
+    PayloadError,
+    Registry,
+)
+from kumiko_dramatiq.errors import JobTimeoutError, RedisAccessError
+from kumiko_dramatiq.messages import build_message
+from tests.conftest import Recorder, RunnerFactory, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+SECRET = "SECRET-PAYLOAD-7f3a"
+
+
+def registry_of(**options: Any) -> Registry:
+    feature = Feature("hard")
+
+    @feature.job("work", **options)
+    def work(payload: dict[str, Any], ctx: JobContext) -> None:
+        if payload.get("fail"):
+            raise RuntimeError("planned failure")
+
+    forged_key = Event("thing.happened", dedup_key=lambda p: p["key"] + "\udfff")
+
+    @feature.job("keyed", trigger=forged_key)
+    def keyed(payload: dict[str, Any], ctx: JobContext) -> None: ...
+
+    return Registry([feature])
+
+
+def nested_list(levels: int) -> list[Any]:
+    outer: list[Any] = []
+    inner = outer
+    for _ in range(levels - 1):
+        inner.append([])
+        inner = inner[0]
+    return outer
+
+
+def queued(client: redis.Redis, prefix: str) -> int:
+    return int(
+        client.hlen(f"dramatiq:{prefix}-worker.msgs")
+        + client.hlen(f"dramatiq:{prefix}-worker.DQ.msgs")
+    )
+
+
+# -- bad input at the call -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("payload", "says"),
+    [
+        ({"n": 2**64}, "must be an integer within"),
+        ({"deep": nested_list(10_000)}, "nests deeper than 100 levels"),
+        ({"s": "\ud800"}, "must be valid Unicode"),
+    ],
+)
+def test_a_payload_beyond_the_limits_is_one_line_and_nothing_is_enqueued(
+    make_runner: RunnerFactory, redis_client: redis.Redis, prefix: str, payload: Any, says: str
+) -> None:
+    runner = make_runner(registry_of())
+    with pytest.raises(PayloadError, match=f"hard:job:work: .*{says}") as caught:
+        runner.dispatch("hard:job:work", payload)
+    assert "\n" not in str(caught.value)
+    assert queued(redis_client, prefix) == 0
+
+
+def test_a_dedup_key_with_a_lone_surrogate_is_refused(
+    make_runner: RunnerFactory, redis_client: redis.Redis, prefix: str
+) -> None:
+    runner = make_runner(registry_of())
+    with pytest.raises(PayloadError, match="hard:job:work: dedup_key must be valid Unicode"):
+        runner.dispatch("hard:job:work", {}, dedup_key="k\udc00")
+    with pytest.raises(PayloadError, match=r"hard:job:keyed: trigger\.dedup_key must be valid"):
+        runner.handle_event("thing.happened", {"key": "k"})
+    assert queued(redis_client, prefix) == 0
+
+
+def test_a_delay_that_would_never_come_due_is_refused(
+    make_runner: RunnerFactory, redis_client: redis.Redis, prefix: str
+) -> None:
+    runner = make_runner(registry_of())
+    with pytest.raises(PayloadError, match="hard:job:work: delay_ms is too large"):
+        runner.dispatch("hard:job:work", {}, delay_ms=10**30)
+    assert queued(redis_client, prefix) == 0
+
+
+@pytest.mark.parametrize("url", ["http://x", "redis://h:notaport", "redis://h/abc", "redis://"])
+def test_a_bad_redis_url_is_refused_at_construction(url: str) -> None:
+    with pytest.raises(JobConfigError, match="redis_url"):
+        JobRunner(registry_of(), redis_url=url)
+
+
+# -- forged messages ---------------------------------------------------------------------------
+
+
+def forged(prefix: str, change: dict[str, Any], options: dict[str, Any]) -> bytes:
+    message = build_message(
+        registry_of().jobs["hard:job:work"], {"fail": True}, queue_prefix=prefix, trigger="manual"
+    )
+    body = message.asdict()
+    body["options"] = {**body["options"], **options}
+    body.update(change)
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(
+    ("change", "options"),
+    [
+        ({}, {"kumiko_backoff": "bogus", "kumiko_backoff_delay_ms": 5, "kumiko_retries": 2}),
+        ({}, {"kumiko_backoff": "fixed", "kumiko_backoff_delay_ms": None, "kumiko_retries": 2}),
+        ({}, {"kumiko_backoff": "fixed", "kumiko_backoff_delay_ms": -5, "kumiko_retries": 2}),
+        ({}, {"kumiko_tenant_id": 42}),
+        ({}, {"kumiko_trigger": None}),
+        ({"actor_name": 17}, {}),
+        ({"options": ["not", "an", "object"]}, {}),
+        ({"queue_name": "elsewhere"}, {}),
+        ({"args": [{"fail": True}, "extra"]}, {}),
+    ],
+)
+def test_a_forged_message_is_dead_lettered_at_fetch_and_the_worker_goes_on(
+    make_runner: RunnerFactory,
+    recorder: Recorder,
+    redis_client: redis.Redis,
+    prefix: str,
+    change: dict[str, Any],
+    options: dict[str, Any],
+) -> None:
+    # Given a forged message on the lane queue, then a good one
+    runner = make_runner(registry_of(), **recorder.hooks())
+    queue = f"{prefix}-worker"
+    runner.broker.do_enqueue(queue, "forged-1", forged(prefix, change, options))
+    good = runner.dispatch("hard:job:work", {})
+    # When a worker runs
+    runner.start()
+    recorder.wait_until(lambda r: len(r.of("complete")) == 1, what="the good message")
+    wait_for(lambda: redis_client.zcard(f"dramatiq:{queue}.XQ") == 1, what="the dead letter")
+    # Then the forged one never ran, sits in the dead letters, and nothing is left behind
+    assert [e.message_id for e in recorder.of("start")] == [good]
+    assert redis_client.zscore(f"dramatiq:{queue}.XQ", "forged-1") is not None
+    wait_for(lambda: queued(redis_client, prefix) == 0, what="the good message acked")
+    assert redis_client.hlen(f"kumiko:{prefix}:deliveries") == 0
+
+
+# -- poison messages ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def supervised_worker(redis_url: str, prefix: str) -> Iterator[list[int]]:
+    """A CLI worker for tests.apps.poison_app, restarted whenever it dies (as a supervisor
+    would); yields the list of exit codes seen so far."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUMIKO_")}
+    env.update(
+        PYTHONPATH=str(ROOT),
+        KUMIKO_APP="tests.apps.poison_app:registry",
+        KUMIKO_REDIS_URL=redis_url,
+        KUMIKO_QUEUE_PREFIX=prefix,
+        KUMIKO_HEARTBEAT_TIMEOUT_MS="1000",
+        KUMIKO_MAINTENANCE_CHANCE="1000000",
+    )
+    command = [sys.executable, "-m", "dramatiq", "kumiko_dramatiq.app", "-p", "1", "-t", "4"]
+    exits: list[int] = []
+    stop = False
+    import threading
+
+    def supervise() -> None:
+        while not stop:
+            worker = subprocess.Popen(
+                command, cwd=ROOT, env=env, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+            )
+            procs.append(worker)
+            exits.append(worker.wait())
+
+    procs: list[subprocess.Popen[bytes]] = []
+    thread = threading.Thread(target=supervise, daemon=True)
+    thread.start()
+    try:
+        yield exits
+    finally:
+        stop = True
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        thread.join(timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["exit", "segfault"])
+def test_a_poison_message_is_dead_lettered_after_five_deaths_and_healthy_ones_flow(
+    supervised_worker: list[int], redis_client: redis.Redis, redis_url: str, prefix: str, how: str
+) -> None:
+    from tests.apps.poison_app import registry
+
+    # Given one message that kills its worker on every delivery among 50 healthy ones
+    producer = JobRunner(registry, redis_url=redis_url, queue_prefix=prefix)
+    healthy = [producer.dispatch("poison:job:healthy", {"n": n}) for n in range(25)]
+    poison = producer.dispatch("poison:job:poison", {"how": how})
+    healthy += [producer.dispatch("poison:job:healthy", {"n": n}) for n in range(25, 50)]
+    producer.stop()
+    queue = f"{prefix}-worker"
+    # When supervised workers keep restarting
+    wait_for(
+        lambda: (
+            redis_client.zcard(f"dramatiq:{queue}.XQ") == 1
+            and set(healthy) <= {m.decode() for m in redis_client.lrange(done_key(prefix), 0, -1)}
+        ),
+        timeout_s=120,
+        what="every healthy message done and the poison dead-lettered",
+    )
+    # Then every healthy message completed, the poison ran exactly 5 times and is dead
+    started = [m.decode() for m in redis_client.lrange(started_key(prefix, "poison"), 0, -1)]
+    assert started == [poison] * 5
+    dead = redis_client.hvals(f"dramatiq:{queue}.XQ.msgs")
+    assert [json.loads(body)["message_id"] for body in dead] == [poison]
+    assert len(supervised_worker) >= 5
+
+
+def done_key(prefix: str) -> str:
+    return f"kumiko:{prefix}:test:done"
+
+
+def started_key(prefix: str, job: str) -> str:
+    return f"kumiko:{prefix}:test:started:{job}"
+
+
+# -- logs --------------------------------------------------------------------------------------
+
+
+def test_logs_name_job_and_attempt_and_never_show_the_payload(
+    make_runner: RunnerFactory, recorder: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    runner = make_runner(
+        registry_of(retries=1, backoff=Backoff("fixed", delay_ms=10)), **recorder.hooks()
+    )
+    runner.start()
+    message_id = runner.dispatch("hard:job:work", {"fail": True, "secret": SECRET})
+    recorder.wait_until(lambda r: len(r.of("failed")) == 2, what="both attempts")
+    wait_for(lambda: any(r.levelno == logging.ERROR for r in caplog.records), what="dead letter")
+    ours = [r for r in caplog.records if message_id in r.getMessage()]
+    retried = [r for r in ours if "attempt 1 of 2 failed" in r.getMessage()]
+    dead = [r for r in ours if "failed for good" in r.getMessage()]
+    assert [r.levelno for r in retried] == [logging.WARNING]
+    assert [r.levelno for r in dead] == [logging.ERROR]
+    assert dead[0].exc_info is not None
+    assert all(SECRET not in r.getMessage() for r in caplog.records)
+    assert not [r for r in caplog.records if "Failed to process message" in r.getMessage()]
+
+
+def test_log_payloads_opts_in(
+    make_runner: RunnerFactory, recorder: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    runner = make_runner(registry_of(), log_payloads=True, **recorder.hooks())
+    runner.start()
+    runner.dispatch("hard:job:work", {"fail": True, "secret": SECRET})
+    recorder.wait_until(lambda r: len(r.of("failed")) == 1)
+    wait_for(lambda: any(SECRET in r.getMessage() for r in caplog.records), what="the payload")
+
+
+# -- timeouts ----------------------------------------------------------------------------------
+
+
+def test_a_run_that_overran_in_a_blocking_call_is_a_failed_attempt(
+    make_runner: RunnerFactory, recorder: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    feature = Feature("slow")
+
+    @feature.job("sleeper", timeout_ms=300)
+    def sleeper(payload: dict[str, Any], ctx: JobContext) -> None:
+        time.sleep(1.0)  # a blocking C call: TimeLimit cannot interrupt it
+
+    runner = make_runner(Registry([feature]), timeout_check_ms=100, **recorder.hooks())
+    runner.start()
+    message_id = runner.dispatch("slow:job:sleeper")
+    recorder.wait_until(lambda r: len(r.of("failed")) == 1, what="the failed attempt")
+    assert not recorder.of("complete")
+    error = recorder.of("failed")[0].exc
+    assert type(error).__name__ in {"TimeLimitExceeded", JobTimeoutError.__name__}
+    wait_for(
+        lambda: any(
+            "slow:job:sleeper" in r.getMessage() and message_id in r.getMessage()
+            for r in caplog.records
+            if "timeout_ms=300" in r.getMessage()
+        ),
+        what="a time-limit line naming the job and message",
+    )
+
+
+# -- unclear errors at start -------------------------------------------------------------------
+
+
+def cli_env(redis_url: str, prefix: str, app: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUMIKO_")}
+    env.update(
+        PYTHONPATH=str(ROOT), KUMIKO_APP=app, KUMIKO_REDIS_URL=redis_url, KUMIKO_QUEUE_PREFIX=prefix
+    )
+    return env
+
+
+COMMANDS = {
+    "worker": [sys.executable, "-m", "dramatiq", "kumiko_dramatiq.app", "-p", "1", "-t", "1"],
+    "scheduler": [sys.executable, "-m", "kumiko_dramatiq.scheduler"],
+    "kumiko": [sys.executable, "-m", "kumiko_dramatiq.cli", "reset-boot", "--all"],
+}
+
+
+def run(command: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        COMMANDS[command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def kumiko_lines(stderr: str) -> list[str]:
+    prefixes = ("kumiko_dramatiq.app:", "kumiko-scheduler:", "kumiko reset-boot:")
+    lines = [line for line in stderr.splitlines() if line.startswith(prefixes)]
+    lines += [line for line in stderr.splitlines() if "CRITICAL" in line and "kumiko" in line]
+    return lines
+
+
+@pytest.mark.parametrize("command", ["worker", "scheduler", "kumiko"])
+def test_an_app_module_that_raises_on_import_is_one_line(
+    command: str, redis_url: str, prefix: str
+) -> None:
+    done = run(command, cli_env(redis_url, prefix, "tests.apps.broken_app:registry"))
+    assert done.returncode == 2, done.stderr
+    lines = kumiko_lines(done.stderr)
+    assert len(lines) == 1, done.stderr
+    assert "RuntimeError: the settings file is missing" in lines[0]
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", ["worker", "scheduler", "kumiko"])
+def test_an_app_module_with_a_syntax_error_is_one_line(
+    command: str, redis_url: str, prefix: str, tmp_path: Path
+) -> None:
+    (tmp_path / "typo_app.py").write_text("registry = (\n")
+    env = cli_env(redis_url, prefix, "typo_app:registry")
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{ROOT}"
+    done = run(command, env)
+    assert done.returncode == 2, done.stderr
+    lines = kumiko_lines(done.stderr)
+    assert len(lines) == 1, done.stderr
+    assert "SyntaxError" in lines[0]
+    assert "typo_app.py" in lines[0]
+
+
+@pytest.mark.parametrize(("command", "status"), [("worker", 3), ("scheduler", 1), ("kumiko", 1)])
+def test_a_database_number_that_does_not_exist_is_one_line(
+    command: str, status: int, redis_url: str, prefix: str
+) -> None:
+    missing_db = redis_url.rsplit("/", 1)[0] + "/999"
+    done = run(command, cli_env(missing_db, prefix, "tests.apps.boot_app:registry"))
+    assert done.returncode == status, done.stderr
+    lines = kumiko_lines(done.stderr)
+    assert len(lines) == 1, done.stderr
+    assert "DB index is out of range" in lines[0]
+
+
+@pytest.fixture
+def limited_user(redis_client: redis.Redis) -> Iterator[str]:
+    """An ACL user that may do everything but EVALSHA; deleted after the test."""
+    name = f"kumiko-test-{uuid.uuid4().hex[:8]}"
+    redis_client.acl_setuser(
+        name, enabled=True, passwords=["+pw"], commands=["+@all", "-evalsha"], keys=["*"]
+    )
+    yield name
+    redis_client.acl_deluser(name)
+
+
+@pytest.mark.parametrize(("command", "status"), [("worker", 3), ("scheduler", 1), ("kumiko", 1)])
+def test_a_user_without_evalsha_fails_at_start_naming_it(
+    command: str, status: int, limited_user: str, redis_url: str, prefix: str
+) -> None:
+    url = redis_url.replace("redis://", f"redis://{limited_user}:pw@", 1)
+    done = run(command, cli_env(url, prefix, "tests.apps.cron_app:registry"))
+    assert done.returncode == status, done.stderr
+    lines = kumiko_lines(done.stderr)
+    assert len(lines) == 1, done.stderr
+    assert "does not let this user run EVALSHA" in lines[0]
+    assert ":pw@" not in done.stderr
+
+
+def test_start_refuses_a_user_without_evalsha_in_one_line(
+    limited_user: str, redis_url: str, prefix: str
+) -> None:
+    url = redis_url.replace("redis://", f"redis://{limited_user}:pw@", 1)
+    runner = JobRunner(registry_of(), redis_url=url, queue_prefix=prefix)
+    with pytest.raises(RedisAccessError, match="EVALSHA") as caught:
+        runner.start()
+    assert "\n" not in str(caught.value)
+    runner.stop()
