@@ -224,17 +224,21 @@ def test_a_poison_message_is_dead_lettered_after_five_deaths_and_healthy_ones_fl
     wait_for(
         lambda: (
             redis_client.zcard(f"dramatiq:{queue}.XQ") == 1
-            and set(healthy) <= {m.decode() for m in redis_client.lrange(done_key(prefix), 0, -1)}
+            and set(healthy) <= set(texts(redis_client.lrange(done_key(prefix), 0, -1)))
         ),
         timeout_s=120,
         what="every healthy message done and the poison dead-lettered",
     )
     # Then every healthy message completed, the poison ran exactly 5 times and is dead
-    started = [m.decode() for m in redis_client.lrange(started_key(prefix, "poison"), 0, -1)]
+    started = texts(redis_client.lrange(started_key(prefix, "poison"), 0, -1))
     assert started == [poison] * 5
     dead = redis_client.hvals(f"dramatiq:{queue}.XQ.msgs")
     assert [json.loads(body)["message_id"] for body in dead] == [poison]
     assert len(supervised_worker) >= 5
+
+
+def texts(items: Any) -> list[str]:
+    return [item.decode() if isinstance(item, bytes) else str(item) for item in items]
 
 
 def done_key(prefix: str) -> str:
