@@ -32,7 +32,9 @@ What kumiko adds on top of that layout, each in the same Lua call as the command
 from __future__ import annotations
 
 import logging
+import os
 import random
+import socket
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -102,17 +104,34 @@ def dead_letter_messages(queue_name: str, namespace: str = NAMESPACE) -> str:
 
 
 # -- what an ack writes --------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunWrite:
+    """A run record the settle call writes (see :mod:`kumiko_dramatiq.history`)."""
+
+    message_id: str
+    attempt: int
+    job: str
+    #: the run's status; "" drops the running record (a hand-off, no attempt)
+    status: str
+    tenant: str
+    origin: str
+    record: str
+    ttl_ms: int
+    dead_note: str
+
+
 @dataclass
 class Settlement:
     """What the ack of one delivery writes besides the ack itself (one Lua call in all).
 
     ``retry``: the prepared retry of a failed attempt and its delay, enqueued with the ack;
     ``completed``: the message completed, so the ack also writes its "already completed"
-    marker. At most one of them is set.
+    marker (at most one of the two is set); ``run``: the run record to write.
     """
 
     retry: tuple[Message[Any], int | None] | None = None
     completed: bool = False
+    run: RunWrite | None = None
 
 
 class Delivery(MessageProxy):
@@ -184,6 +203,8 @@ class KumikoBroker(RedisBroker):
         moved_marker_ttl_ms: int,
         max_deliveries: int = 5,
         message_policy: MessagePolicy | None = None,
+        run_ttls_ms: tuple[int, int] | None = None,
+        history_cap: int = 100_000,
     ) -> None:
         super().__init__(  # type: ignore[no-untyped-call]
             client=client,
@@ -197,6 +218,9 @@ class KumikoBroker(RedisBroker):
         self.moved_marker_ttl_ms = moved_marker_ttl_ms
         self.max_deliveries = max_deliveries
         self.message_policy = message_policy
+        #: (TTL of completed records, TTL of failed ones) in ms; ``None`` keeps no history
+        self.run_ttls_ms = run_ttls_ms
+        self.history_cap = history_cap
         self.lua = LuaScripts.register(client)
 
     def __getattr__(self, name: str) -> Any:
@@ -255,6 +279,7 @@ class KumikoBroker(RedisBroker):
                 keys.completed(self.queue_prefix, ""),
                 outstanding,
                 self.max_deliveries,
+                *self._history_args(),
             ],
         )
         return LaneFetch(
@@ -264,6 +289,19 @@ class KumikoBroker(RedisBroker):
             suspects_waiting=int(waiting),
             alone=alone == 1,
         )
+
+    def _history_args(self) -> list[Any]:
+        """Run history root, worker, TTL of running/dead records, longest TTL, cap."""
+        if self.run_ttls_ms is None:
+            return ["", "", 1, 1, 0]
+        completed_ttl, failed_ttl = self.run_ttls_ms
+        return [
+            keys.root(self.queue_prefix),
+            f"{socket.gethostname()}:{os.getpid()}",
+            failed_ttl,
+            max(completed_ttl, failed_ttl),
+            self.history_cap,
+        ]
 
     def do_ack(self, queue_name: str, redis_message_id: str) -> None:
         self.lua.ack(
@@ -297,14 +335,31 @@ class KumikoBroker(RedisBroker):
         *,
         message_id: str,
         retry: tuple[Message[Any], int | None] | None = None,
+        run: RunWrite | None = None,
     ) -> bool:
         """The outcome of one delivery from a lane queue, in one Lua call
         (``lua/settle.lua``); ``False`` if the delivery was no longer this worker's (then
         nothing but its "already completed" marker was written)."""
-        retry_args: list[Any] = []
+        retry_args: list[Any] = ["", "", ""]
         if retry is not None:
             message = retry[0]
             retry_args = [message.queue_name, message.options["redis_message_id"], message.encode()]
+        run_args: list[Any] = ["", "", "", "", "", "", "", "", 1, 1, 0, ""]
+        if run is not None and self.run_ttls_ms is not None:
+            run_args = [
+                keys.root(self.queue_prefix),
+                run.message_id,
+                run.attempt,
+                run.job,
+                run.status,
+                run.tenant,
+                run.origin,
+                run.record,
+                run.ttl_ms,
+                max(self.run_ttls_ms),
+                self.history_cap,
+                run.dead_note,
+            ]
         done = self.lua.settle(
             keys=[
                 self.namespace,
@@ -317,6 +372,7 @@ class KumikoBroker(RedisBroker):
                 outcome,
                 self.completed_ttl_ms,
                 *retry_args,
+                *run_args,
             ],
         )
         if done == 1 and retry is not None:
@@ -637,6 +693,7 @@ class KumikoConsumer(Consumer):
                 outcome,
                 message_id=str(message.message_id),
                 retry=settlement.retry,
+                run=settlement.run,
             )
             if not owned:
                 logger.warning(
@@ -653,7 +710,10 @@ class KumikoConsumer(Consumer):
         rid = _redis_id(message)
         try:
             if self._lane:
-                self.broker.settle(self.queue_name, rid, "dead", message_id=str(message.message_id))
+                run = message.settlement.run if isinstance(message, Delivery) else None
+                self.broker.settle(
+                    self.queue_name, rid, "dead", message_id=str(message.message_id), run=run
+                )
             else:
                 self.broker.do_nack(self.queue_name, rid)
         except redis.ConnectionError as exc:

@@ -13,6 +13,8 @@ these, all JSON-native so they survive the JSON round trip of delays and retries
 ``kumiko_tenant_id``        tenant of a per-tenant child (absent = none)
 ``kumiko_dedup_key``        the dedup key the message holds (absent = none)
 ``kumiko_scheduled_at``     ISO-8601 tick of a cron message, with its UTC offset (absent = none)
+``kumiko_origin_id``        the id the caller got back for the work this message carries on (a
+                            hand-off's, a per-tenant child's); absent = the message's own id
 =========================== ===================================================================
 
 :meth:`KumikoOptions.decode` is strict: a missing required key or a value of the wrong type
@@ -40,6 +42,7 @@ FAILURES: Final = "kumiko_failures"
 TENANT_ID: Final = "kumiko_tenant_id"
 DEDUP_KEY: Final = "kumiko_dedup_key"
 SCHEDULED_AT: Final = "kumiko_scheduled_at"
+ORIGIN_ID: Final = "kumiko_origin_id"
 
 _TRIGGERS: Final = frozenset(get_args(Trigger))
 _BACKOFFS: Final = frozenset(get_args(BackoffType))
@@ -70,6 +73,7 @@ def encode_run(
     tenant_id: str | None = None,
     dedup_key: str | None = None,
     scheduled_at: datetime | None = None,
+    origin_id: str | None = None,
 ) -> dict[str, Any]:
     """The per-message keys; those at their default (0 failures, no tenant...) are left out."""
     options: dict[str, Any] = {TRIGGER: trigger}
@@ -81,6 +85,8 @@ def encode_run(
         options[DEDUP_KEY] = dedup_key
     if scheduled_at is not None:
         options[SCHEDULED_AT] = scheduled_at.isoformat()
+    if origin_id is not None:
+        options[ORIGIN_ID] = origin_id
     return options
 
 
@@ -96,6 +102,7 @@ class KumikoOptions:
     tenant_id: str | None = None
     dedup_key: str | None = None
     scheduled_at: datetime | None = None
+    origin_id: str | None = None
 
     def encode(self) -> dict[str, Any]:
         """JSON-native options; keys at their default (0 failures, no tenant...) are left out."""
@@ -107,6 +114,7 @@ class KumikoOptions:
                 tenant_id=self.tenant_id,
                 dedup_key=self.dedup_key,
                 scheduled_at=self.scheduled_at,
+                origin_id=self.origin_id,
             ),
         }
 
@@ -141,6 +149,7 @@ class KumikoOptions:
             tenant_id=_checked(options, TENANT_ID, tenant_id_problem),
             dedup_key=_checked(options, DEDUP_KEY, dedup_key_problem),
             scheduled_at=_instant(options, SCHEDULED_AT),
+            origin_id=_text(options, ORIGIN_ID),
         )
 
     @property

@@ -7,6 +7,7 @@ middleware reads it with :func:`execution_of`. Nothing travels in untyped attrib
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,8 @@ class Execution:
     #: The message this one handed its run off to (``Sequential``, lock held): the actor
     #: body, the hooks and the retries then do nothing and no attempt is spent.
     handoff_id: str | None = None
+    #: When the delivery reached the worker thread (epoch seconds).
+    started_at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
         self.meta = self.options.meta()
@@ -49,6 +52,11 @@ class Execution:
     @property
     def message_id(self) -> str:
         return str(self.delivery.message_id)
+
+    @property
+    def origin_id(self) -> str:
+        """The id the caller got back for the work this delivery carries on."""
+        return self.options.origin_id or self.message_id
 
     @property
     def handed_off(self) -> bool:

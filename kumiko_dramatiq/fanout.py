@@ -83,7 +83,13 @@ def fan_out(runtime: Runtime, execution: Execution, payload: dict[str, Any]) -> 
         )
         return
     fresh = enqueue_children(
-        runtime, job, wrapper_id, payload, tenants, scheduled_at=execution.options.scheduled_at
+        runtime,
+        job,
+        wrapper_id,
+        payload,
+        tenants,
+        scheduled_at=execution.options.scheduled_at,
+        origin_id=execution.origin_id,
     )
     logger.info(
         "%s wrapper %s fanned out to %d tenant(s): %d newly enqueued, %d already enqueued",
@@ -138,6 +144,7 @@ def enqueue_children(
     tenants: Sequence[str],
     *,
     scheduled_at: datetime | None = None,
+    origin_id: str | None = None,
 ) -> int:
     """Enqueue the child of each tenant not enqueued before; return how many were new.
 
@@ -160,6 +167,7 @@ def enqueue_children(
                     message_id=child_id,
                     tenant_id=tenant,
                     scheduled_at=scheduled_at,
+                    origin_id=origin_id,
                 )
             )
             guards.append(keys.enqueue_guard(prefix, child_id))

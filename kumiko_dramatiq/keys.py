@@ -13,6 +13,12 @@ def _root(queue_prefix: str) -> str:
     return f"kumiko:{queue_prefix}"
 
 
+def root(queue_prefix: str) -> str:
+    """``kumiko:{queue_prefix}:``, under which the run history's keys live (built in Lua:
+    see :mod:`kumiko_dramatiq.history`)."""
+    return f"{_root(queue_prefix)}:"
+
+
 def sent(queue_prefix: str, redis_message_id: str) -> str:
     """Set when a redis message id was written: a re-sent write finds it."""
     return f"{_root(queue_prefix)}:sent:{redis_message_id}"

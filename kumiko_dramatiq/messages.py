@@ -31,12 +31,14 @@ def build_message(
     failures: int = 0,
     dedup_key: str | None = None,
     scheduled_at: datetime | None = None,
+    origin_id: str | None = None,
 ) -> Message[Any]:
     """The message that runs ``job`` once with ``payload``.
 
     A per-tenant job without ``tenant_id`` gets its wrapper actor; with one, the job's own
     actor (a child). ``failures`` carries spent attempts (a sequential hand-off keeps them;
-    a retry is a copy, not a new build).
+    a retry is a copy, not a new build). ``origin_id``: the id the caller got back, when this
+    message carries on another's work (a hand-off, a per-tenant child); ``None`` = its own.
     """
     options = {
         **build_message_options(job),
@@ -46,6 +48,7 @@ def build_message(
             tenant_id=tenant_id,
             dedup_key=dedup_key,
             scheduled_at=scheduled_at,
+            origin_id=origin_id,
         ),
     }
     is_wrapper = job.options.per_tenant and tenant_id is None

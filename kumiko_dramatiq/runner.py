@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any
 
 import dramatiq
@@ -28,6 +29,7 @@ from .dedup import Dedup, dispatch_with_key, event_dedup_keys
 from .environment import resolve_settings
 from .errors import JobConfigError, RedisAccessError, RedisUnavailableError, UnknownJobError
 from .executions import Executions, KumikoMessages
+from .history import STATUSES, History, JobRun, RunHistory, RunStatus, run_ttls_ms
 from .hooks import Hooks
 from .lanes import Lane
 from .limits import check_dedup_key, check_delay_ms, check_payload
@@ -52,6 +54,7 @@ def build_middleware(runtime: Runtime, dedup: Dedup) -> list[Middleware]:
         Lane        consume only the runner's lane
         Boot        boot gates and boot-once jobs on process boot
         Executions  open each delivery's Execution; dead-letter malformed messages
+        History     the end record of each attempt, for the ack to write
         Completed   the ack writes the "already completed" marker of a completed run
         Retries     retry failed attempts on the same message id (after: runs late)
         Sequential  the lease of sequential jobs (before: acquire or hand off; after: release)
@@ -63,6 +66,7 @@ def build_middleware(runtime: Runtime, dedup: Dedup) -> list[Middleware]:
         Lane(runtime.queue_name),
         Boot(runtime),
         Executions(runtime),
+        History(runtime.settings),
         Completed(),
         Retries(log_payloads=runtime.settings.log_payloads),
         Sequential(runtime),
@@ -104,6 +108,8 @@ class JobRunner:
         max_deliveries: int | Unset = UNSET,
         max_payload_bytes: int | Unset = UNSET,
         log_payloads: bool | Unset = UNSET,
+        history_cap: int | Unset = UNSET,
+        record_payloads: bool | Unset = UNSET,
     ) -> None:
         if not isinstance(registry, Registry):
             raise JobConfigError(None, "registry", "must be a Registry", registry)
@@ -125,6 +131,8 @@ class JobRunner:
                 "max_deliveries": max_deliveries,
                 "max_payload_bytes": max_payload_bytes,
                 "log_payloads": log_payloads,
+                "history_cap": history_cap,
+                "record_payloads": record_payloads,
             }
         )
         for name, hook in (
@@ -163,6 +171,8 @@ class JobRunner:
             completed_ttl_ms=retention_ms,
             moved_marker_ttl_ms=retention_ms,
             max_deliveries=settings.max_deliveries,
+            run_ttls_ms=run_ttls_ms(settings),
+            history_cap=settings.history_cap,
             message_policy=KumikoMessages(registry, rejected=dedup.release_rejected),
         )
         self.runtime.attach(self.broker)
@@ -260,6 +270,53 @@ class JobRunner:
                 self.broker.enqueue(message)
             ids.append(str(message.message_id))
         return ids
+
+    # -- run history ------------------------------------------------------
+    @property
+    def history(self) -> RunHistory:
+        """Queries over this dataset's run history (no connection until used)."""
+        return RunHistory(self.broker.client, self.queue_prefix, self.registry.jobs)
+
+    def runs(
+        self,
+        job: str | None = None,
+        *,
+        status: RunStatus | None = None,
+        tenant_id: str | None = None,
+        message_id: str | None = None,
+        origin_id: str | None = None,
+        since: datetime | None = None,
+        before: datetime | None = None,
+        limit: int = 50,
+    ) -> list[JobRun]:
+        """Run records, newest first (by the time of their last write), filtered by job,
+        status, tenant, message id, origin id and time (``since`` <= t < ``before``); ``limit``
+        at most 1,000. Raises ``UnknownJobError`` for a job the registry does not declare."""
+        if job is not None:
+            self._job(job)
+        if status is not None and status not in STATUSES:
+            raise JobConfigError(None, "status", f"must be one of {', '.join(STATUSES)}", status)
+        if not isinstance(limit, int) or isinstance(limit, bool) or not 0 < limit <= 1_000:
+            raise JobConfigError(None, "limit", "must be an integer from 1 to 1000", limit)
+        for name, when in (("since", since), ("before", before)):
+            if when is not None and (not isinstance(when, datetime) or when.tzinfo is None):
+                raise JobConfigError(None, name, "must be an aware datetime", when)
+        with self._redis("reading the run history"):
+            return self.history.runs(
+                job,
+                status=status,
+                tenant_id=tenant_id,
+                message_id=message_id,
+                origin_id=origin_id,
+                since=since,
+                before=before,
+                limit=limit,
+            )
+
+    def run_record(self, message_id: str) -> list[JobRun]:
+        """Every recorded attempt of ``message_id``, oldest first."""
+        with self._redis("reading the run history"):
+            return self.history.run_record(message_id)
 
     # -- consuming --------------------------------------------------------
     def start(self) -> None:

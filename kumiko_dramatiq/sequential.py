@@ -196,6 +196,7 @@ class Sequential(Middleware):
             failures=options.failures,
             dedup_key=options.dedup_key,
             scheduled_at=options.scheduled_at,
+            origin_id=execution.origin_id,
         )
         broker = self.runtime.broker
         try:

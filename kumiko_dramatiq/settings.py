@@ -18,6 +18,8 @@ setting                          variable                       default
 ``max_deliveries``               ``KUMIKO_MAX_DELIVERIES``      5
 ``max_payload_bytes``            ``KUMIKO_MAX_PAYLOAD_BYTES``   1 048 576 (1 MiB)
 ``log_payloads``                                                ``False``
+``history_cap``                  ``KUMIKO_HISTORY_CAP``         100 000 run records
+``record_payloads``                                             ``False``
 ``worker_threads``                                              8
 ``boot_redis_timeout_ms``                                       5 000
 ``sequential_retry_delay_ms``                                   1 000
@@ -85,6 +87,10 @@ class Settings:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     #: Whether log lines about a run may show its payload (they never do by default).
     log_payloads: bool = False
+    #: The most run records the history keeps; beyond it the oldest go, completed first.
+    history_cap: int = 100_000
+    #: Whether run records keep the payload of their message.
+    record_payloads: bool = False
     worker_threads: int = 8
     boot_redis_timeout_ms: int = 5_000
     sequential_retry_delay_ms: int = 1_000
@@ -113,6 +119,7 @@ class Settings:
             "timeout_check_ms",
             "max_deliveries",
             "max_payload_bytes",
+            "history_cap",
         ):
             value = getattr(self, name)
             _check(_is_int(value) and value > 0, name, "must be a positive integer", value)

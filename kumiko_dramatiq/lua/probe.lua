@@ -6,13 +6,14 @@
 -- command at most), or {} when all are allowed; a command without a probe here is returned
 -- with the error "no probe" (a test keeps this table complete).
 local arguments = {
-    del = {}, exists = {}, get = {}, keys = {}, pexpire = {"60000"},
+    del = {}, exists = {}, get = {}, keys = {}, pexpire = {"60000"}, pttl = {},
     set = {"v", "PX", "60000"},
     hdel = {"f"}, hexists = {"f"}, hget = {"f"}, hgetall = {}, hincrby = {"f", "0"}, hlen = {},
     hmget = {"f"}, hset = {"f", "v"},
     llen = {}, lpop = {}, lrange = {"0", "0"}, lrem = {"0", "v"}, rpush = {"v"},
     sadd = {"m"}, scard = {}, smembers = {}, srem = {"m"},
     zadd = {"0", "m"}, zcard = {}, zrange = {"0", "0"}, zrangebyscore = {"0", "0"}, zrem = {"m"},
+    zremrangebyscore = {"0", "0"},
 }
 local refused = {}
 local written = {}

@@ -23,12 +23,18 @@ A handler records ``start``, works (``payload["sleep_ms"]``), then records
 (for per-tenant children only if its tenant is in ``payload["fail_tenants"]``),
 else records ``end``. A record write that meets a dropped connection is retried;
 a retried ``RPUSH`` may store a record twice, which the checker folds by ``run``.
+
+The poison job (:data:`POISON`) records ``start`` and then kills its own worker
+process: ``os._exit(1)``, or a segfault when ``payload["how"] == "segfault"``.
+Only the driver's fault thread dispatches it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import resource
 import threading
 import time
 import uuid
@@ -56,6 +62,7 @@ SEQUENTIAL = "soak:job:sequential"
 DEDUP = "soak:job:dedup"
 TICK = "soak:job:tick"
 BOOT = "soak:job:boot"
+POISON = "soak:job:poison"
 
 
 class SoakFailure(Exception):
@@ -161,6 +168,17 @@ def tick(payload: dict[str, Any], ctx: JobContext) -> None:
 @soak.job("boot", run_on_boot=True)
 def boot(payload: dict[str, Any], ctx: JobContext) -> None:
     _run(payload, ctx, may_fail=False)
+
+
+@soak.job("poison")
+def poison(payload: dict[str, Any], ctx: JobContext) -> None:
+    """Record the start, then kill this worker process: a poison message."""
+    recorder: Recorder = ctx.app
+    recorder.record(ctx, payload, "start", uuid.uuid4().hex)
+    if payload.get("how") == "segfault":
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file in the repository
+        ctypes.string_at(0)
+    os._exit(1)
 
 
 registry = Registry([soak])

@@ -11,11 +11,16 @@ Vocabulary:
 - a *run* is one handler call: its ``start`` record and at most one ``end``
   or ``fail`` record (:func:`assemble_runs`). A run with neither was *cut*:
   its worker process died under it.
+- a *kill* (:class:`Kill`) ends a worker process group: the driver's SIGKILL,
+  or a *death*: the process exited on its own and the driver's supervisor
+  noticed it (at or after the death) and started a new one. Deaths are
+  expected only from *poison* messages (a job that kills its own process,
+  :func:`check_poison`); either kind of kill explains the runs it cut.
 - *completed* (of a message id) means its ack wrote the "already completed"
   marker; the driver learns when from Redis keyspace notifications
   (``done_at``). A handler's ``end`` record comes a little before that ack.
 - a re-run of a finished attempt (same message id, same attempt) is
-  *explained* when the finished run's worker process group was SIGKILLed after
+  *explained* when the finished run's worker process group was killed after
   it finished and before the re-run started: the kill fell between the
   handler's end (or failure) and the ack, and Dramatiq redelivered the message
   (at-least-once delivery). Explained re-runs count neither as a second
@@ -76,7 +81,8 @@ class Run:
 
 @dataclass(frozen=True)
 class Kill:
-    """The driver SIGKILLed the worker process group ``pgid`` at ``at``."""
+    """The worker process group ``pgid`` ended at ``at``: the driver SIGKILLed it, or
+    (a death) its supervisor noticed at ``at`` that it had exited on its own."""
 
     pgid: int
     at: float
@@ -118,13 +124,33 @@ class KeyedDispatch:
 class Malformed:
     """A malformed message the driver pushed onto a queue.
 
-    ``needle``: text that the worker log must contain to count as the logged reason.
+    ``needle``: text that the worker log must contain to count as the logged reason;
+    ``message_id``: its message id, when it has one a handler would record.
     """
 
     kind: str
     redis_message_id: str
     needle: str
     pushed_at: float
+    message_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Poison:
+    """A message of the poison job (its handler kills its own process) the driver
+    dispatched at ``dispatched_at``; ``kind``: how it kills (``exit``, ``segfault``)."""
+
+    kind: str
+    message_id: str
+    dispatched_at: float
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A message in the dead-letter set: its redis id and when it was put there."""
+
+    redis_message_id: str
+    at: float
 
 
 @dataclass
@@ -333,7 +359,7 @@ def check_terminal(
             )
     result.notes.append(
         f"{completed} completed, {failed} failed for good as their payload asked; "
-        f"{len(keyed)} keyed dispatches; {len(cut)} run(s) cut short by a SIGKILL"
+        f"{len(keyed)} keyed dispatches; {len(cut)} run(s) cut short by a SIGKILL or death"
     )
     return result
 
@@ -567,6 +593,12 @@ MUST_BE_GONE = frozenset({"lock", "dedup"})
 PERSISTENT = frozenset({"boot"})
 #: The soak's own records.
 OWN = frozenset({"soak"})
+#: The run history's records (``run:{id}``, ``dead:{id}``: :mod:`kumiko_dramatiq.history`),
+#: each with a TTL of at most ``Retention.failed_age_s``.
+HISTORY = frozenset({"run", "dead"})
+#: The run history's indexes (``runs:...``): sorted sets trimmed on every write, documented
+#: without a TTL of their own.
+HISTORY_INDEXES = frozenset({"runs"})
 
 
 def check_leftovers(
@@ -575,12 +607,18 @@ def check_leftovers(
     ttl_bound_ms: int,
     *,
     stuck: Sequence[str] = (),
+    history_ttl_ms: int | None = None,
+    running: Sequence[str] = (),
 ) -> CheckResult:
     """7. No lock, dedup record or marker left behind but the documented TTL-bound ones.
 
     ``keys``: every ``kumiko:{queue_prefix}:*`` key with its ``PTTL`` (-1: none,
     -2: gone meanwhile). ``stuck``: messages left in queues, delay queues or ack
-    sets, and processes that did not stop (each a violation).
+    sets, and processes that did not stop (each a violation). ``history_ttl_ms``: the
+    longest TTL of a run-history record (``None``: history keys are unknown keys).
+    ``running``: run-history records still "running" once every message has settled
+    (each a violation: a cut run's record must be superseded by its redelivery's or
+    turned "dead" with its dead letter).
     """
     result = CheckResult(7, "nothing left behind but TTL-bound records", len(keys))
     root = f"kumiko:{queue_prefix}:"
@@ -592,7 +630,14 @@ def check_leftovers(
         counts[kind] += 1
         if kind in OWN or kind in PERSISTENT:
             continue
-        if kind in MUST_BE_GONE:
+        if history_ttl_ms is not None and kind in HISTORY_INDEXES:
+            continue
+        if history_ttl_ms is not None and kind in HISTORY:
+            if pttl < 0 or pttl > history_ttl_ms:
+                result.violations.append(
+                    f"{key}: pttl {pttl} ms, expected a TTL of at most {history_ttl_ms} ms"
+                )
+        elif kind in MUST_BE_GONE:
             result.violations.append(f"{kind} record left behind: {key} (pttl {pttl} ms)")
         elif kind in TTL_BOUND:
             if pttl < 0 or pttl > ttl_bound_ms:
@@ -604,6 +649,9 @@ def check_leftovers(
         else:
             result.notes.append(f"unknown TTL-bound record: {key} (pttl {pttl} ms)")
     result.violations += [f"stuck: {item}" for item in stuck]
+    result.violations += [
+        f"history record still running after every message settled: {item}" for item in running
+    ]
     result.notes.insert(
         0, "keys by kind: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
     )
@@ -619,11 +667,18 @@ def check_malformed(
     log_text: str,
     index: RunIndex,
 ) -> CheckResult:
-    """8. Each malformed message was dead-lettered with a logged reason, and the
-    workers kept going: some job completed after the last push."""
+    """8. Each malformed message was dead-lettered with a logged reason and never ran
+    (no run of its message id, if it has one), and the workers kept going: some job
+    completed after the last push."""
     result = CheckResult(8, "malformed messages dead-lettered, workers kept going", len(pushed))
     found = [m for m in pushed if m.redis_message_id in dead_lettered]
     for item in pushed:
+        ran = [] if item.message_id is None else index.by_message.get(item.message_id, [])
+        if ran:
+            result.violations.append(
+                f"{item.kind} message {item.message_id} ran {len(ran)} time(s) (first: "
+                f"{ran[0].describe()}): it must be dead-lettered at fetch, unrun"
+            )
         if item.redis_message_id not in dead_lettered:
             result.violations.append(
                 f"{item.kind} message {item.redis_message_id} (pushed {item.pushed_at:.3f}) "
@@ -646,6 +701,144 @@ def check_malformed(
         + ", ".join(f"{k}={v}" for k, v in sorted(kinds.items()))
         + ")"
     )
+    return result
+
+
+# -- 9. poison messages ------------------------------------------------------------------------
+
+
+def check_poison(
+    poisons: Sequence[Poison],
+    job: str,
+    index: RunIndex,
+    dead_letters: Mapping[str, DeadLetter],
+    log_text: str,
+    max_deliveries: int,
+    *,
+    kills: Sequence[Kill] = (),
+    deaths: Sequence[Kill] = (),
+) -> CheckResult:
+    """9. Each poison message (a message of ``job``: dispatched, or seen running) was
+    delivered ``max_deliveries`` times, each ending in its worker's death, then
+    dead-lettered at fetch with the logged reason "worker died during N deliveries";
+    from its second run on it ran alone in its worker (its death cut no other run);
+    healthy jobs completed after the first poison was dispatched; and every worker
+    death (``deaths``) had a poison run in it: any other death is a violation.
+
+    A poison message with fewer runs than ``max_deliveries`` passes only if as many of
+    the driver's SIGKILLs (``kills``) fell in its lifetime (dispatch to dead letter),
+    each of a worker it never ran in: a SIGKILL of a worker that holds the message
+    before its handler starts swallows a delivery without a run.
+    """
+    dispatched = {poison.message_id: poison for poison in poisons}
+    seen = sorted({run.message_id for run in index.of_job(job)} - set(dispatched))
+    for message_id in seen:
+        started = index.by_message[message_id][0].started
+        dispatched[message_id] = Poison("unconfirmed", message_id, started)
+    result = CheckResult(
+        9,
+        f"poison messages dead-lettered after {max_deliveries} deaths, nothing else died",
+        len(dispatched),
+    )
+    if seen:
+        result.notes.append(f"{len(seen)} poison message(s) ran whose dispatch raised: {seen}")
+    buried_lines = [
+        line
+        for line in log_text.splitlines()
+        if "dead-lettering message" in line and "worker died during" in line
+    ]
+    want = f"worker died during {max_deliveries} deliveries"
+    runs_of_poison = 0
+    for message_id, poison in dispatched.items():
+        label = f"{poison.kind} poison {message_id}"
+        runs = index.by_message.get(message_id, [])
+        runs_of_poison += len(runs)
+        letter = dead_letters.get(message_id)
+        end = math.inf
+        if letter is None:
+            result.violations.append(f"{label} was not dead-lettered ({len(runs)} run(s))")
+        else:
+            end = letter.at
+            needle = f"dead-lettering message {letter.redis_message_id} on "
+            logged = [line for line in buried_lines if needle in line]
+            if not any(want in line for line in logged):
+                result.violations.append(
+                    f"{label}: no log line {needle}...: {want!r}; logged: {logged[:2]}"
+                )
+            late = [run for run in runs if run.started > letter.at]
+            if late:
+                result.violations.append(
+                    f"{label} ran after it was dead-lettered at {letter.at:.3f}: "
+                    f"{late[0].describe()}"
+                )
+        for run in runs:
+            if run.outcome != "cut":
+                result.violations.append(f"{label}: its handler returned: {run.describe()}")
+        if len(runs) > max_deliveries:
+            result.violations.append(
+                f"{label} ran {len(runs)} times, more than max_deliveries ({max_deliveries})"
+            )
+        elif len(runs) < max_deliveries:
+            missing = max_deliveries - len(runs)
+            pgids = {run.pgid for run in runs}
+            swallowing = [
+                kill
+                for kill in kills
+                if poison.dispatched_at <= kill.at <= end and kill.pgid not in pgids
+            ]
+            text = (
+                f"{label} ran {len(runs)} times, not max_deliveries ({max_deliveries}); "
+                f"{len(swallowing)} SIGKILL(s) of other workers in its lifetime"
+            )
+            if len(swallowing) >= missing:
+                result.notes.append(f"{text} may have swallowed {missing} delivery(ies)")
+            else:
+                result.violations.append(text)
+        for delivery, run in enumerate(runs[1:], start=2):
+            beside = [
+                other
+                for other in index.runs
+                if other.pgid == run.pgid and other.token != run.token and other.outcome == "cut"
+            ]
+            if beside:
+                result.violations.append(
+                    f"{label}: run {delivery} did not run alone: its worker's death cut "
+                    f"{len(beside)} other run(s), e.g. {beside[0].describe()}"
+                )
+    for death in deaths:
+        culprits = [
+            run
+            for run in index.runs
+            if run.pgid == death.pgid
+            and run.job == job
+            and run.outcome == "cut"
+            and run.started <= death.at
+        ]
+        if not culprits:
+            result.violations.append(
+                f"process died on its own: worker {death.pgid} (noticed at {death.at:.3f}) "
+                "with no poison message running in it"
+            )
+    if dispatched:
+        first = min(poison.dispatched_at for poison in dispatched.values())
+        healthy = [
+            run
+            for run in index.runs
+            if run.job != job and run.ended is not None and run.started > first
+        ]
+        if not healthy:
+            result.violations.append(
+                f"no healthy job completed after the first poison message ({first:.3f})"
+            )
+        during = []
+        for poison in dispatched.values():
+            letter = dead_letters.get(poison.message_id)
+            until = math.inf if letter is None else letter.at
+            during.append(sum(1 for run in healthy if poison.dispatched_at < run.started < until))
+        result.notes.append(
+            f"{runs_of_poison} poison run(s), {len(deaths)} worker death(s) on their own; "
+            f"healthy jobs completed while each poison was undecided: {during}"
+        )
     return result
 
 

@@ -10,17 +10,22 @@ worker processes and two ``kumiko_dramatiq.scheduler`` processes for
 planned failures, per-tenant over 50 tenants, sequential, dedup-keyed bursts; the app
 adds a cron job every second and a boot job) while a fault thread, seeded, injects:
 SIGKILL of a worker (a new one starts at once), ``CLIENT KILL TYPE normal SKIPME yes``,
-SIGTERM and restart of one scheduler (never both), and malformed messages pushed
+SIGTERM and restart of one scheduler (never both), malformed messages pushed
 straight onto the queue (garbage bytes, an unknown actor, a kumiko actor with wrong
-arguments). Then it stops the load and the schedulers, waits until the queues, delay
-queues and ack sets are empty and every job is final, stops the workers gracefully,
-waits out the lock TTL, and checks the handlers' records (:mod:`tests.soak.check`).
+arguments, a kumiko message with forged options), and poison messages (a job whose
+handler kills its own worker process: ``os._exit`` or a segfault). A supervisor
+restarts at once any worker that exits on its own, as a real one would, and notes the
+death. Then it stops the load and the schedulers, waits until the queues, delay queues,
+suspect lists and ack sets are empty and every job is final, stops the workers
+gracefully, waits out the lock TTL, and checks the handlers' records
+(:mod:`tests.soak.check`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -33,25 +38,27 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 from dramatiq.message import Message
 
 from examples.redis_server import private_redis
-from kumiko_dramatiq import JobRunner, KumikoError
+from kumiko_dramatiq import JobRunner, KumikoError, keys
 from kumiko_dramatiq.messages import build_message
 
 from . import check
 from .app import (
+    BACKOFF_MS,
     BOOT,
     DEDUP,
     PARALLEL,
     PER_TENANT,
+    POISON,
     RETRIES,
     SEQUENTIAL,
     TENANTS,
@@ -81,7 +88,27 @@ FAULT_ROUND = (
     "malformed_garbage",
     "malformed_unknown_actor",
     "malformed_wrong_args",
+    "malformed_forged_options",
 )
+#: Poison messages: each round holds one, the kinds taking turns (each poison message
+#: costs MAX_DELIVERIES worker deaths, each a heartbeat timeout before its redelivery).
+POISON_FAULTS = ("poison_exit", "poison_segfault")
+FAULT_KINDS = frozenset(FAULT_ROUND) | frozenset(POISON_FAULTS)
+#: How a kumiko message's options are forged (``malformed_forged_options``).
+FORGERIES = (
+    "bogus backoff",
+    "backoff without a delay",
+    "negative delay",
+    "tenant not a string",
+    "no trigger",
+    "actor name not a string",
+    "options not an object",
+    "another queue",
+)
+#: Deaths that dead-letter a poison message (the default of ``KUMIKO_MAX_DELIVERIES``).
+MAX_DELIVERIES = 5
+#: How often the supervisor looks at the worker processes.
+SUPERVISE_EVERY_S = 0.05
 FAULT_GAP_S = (1.0, 4.0)
 QUIESCENCE_S = 60 + LOCK_TTL_MS / 1000
 #: What each kind of process logs once it runs (and handles SIGTERM).
@@ -158,6 +185,12 @@ class Proc:
     slot: int
     popen: subprocess.Popen[bytes]
     log: Path
+    #: the soak stops or kills it: its exit is no death
+    by_soak: bool = False
+    #: when the supervisor found it dead (it exited on its own)
+    died_at: float | None = None
+    #: the child processes seen alive (Dramatiq's worker process)
+    children: set[int] = field(default_factory=set)
 
     @property
     def pgid(self) -> int:
@@ -172,36 +205,76 @@ class Fleet:
     logs: Path
     workers: dict[int, Proc] = field(default_factory=dict)
     schedulers: dict[int, Proc] = field(default_factory=dict)
+    #: the soak's SIGKILLs of workers
     kills: list[check.Kill] = field(default_factory=list)
+    #: workers that exited on its own, when the supervisor noticed
+    deaths: list[check.Kill] = field(default_factory=list)
     stuck: list[str] = field(default_factory=list)
     started: int = 0
+    #: held while a worker is replaced (the fault thread and the supervisor both do)
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
     def start(self, role: str, slot: int) -> Proc:
         if role == "worker":
             command = ["-m", "dramatiq", "kumiko_dramatiq.app", "-p", "1", "-t", "4"]
         else:
             command = ["-m", "kumiko_dramatiq.scheduler"]
-        self.started += 1
-        log = self.logs / f"{role}-{slot}-{self.started:03d}.log"
-        popen = subprocess.Popen(
-            [sys.executable, *command],
-            cwd=ROOT,
-            env=self.env,
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        proc = Proc(role, slot, popen, log)
-        (self.workers if role == "worker" else self.schedulers)[slot] = proc
-        return proc
+        with self.lock:
+            self.started += 1
+            log = self.logs / f"{role}-{slot}-{self.started:03d}.log"
+            popen = subprocess.Popen(
+                [sys.executable, *command],
+                cwd=ROOT,
+                env=self.env,
+                stdout=log.open("wb"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            proc = Proc(role, slot, popen, log)
+            (self.workers if role == "worker" else self.schedulers)[slot] = proc
+            return proc
 
     def kill_worker(self, slot: int) -> None:
         """SIGKILL worker ``slot`` (its whole process group) and start a new one."""
-        proc = self.workers[slot]
-        _signal_group(proc.pgid, signal.SIGKILL)
-        proc.popen.wait()
-        self.kills.append(check.Kill(proc.pgid, time.time()))
-        self.start("worker", slot)
+        with self.lock:
+            proc = self.workers[slot]
+            proc.by_soak = True
+            _signal_group(proc.pgid, signal.SIGKILL)
+            proc.popen.wait()
+            if proc.died_at is None:  # else it had died on its own: that death is noted
+                self.kills.append(check.Kill(proc.pgid, time.time()))
+            self.start("worker", slot)
+
+    def supervise(self, *, restart: bool = True) -> None:
+        """One look at the workers, as a supervisor: a worker that exited on its own
+        (its Dramatiq worker process died; the main process follows it within a second
+        or two) is noted as a death when first seen, and started anew once its main
+        process has exited."""
+        with self.lock:
+            for slot, proc in list(self.workers.items()):
+                if proc.by_soak:
+                    continue
+                now = time.time()
+                if proc.died_at is None:
+                    exited = proc.popen.poll() is not None
+                    if not exited:
+                        proc.children |= _children(proc.pgid)
+                    if not exited and not any(_gone(pid) for pid in proc.children):
+                        continue
+                    proc.died_at = now
+                    self.deaths.append(check.Kill(proc.pgid, now))
+                if not restart:
+                    continue
+                if proc.popen.poll() is None:
+                    if now - proc.died_at < STOP_TIMEOUT_S:
+                        continue
+                    self.stuck.append(
+                        f"worker {proc.pgid}: its main process did not exit within "
+                        f"{STOP_TIMEOUT_S} s of its worker process"
+                    )
+                _signal_group(proc.pgid, signal.SIGKILL)  # a stuck leader, stray children
+                proc.popen.wait()
+                self.start("worker", slot)
 
     def restart_scheduler(self, slot: int) -> None:
         self.stop(self.schedulers[slot])
@@ -214,6 +287,7 @@ class Fleet:
         A process still starting has not installed its signal handlers: SIGTERM would
         kill it like SIGKILL, which is a fault of the soak, not of the product.
         """
+        proc.by_soak = True
         if not self.wait_ready(proc):
             self.stuck.append(f"{proc.role} {proc.pgid} was not ready within {STOP_TIMEOUT_S} s")
         _signal_group(proc.pgid, signal.SIGTERM, leader_only=True)
@@ -245,13 +319,56 @@ class Fleet:
             else:
                 _signal_group(proc.pgid, signal.SIGKILL)  # stray children of a dead leader
 
-    def exited(self) -> list[str]:
-        """The current processes that have exited."""
+    def exited(self, roles: Collection[str] = ("worker", "scheduler")) -> list[str]:
+        """The current processes of ``roles`` that have exited, but for the workers whose
+        death the supervisor noted."""
         return [
             f"{proc.role} {proc.slot} (exit {proc.popen.returncode})"
             for proc in [*self.workers.values(), *self.schedulers.values()]
-            if proc.popen.poll() is not None
+            if proc.role in roles and proc.died_at is None and proc.popen.poll() is not None
         ]
+
+
+class Supervisor(threading.Thread):
+    """Calls :meth:`Fleet.supervise` every :data:`SUPERVISE_EVERY_S` until stopped."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        super().__init__(name="soak-supervisor", daemon=True)
+        self.fleet = fleet
+        self.stopping = threading.Event()
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        while not self.stopping.wait(SUPERVISE_EVERY_S):
+            try:
+                self.fleet.supervise()
+            except Exception as exc:  # reported, and the supervisor goes on
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join()
+        self.fleet.supervise(restart=False)
+
+
+def _children(pid: int) -> set[int]:
+    """The child processes of ``pid`` (empty once it is gone)."""
+    found: set[int] = set()
+    for path in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            found.update(int(item) for item in path.read_text().split())
+        except OSError:
+            continue
+    return found
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (gone, or a zombie not yet reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")
 
 
 def _signal_group(pgid: int, signum: int, *, leader_only: bool = False) -> None:
@@ -394,6 +511,7 @@ class Faults(threading.Thread):
         self,
         fleet: Fleet,
         client: redis.Redis,
+        producer: JobRunner,
         prefix: str,
         rng: random.Random,
         skip: set[str],
@@ -401,12 +519,15 @@ class Faults(threading.Thread):
         super().__init__(name="soak-faults", daemon=True)
         self.fleet = fleet
         self.client = client
+        self.producer = producer
         self.prefix = prefix
         self.queue = f"{prefix}-worker"
         self.rng = rng
         self.skip = skip
         self.counts: Counter[str] = Counter()
         self.malformed: list[check.Malformed] = []
+        self.poisons: list[check.Poison] = []
+        self.rounds = 0
         self.clients_killed = 0
         self.client_kills_at: list[float] = []
         self.errors: list[str] = []
@@ -417,8 +538,7 @@ class Faults(threading.Thread):
         deck: list[str] = []
         while not self.stopping.wait(self.rng.uniform(*FAULT_GAP_S)):
             if not deck:
-                deck = [kind for kind in FAULT_ROUND if kind not in self.skip]
-                self.rng.shuffle(deck)
+                deck = self.deal()
                 if not deck:
                     return
             kind = deck.pop()
@@ -429,8 +549,29 @@ class Faults(threading.Thread):
                 continue
             self.counts[kind] += 1
 
+    def deal(self) -> list[str]:
+        """The next round, shuffled: :data:`FAULT_ROUND` and one poison kind, taking turns."""
+        deck = [kind for kind in FAULT_ROUND if kind not in self.skip]
+        poisons = [kind for kind in POISON_FAULTS if kind not in self.skip]
+        if poisons:
+            deck.append(poisons[self.rounds % len(poisons)])
+        self.rounds += 1
+        self.rng.shuffle(deck)
+        return deck
+
     def worker_kill(self) -> None:
         self.fleet.kill_worker(self.rng.choice(sorted(self.fleet.workers)))
+
+    def poison_exit(self) -> None:
+        self._poison("exit")
+
+    def poison_segfault(self) -> None:
+        self._poison("segfault")
+
+    def _poison(self, how: str) -> None:
+        at = time.time()
+        message_id = self.producer.dispatch(POISON, {"how": how})
+        self.poisons.append(check.Poison(how, message_id, at))
 
     def client_kill(self) -> None:
         killed = self.client.client_kill_filter(_type="normal", skipme=True)
@@ -455,7 +596,9 @@ class Faults(threading.Thread):
             kwargs={},
             options={"redis_message_id": rid},
         )
-        self._push("unknown_actor", rid, message.encode(), needle=actor)
+        self._push(
+            "unknown_actor", rid, message.encode(), needle=actor, message_id=message.message_id
+        )
 
     def malformed_wrong_args(self) -> None:
         job = registry.jobs[self.rng.choice([PARALLEL, SEQUENTIAL, DEDUP, PER_TENANT])]
@@ -483,16 +626,61 @@ class Faults(threading.Thread):
             rid,
             message.encode(),
             needle=f"dead-lettering message {message_id}",
+            message_id=message_id,
         )
 
-    def _push(self, kind: str, rid: str, data: bytes, *, needle: str) -> None:
+    def malformed_forged_options(self) -> None:
+        """A message of a real soak job whose kumiko options (or Dramatiq fields) were
+        forged in one of the :data:`FORGERIES` ways."""
+        job = registry.jobs[self.rng.choice([PARALLEL, SEQUENTIAL, DEDUP, PER_TENANT])]
+        forgery = self.rng.choice(FORGERIES)
+        rid = f"soak-forged-{uuid.uuid4().hex}"
+        message_id = f"soak-forged-{uuid.uuid4().hex[:12]}"
+        tenant = TENANTS[0] if job.options.per_tenant else None
+        message = build_message(
+            job,
+            {},
+            queue_prefix=self.prefix,
+            trigger="manual",
+            message_id=message_id,
+            tenant_id=tenant,
+        )
+        fields = message.asdict()
+        options = fields["options"] = {**message.options, "redis_message_id": rid}
+        if forgery == "bogus backoff":
+            options["kumiko_backoff"] = "bogus"
+        elif forgery == "backoff without a delay":
+            options.update(kumiko_backoff="fixed", kumiko_backoff_delay_ms=None)
+        elif forgery == "negative delay":
+            options.update(kumiko_backoff="fixed", kumiko_backoff_delay_ms=-BACKOFF_MS)
+        elif forgery == "tenant not a string":
+            options["kumiko_tenant_id"] = 7
+        elif forgery == "no trigger":
+            del options["kumiko_trigger"]
+        elif forgery == "actor name not a string":
+            fields["actor_name"] = 42
+        elif forgery == "options not an object":
+            fields["options"] = [rid]
+        else:
+            fields["queue_name"] = f"{self.prefix}-elsewhere"
+        self._push(
+            "forged_options",
+            rid,
+            json.dumps(fields, separators=(",", ":")).encode(),
+            needle=f"dead-lettering message {message_id}",
+            message_id=message_id,
+        )
+
+    def _push(
+        self, kind: str, rid: str, data: bytes, *, needle: str, message_id: str | None = None
+    ) -> None:
         keys = [
             f"dramatiq:{self.queue}.msgs",
             f"dramatiq:{self.queue}",
             f"kumiko:{self.prefix}:soak:pushed:{rid}",
         ]
         retry_once(lambda: self._push_once(keys=keys, args=[rid, data]))
-        self.malformed.append(check.Malformed(kind, rid, needle, time.time()))
+        self.malformed.append(check.Malformed(kind, rid, needle, time.time(), message_id))
 
 
 # -- waiting and gathering ----------------------------------------------------------------------
@@ -513,8 +701,9 @@ class Records:
         return self.items
 
 
-def leftovers(client: redis.Redis, queue: str) -> list[str]:
-    """Messages still in the queue, its delay queue or any ack set, described."""
+def leftovers(client: redis.Redis, prefix: str, queue: str) -> list[str]:
+    """Messages still in the queue, its delay queue, its suspects list or any ack set,
+    described."""
     found: list[str] = []
 
     def describe(name: str, rid: bytes | str) -> str:
@@ -529,6 +718,8 @@ def leftovers(client: redis.Redis, queue: str) -> list[str]:
             what = repr(data)[:80]
         return f"{_text(rid)}: {what}"
 
+    for rid in client.lrange(keys.suspects(prefix, queue), 0, 20):
+        found.append(f"suspect of {queue}: {describe(queue, rid)}")
     for name in (queue, f"{queue}.DQ"):
         for rid in client.lrange(f"dramatiq:{name}", 0, 20):
             found.append(f"queued on {name}: {describe(name, rid)}")
@@ -543,7 +734,7 @@ def leftovers(client: redis.Redis, queue: str) -> list[str]:
 
 
 def wait_until_quiet(
-    client: redis.Redis, queue: str, records: Records, ledger: Ledger, seconds: float
+    client: redis.Redis, prefix: str, queue: str, records: Records, ledger: Ledger, seconds: float
 ) -> tuple[list[str], int]:
     """Wait (bounded) until nothing is queued or unacked and every job is final.
 
@@ -551,7 +742,7 @@ def wait_until_quiet(
     """
     deadline = time.monotonic() + seconds
     while True:
-        left = retry_once(lambda: leftovers(client, queue))
+        left = retry_once(lambda: leftovers(client, prefix, queue))
         runs, _ = check.assemble_runs(records.refresh())
         index = check.RunIndex(runs)
         open_jobs = sum(
@@ -630,16 +821,37 @@ def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
-def dead_letters(client: redis.Redis, queue: str) -> tuple[set[str], set[str]]:
-    """Redis message ids and message ids in the queue's dead-letter set."""
-    rids = {_text(rid) for rid in client.zrange(f"dramatiq:{queue}.XQ", 0, -1)}
-    mids = set()
-    for data in client.hgetall(f"dramatiq:{queue}.XQ.msgs").values():
+def dead_letters(client: redis.Redis, queue: str) -> tuple[set[str], dict[str, check.DeadLetter]]:
+    """The queue's dead-letter set: its redis ids, and by message id (of the bodies that
+    decode) the redis id and when it was dead-lettered."""
+    scored = client.zrange(f"dramatiq:{queue}.XQ", 0, -1, withscores=True)
+    at = {_text(rid): float(score) / 1000 for rid, score in cast(list[Any], scored)}
+    letters = {}
+    for rid, data in client.hgetall(f"dramatiq:{queue}.XQ.msgs").items():
         try:
-            mids.add(str(json.loads(data)["message_id"]))
+            message_id = str(json.loads(data)["message_id"])
         except Exception:
             continue
-    return rids, mids
+        letters[message_id] = check.DeadLetter(_text(rid), at.get(_text(rid), math.inf))
+    return set(at), letters
+
+
+def still_running(client: redis.Redis, prefix: str) -> list[str]:
+    """The run-history records in the "running" index, described."""
+    found = []
+    for member in client.zrange(f"kumiko:{prefix}:runs:status:running", 0, -1):
+        message_id, _, attempt = _text(member).rpartition(":")
+        record = client.hget(f"kumiko:{prefix}:run:{message_id}", attempt)
+        try:
+            fields = json.loads(record or b"null")
+            what = (
+                f"{fields.get('j')} status {fields.get('s')} worker {fields.get('w')} "
+                f"deliveries {fields.get('n')} trigger {fields.get('tr')}"
+            )
+        except Exception:
+            what = repr(record)[:80]
+        found.append(f"{_text(member)}: {what}")
+    return found
 
 
 def scan_keys(client: redis.Redis, prefix: str) -> list[tuple[str, int]]:
@@ -662,11 +874,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--skip-faults",
         default="",
-        help="comma-separated fault kinds to leave out: " + ", ".join(sorted(set(FAULT_ROUND))),
+        help="comma-separated fault kinds to leave out: " + ", ".join(sorted(FAULT_KINDS)),
     )
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args(argv)
-    unknown = set(filter(None, args.skip_faults.split(","))) - set(FAULT_ROUND)
+    unknown = set(filter(None, args.skip_faults.split(","))) - FAULT_KINDS
     if unknown:
         parser.error(f"unknown fault kinds: {sorted(unknown)}")
     return args
@@ -706,10 +918,12 @@ def soak(url: str, prefix: str, workdir: Path, seconds: float, seed: int, skip: 
         "KUMIKO_HEARTBEAT_TIMEOUT_MS": str(HEARTBEAT_TIMEOUT_MS),
         "KUMIKO_MAINTENANCE_CHANCE": str(MAINTENANCE_CHANCE),
         "KUMIKO_LOCK_TTL_MS": str(LOCK_TTL_MS),
+        "KUMIKO_MAX_DELIVERIES": str(MAX_DELIVERIES),
     }
     logs = workdir / "logs"
     logs.mkdir()
     fleet = Fleet(env, logs)
+    supervisor = Supervisor(fleet)
     markers = DoneMarkers(url, prefix)
     markers.start()
     if not markers.ready.wait(10):
@@ -719,14 +933,16 @@ def soak(url: str, prefix: str, workdir: Path, seconds: float, seed: int, skip: 
     admin = redis.Redis.from_url(url, socket_timeout=10)
     fault_client = redis.Redis.from_url(url, socket_timeout=10)
     producer = build_runner({"KUMIKO_REDIS_URL": url, "KUMIKO_QUEUE_PREFIX": prefix})
+    fault_producer = build_runner({"KUMIKO_REDIS_URL": url, "KUMIKO_QUEUE_PREFIX": prefix})
     records = Records(admin, prefix)
     ledger = Ledger()
-    faults = Faults(fleet, fault_client, prefix, random.Random(seed + 1), skip)
+    faults = Faults(fleet, fault_client, fault_producer, prefix, random.Random(seed + 1), skip)
     try:
         for slot in (0, 1):
             fleet.start("worker", slot)
         for slot in (0, 1):
             fleet.start("scheduler", slot)
+        supervisor.start()
         booted = time.monotonic() + 60
         while not {BOOT, TICK} <= {r["job"] for r in records.refresh() if r["ev"] == "end"}:
             if time.monotonic() > booted:
@@ -744,23 +960,24 @@ def soak(url: str, prefix: str, workdir: Path, seconds: float, seed: int, skip: 
         faults.join()
         load_ended = time.time()
         say(f"load over after {load_ended - load_started:.0f} s; stopping the schedulers")
-        dead_processes = fleet.exited()
+        dead_processes = fleet.exited(["scheduler"])  # the supervisor watches the workers
         for proc in fleet.schedulers.values():
             fleet.stop(proc)
         schedulers_stopped = time.time()
-        left, open_jobs = wait_until_quiet(admin, queue, records, ledger, QUIESCENCE_S)
+        left, open_jobs = wait_until_quiet(admin, prefix, queue, records, ledger, QUIESCENCE_S)
         say(
             f"quiet after {time.time() - schedulers_stopped:.0f} s"
             if not left and not open_jobs
             else f"NOT quiet after {QUIESCENCE_S:.0f} s: {open_jobs} job(s) not final, "
             f"{len(left)} leftover(s)"
         )
-        dead_processes += [d for d in fleet.exited() if d.startswith("worker")]
+        supervisor.stop()  # notes a worker death it has not seen yet, starts no worker
         for proc in fleet.workers.values():
             if proc.popen.poll() is None:
                 fleet.stop(proc)
         time.sleep(LOCK_TTL_MS / 1000 + 0.5)  # waiting out the lock TTL is the point here
         stuck = left + fleet.stuck + [f"process died on its own: {d}" for d in dead_processes]
+        stuck += [f"supervisor: {error}" for error in supervisor.errors]
         return verdicts(
             admin=admin,
             prefix=prefix,
@@ -774,12 +991,16 @@ def soak(url: str, prefix: str, workdir: Path, seconds: float, seed: int, skip: 
             stuck=stuck,
             cron_window=(load_started + 2, load_ended - 2),
             ttl_bound_ms=producer.retention.completed_age_s * 1000,
+            history_ttl_ms=producer.retention.failed_age_s * 1000,
         )
     finally:
         faults.stopping.set()
-        fleet.kill_all()
+        supervisor.stopping.set()
+        with fleet.lock:
+            fleet.kill_all()
         markers.stopping.set()
         producer.stop()
+        fault_producer.stop()
         admin.close()
         fault_client.close()
 
@@ -798,12 +1019,13 @@ def verdicts(
     stuck: list[str],
     cron_window: tuple[float, float],
     ttl_bound_ms: int,
+    history_ttl_ms: int,
 ) -> int:
     raw = records.refresh()
     runs, problems = check.assemble_runs(raw)
     index = check.RunIndex(runs)
-    kills = check.KillLog(fleet.kills)
-    xq_rids, xq_mids = dead_letters(admin, queue)
+    kills = check.KillLog([*fleet.kills, *fleet.deaths])
+    xq_rids, letters = dead_letters(admin, queue)
     worker_logs = "\n".join(
         path.read_text(errors="replace") for path in sorted(fleet.logs.glob("worker-*.log"))
     )
@@ -823,7 +1045,7 @@ def verdicts(
             index,
             kills,
             keyed=ledger.keyed,
-            dead_lettered=xq_mids,
+            dead_lettered=set(letters),
             record_problems=problems,
             explained=explained,
         ),
@@ -835,8 +1057,29 @@ def verdicts(
         check.check_cron(TICK, index, cron_window, explained, misfired_ranges(scheduler_logs, TICK))
     )
     results.append(check.check_boot(BOOT, index, explained))
-    results.append(check.check_leftovers(keys, prefix, ttl_bound_ms, stuck=stuck))
+    results.append(
+        check.check_leftovers(
+            keys,
+            prefix,
+            ttl_bound_ms,
+            stuck=stuck,
+            history_ttl_ms=history_ttl_ms,
+            running=still_running(admin, prefix),
+        )
+    )
     results.append(check.check_malformed(faults.malformed, xq_rids, worker_logs, index))
+    results.append(
+        check.check_poison(
+            faults.poisons,
+            POISON,
+            index,
+            letters,
+            worker_logs,
+            MAX_DELIVERIES,
+            kills=fleet.kills,
+            deaths=fleet.deaths,
+        )
+    )
     if markers.gaps:
         results[1].notes.append(f"the marker listener lost its connection {markers.gaps} time(s)")
     if ledger.uncertain:
@@ -854,13 +1097,16 @@ def verdicts(
     print(
         f"dispatched by kind: {dict(sorted(ledger.dispatched.items()))}; "
         f"clients killed by CLIENT KILL: {faults.clients_killed}; "
-        f"worker processes started: {len(list(fleet.logs.glob('worker-*.log')))}"
+        f"worker processes started: {len(list(fleet.logs.glob('worker-*.log')))} "
+        f"({len(fleet.kills)} SIGKILLed, {len(fleet.deaths)} died on their own)"
     )
     (workdir / "records.jsonl").write_text("\n".join(json.dumps(r) for r in raw))
     (workdir / "driver.json").write_text(
         json.dumps(
             {
                 "kills": [asdict(k) for k in fleet.kills],
+                "deaths": [asdict(k) for k in fleet.deaths],
+                "poisons": [asdict(p) for p in faults.poisons],
                 "client_kills_at": faults.client_kills_at,
                 "dispatches": ledger.log,
                 "malformed": [asdict(m) for m in faults.malformed],

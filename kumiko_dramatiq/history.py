@@ -1,0 +1,391 @@
+"""Run history: one record per attempt of every job, kept in Redis, queried by the operator.
+
+Every attempt leaves one :class:`JobRun`, written on the calls that already happen: the
+fetch of a lane queue writes the "running" record of each message it claims
+(``lua/fetch_lane.lua``), and the one Lua call that settles a delivery writes its end
+record (``lua/settle.lua``: completed, failed with a retry following, dead, or dropped for a
+sequential hand-off, which is no attempt). No round trip of its own. Boot gates, which run
+in-process, write theirs with one call per attempt (:meth:`RunHistory.put`).
+
+- **Identity**: ``origin_id`` is the id ``dispatch``/``handle_event``/the scheduler/boot
+  returned or logged; it stays the same across retries (the same message id), sequential
+  hand-offs and a per-tenant wrapper's children (``kumiko_origin_id`` on the message), so the
+  id a caller got back finds every run that came of it.
+- **Crashes**: a run cut short by its worker's death stays "running" until its message is
+  delivered again (the new delivery's record of the same attempt supersedes it, with its
+  ``deliveries`` count) or dead-lettered after ``max_deliveries`` deaths (``dead``, error
+  type ``WorkerDied``, ``worker died during N deliveries``); it also expires like any record.
+- **Lifetime**: completed and cancelled records live ``Retention.completed_age_s``; running,
+  failed and dead ones ``Retention.failed_age_s``. ``history_cap`` (default 100,000) bounds
+  their number: beyond it each write drops the oldest records, completed first.
+- **Size**: a record is a JSON object with short keys (:data:`FIELDS`), about 300-400 bytes
+  with its index entries; payloads are kept only with ``JobRunner(record_payloads=True)``;
+  tracebacks are cut to 8 KiB.
+- **Keys** (``kumiko:{prefix}:``): ``run:{message id}`` (hash attempt -> record),
+  ``runs:job:{job}:{status}``, ``runs:status:{status}``, ``runs:tenant:{tenant}``,
+  ``runs:origin:{origin}`` (sorted sets of ``"{message id}:{attempt}"`` by the time of the
+  record's last write), ``dead:{message id}`` (a dead letter's error, for ``kumiko dead``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback as tb
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Final, Literal
+
+import redis
+from dramatiq.broker import Broker, MessageProxy
+from dramatiq.middleware import Middleware
+
+from .broker import Delivery, RunWrite
+from .execution import Execution, execution_of
+from .settings import Settings
+
+RunStatus = Literal["running", "completed", "failed", "dead", "cancelled"]
+STATUSES: Final[tuple[RunStatus, ...]] = ("running", "completed", "failed", "dead", "cancelled")
+
+#: Record field -> JobRun attribute (short keys keep records small; Lua writes the same).
+FIELDS: Final = {
+    "j": "job_name",
+    "m": "message_id",
+    "o": "origin_id",
+    "t": "tenant_id",
+    "tr": "trigger",
+    "a": "attempt",
+    "ma": "max_attempts",
+    "s": "status",
+    "q": "enqueued_at",
+    "st": "started_at",
+    "en": "ended_at",
+    "d": "duration_ms",
+    "et": "error_type",
+    "em": "error_message",
+    "tb": "traceback",
+    "w": "worker",
+    "sa": "scheduled_at",
+    "dk": "dedup_key",
+    "n": "deliveries",
+    "p": "payload",
+}
+#: Tracebacks are cut to this many bytes (the end, where the error is, is kept).
+MAX_TRACEBACK_BYTES: Final = 8 * 1024
+#: Error messages are cut to this many characters.
+MAX_ERROR_CHARS: Final = 2_000
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """One attempt of one job, as the run history keeps it."""
+
+    job_name: str
+    message_id: str
+    origin_id: str
+    tenant_id: str | None
+    trigger: str
+    attempt: int
+    max_attempts: int
+    status: RunStatus
+    enqueued_at: datetime | None
+    started_at: datetime | None
+    ended_at: datetime | None
+    duration_ms: int | None
+    error_type: str | None
+    error_message: str | None
+    traceback: str | None
+    worker: str | None
+    scheduled_at: datetime | None
+    dedup_key: str | None
+    #: deliveries of this attempt to a worker (more than 1 after a crash)
+    deliveries: int | None = None
+    #: the payload, only with ``JobRunner(record_payloads=True)``
+    payload: dict[str, Any] | None = None
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> JobRun:
+        data = json.loads(raw)
+        values = {attribute: data.get(key) for key, attribute in FIELDS.items()}
+        for name in ("enqueued_at", "started_at", "ended_at"):
+            values[name] = _instant(values[name])
+        scheduled = values["scheduled_at"]
+        values["scheduled_at"] = None if scheduled is None else datetime.fromisoformat(scheduled)
+        for name in ("attempt", "max_attempts"):
+            values[name] = int(values[name])
+        return cls(**values)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict with the contract's field names (datetimes as ISO-8601)."""
+        out: dict[str, Any] = {}
+        for attribute in FIELDS.values():
+            value = getattr(self, attribute)
+            out[attribute] = value.isoformat() if isinstance(value, datetime) else value
+        return out
+
+
+def _instant(ms: Any) -> datetime | None:
+    return None if ms is None else datetime.fromtimestamp(int(ms) / 1000, UTC)
+
+
+def worker_identity() -> str:
+    """``"host:pid"`` of this process."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def format_traceback(exception: BaseException) -> str:
+    """The traceback of ``exception``, cut to its last :data:`MAX_TRACEBACK_BYTES` bytes."""
+    text = "".join(tb.format_exception(exception))
+    data = text.encode()
+    if len(data) <= MAX_TRACEBACK_BYTES:
+        return text
+    return "...\n" + data[-MAX_TRACEBACK_BYTES:].decode(errors="ignore")
+
+
+def run_ttls_ms(settings: Settings) -> tuple[int, int]:
+    """(TTL of completed/cancelled records, TTL of running/failed/dead records), in ms."""
+    retention = settings.retention
+    return retention.completed_age_s * 1000, retention.failed_age_s * 1000
+
+
+def end_record(
+    execution: Execution,
+    status: RunStatus,
+    *,
+    exception: BaseException | None,
+    settings: Settings,
+) -> RunWrite:
+    """What the settle call writes for the end of ``execution``'s attempt."""
+    now_ms = int(time.time() * 1000)
+    options, meta = execution.options, execution.meta
+    started_ms = int(execution.started_at * 1000)
+    record: dict[str, Any] = {
+        "j": execution.job.qualified_name,
+        "m": execution.message_id,
+        "o": execution.origin_id,
+        "t": meta.tenant_id,
+        "tr": meta.trigger,
+        "a": meta.attempt,
+        "ma": meta.max_attempts,
+        "s": status,
+        "q": execution.delivery.message_timestamp,
+        "st": started_ms,
+        "en": now_ms,
+        "d": max(0, now_ms - started_ms),
+        "w": worker_identity(),
+        "sa": None if options.scheduled_at is None else options.scheduled_at.isoformat(),
+        "dk": options.dedup_key,
+    }
+    if exception is not None:
+        record["et"] = type(exception).__name__
+        record["em"] = str(exception)[:MAX_ERROR_CHARS]
+        record["tb"] = format_traceback(exception)
+    if settings.record_payloads:
+        record["p"] = execution.delivery.args[0]
+    completed_ttl, failed_ttl = run_ttls_ms(settings)
+    ttl = completed_ttl if status in ("completed", "cancelled") else failed_ttl
+    encoded = json.dumps({k: v for k, v in record.items() if v is not None}, default=str)
+    dead_note = ""
+    if status == "dead":
+        dead_note = json.dumps(
+            {
+                "r": execution.delivery.redis_message_id,
+                "q": execution.delivery.fetched_from,
+                **{k: record.get(k) for k in ("j", "m", "o", "t", "a", "ma", "et", "em", "tb")},
+                "at": now_ms,
+            }
+        )
+    return RunWrite(
+        message_id=execution.message_id,
+        attempt=meta.attempt,
+        job=execution.job.qualified_name,
+        status=status,
+        tenant=meta.tenant_id or "",
+        origin=execution.origin_id,
+        record=encoded,
+        ttl_ms=ttl,
+        dead_note=dead_note,
+    )
+
+
+def handoff_record(execution: Execution) -> RunWrite:
+    """Drop the "running" record of a delivery that handed off (no attempt happened)."""
+    return RunWrite(
+        message_id=execution.message_id,
+        attempt=execution.meta.attempt,
+        job=execution.job.qualified_name,
+        status="",
+        tenant="",
+        origin=execution.origin_id,
+        record="",
+        ttl_ms=1,
+        dead_note="",
+    )
+
+
+class History(Middleware):
+    """Prepares the end record of every kumiko attempt for the ack that writes it.
+
+    Right after ``Executions`` in the chain, so its ``after_process_message`` runs after
+    ``Retries`` decided (a retry on the settlement = failed; ``message.failed`` = dead). A
+    hand-off drops its running record. Touches no Redis key itself (the settle call does).
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def after_process_message(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        execution = execution_of(message)
+        if execution is None or not isinstance(message, Delivery):
+            return
+        if execution.handed_off:
+            message.settlement.run = handoff_record(execution)
+            return
+        status: RunStatus = "completed"
+        if exception is not None:
+            status = "dead" if message.failed else "failed"
+        message.settlement.run = end_record(
+            execution, status, exception=exception, settings=self.settings
+        )
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        execution = execution_of(message)
+        if execution is not None and isinstance(message, Delivery):
+            status: RunStatus = "dead" if message.failed else "completed"
+            message.settlement.run = end_record(
+                execution, status, exception=None, settings=self.settings
+            )
+
+
+class RunHistory:
+    """Queries over the run history of one dataset (``client`` on its Redis database)."""
+
+    def __init__(self, client: redis.Redis, queue_prefix: str, jobs: Iterable[str]) -> None:
+        self.client = client
+        self.root = f"kumiko:{queue_prefix}:"
+        self.jobs = tuple(jobs)
+
+    def run_record(self, message_id: str) -> list[JobRun]:
+        """Every recorded attempt of ``message_id``, oldest first."""
+        raw = self.client.hgetall(f"{self.root}run:{message_id}")
+        runs = [JobRun.decode(value) for value in raw.values()]
+        return sorted(runs, key=lambda run: run.attempt)
+
+    def runs(
+        self,
+        job: str | None = None,
+        *,
+        status: RunStatus | None = None,
+        tenant_id: str | None = None,
+        message_id: str | None = None,
+        origin_id: str | None = None,
+        since: datetime | None = None,
+        before: datetime | None = None,
+        limit: int = 50,
+    ) -> list[JobRun]:
+        """Run records, newest first (by the time of their last write), filtered."""
+        if message_id is not None:
+            found = self.run_record(message_id)
+            return _filtered(found, job, status, tenant_id, origin_id, since, before)[:limit]
+        low = "-inf" if since is None else int(since.timestamp() * 1000)
+        high = "+inf" if before is None else f"({int(before.timestamp() * 1000)}"
+        if origin_id is not None:
+            indexes = [f"{self.root}runs:origin:{origin_id}"]
+        elif tenant_id is not None:
+            indexes = [f"{self.root}runs:tenant:{tenant_id}"]
+        elif job is not None:
+            wanted = STATUSES if status is None else (status,)
+            indexes = [f"{self.root}runs:job:{job}:{s}" for s in wanted]
+        else:
+            wanted = STATUSES if status is None else (status,)
+            indexes = [f"{self.root}runs:status:{s}" for s in wanted]
+        extra = self.run_record(origin_id) if origin_id is not None else []
+        picked = _filtered(extra, job, status, tenant_id, None, since, before)
+        scored = [(_last_write(run).timestamp() * 1000, run) for run in picked]
+        # Read each index newest first, a page at a time; stop once `limit` records that pass
+        # the filters are newer than anything still unread (records gone are skipped).
+        offsets = dict.fromkeys(indexes, 0)
+        floors: dict[str, float] = {}
+        while offsets:
+            pipe = self.client.pipeline(transaction=False)
+            for index, offset in offsets.items():
+                pipe.zrevrangebyscore(index, high, low, start=offset, num=limit, withscores=True)
+            for index, reply in zip(list(offsets), pipe.execute(), strict=True):
+                members = [(float(score), _text(member)) for member, score in reply]
+                loaded = self._load([member for _, member in members])
+                for (score, _), run in zip(members, loaded, strict=True):
+                    if run is not None and _filtered(
+                        [run], job, status, tenant_id, None, since, before
+                    ):
+                        scored.append((score, run))
+                if len(reply) < limit:
+                    del offsets[index]
+                    floors.pop(index, None)
+                else:
+                    offsets[index] += limit
+                    floors[index] = members[-1][0]
+            scored.sort(key=lambda item: item[0], reverse=True)
+            unread_max = max(floors.values(), default=float("-inf"))
+            if len([1 for score, _ in scored if score >= unread_max]) >= limit:
+                break
+        unique: dict[tuple[str, int], JobRun] = {}
+        for _, run in sorted(scored, key=lambda item: item[0], reverse=True):
+            unique.setdefault((run.message_id, run.attempt), run)
+        return list(unique.values())[:limit]
+
+    def _load(self, members: Sequence[str]) -> list[JobRun | None]:
+        """The records of index members (``None`` for one that expired or was trimmed)."""
+        if not members:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for member in members:
+            message_id, _, attempt = member.rpartition(":")
+            pipe.hget(f"{self.root}run:{message_id}", attempt)
+        return [None if raw is None else JobRun.decode(raw) for raw in pipe.execute()]
+
+    def dead_note(self, message_id: str) -> dict[str, Any] | None:
+        """What kumiko noted when ``message_id`` was dead-lettered (error, attempt, ...)."""
+        raw = self.client.get(f"{self.root}dead:{message_id}")
+        return None if raw is None else dict(json.loads(raw))
+
+
+def _last_write(run: JobRun) -> datetime:
+    return run.ended_at or run.started_at or datetime.min.replace(tzinfo=UTC)
+
+
+def _filtered(
+    runs: Iterable[JobRun],
+    job: str | None,
+    status: str | None,
+    tenant_id: str | None,
+    origin_id: str | None,
+    since: datetime | None,
+    before: datetime | None,
+) -> list[JobRun]:
+    out = []
+    for run in runs:
+        when = _last_write(run)
+        if (
+            (job is None or run.job_name == job)
+            and (status is None or run.status == status)
+            and (tenant_id is None or run.tenant_id == tenant_id)
+            and (origin_id is None or run.origin_id == origin_id)
+            and (since is None or when >= since)
+            and (before is None or when < before)
+        ):
+            out.append(run)
+    return out
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
