@@ -36,6 +36,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import redis
@@ -48,6 +49,7 @@ from dramatiq.middleware.time_limit import TimeLimitExceeded
 from . import keys
 from .context import JobContext, JobMeta
 from .errors import BootGateError, JobConfigError, RedisUnavailableError
+from .history import RunHistory, RunStatus, error_fields, record_write, worker_identity
 from .ids import boot_message_id
 from .messages import build_message
 from .registry import JobDefinition, Registry
@@ -96,12 +98,16 @@ def run_gate(
     for attempt in range(1, max_attempts + 1):
         meta = JobMeta(attempt=attempt, max_attempts=max_attempts, tenant_id=None, trigger="gate")
         ctx = JobContext(job_name=name, message_id=message_id, meta=meta, app=runtime.app)
+        started = datetime.now(UTC)
+        _record_gate(runtime, ctx, started, "running", None)
         runtime.call_hook("on_job_start", name, message_id, meta)
         error = _attempt(runtime, job, ctx)
         if error is None:
+            _record_gate(runtime, ctx, started, "completed", None)
             runtime.call_hook("on_job_complete", name, message_id, meta)
             logger.info("boot gate %s passed on attempt %d", name, attempt)
             return
+        _record_gate(runtime, ctx, started, "dead" if meta.final_attempt else "failed", error)
         runtime.call_hook("on_job_failed", name, message_id, meta, error)
         if meta.final_attempt:
             raise BootGateError(name, attempt, error) from error
@@ -121,6 +127,37 @@ def run_gate(
         )
         if delay_ms:
             sleep(delay_ms / 1000)
+
+
+def _record_gate(
+    runtime: Runtime,
+    ctx: JobContext,
+    started: datetime,
+    status: RunStatus,
+    error: BaseException | None,
+) -> None:
+    """Write the run record of one gate attempt (a Redis error is logged, never raised: the
+    record is for the operator, the gate's outcome is the start's)."""
+    now = datetime.now(UTC)
+    fields: dict[str, Any] = {
+        "j": ctx.job_name,
+        "m": ctx.message_id,
+        "o": ctx.message_id,
+        "tr": "gate",
+        "a": ctx.meta.attempt,
+        "ma": ctx.meta.max_attempts,
+        "st": int(started.timestamp() * 1000),
+        "w": worker_identity(),
+        **error_fields(error),
+    }
+    if status != "running":
+        fields["en"] = int(now.timestamp() * 1000)
+        fields["d"] = int((now - started).total_seconds() * 1000)
+    history = RunHistory(runtime.broker.client, runtime.broker.lua, runtime.queue_prefix)
+    try:
+        history.put(record_write(fields, status, runtime.settings), now, runtime.settings)
+    except redis.RedisError as exc:
+        logger.warning("boot gate %s: could not write its run record (%s)", ctx.job_name, exc)
 
 
 def _attempt(runtime: Runtime, job: JobDefinition, ctx: JobContext) -> BaseException | None:

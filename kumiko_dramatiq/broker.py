@@ -116,7 +116,6 @@ class RunWrite:
     tenant: str
     origin: str
     record: str
-    ttl_ms: int
     dead_note: str
 
 
@@ -291,15 +290,15 @@ class KumikoBroker(RedisBroker):
         )
 
     def _history_args(self) -> list[Any]:
-        """Run history root, worker, TTL of running/dead records, longest TTL, cap."""
+        """Run history root, worker, TTLs of completed and of failed records, cap."""
         if self.run_ttls_ms is None:
             return ["", "", 1, 1, 0]
         completed_ttl, failed_ttl = self.run_ttls_ms
         return [
             keys.root(self.queue_prefix),
             f"{socket.gethostname()}:{os.getpid()}",
+            completed_ttl,
             failed_ttl,
-            max(completed_ttl, failed_ttl),
             self.history_cap,
         ]
 
@@ -355,8 +354,7 @@ class KumikoBroker(RedisBroker):
                 run.tenant,
                 run.origin,
                 run.record,
-                run.ttl_ms,
-                max(self.run_ttls_ms),
+                *self.run_ttls_ms,
                 self.history_cap,
                 run.dead_note,
             ]
@@ -651,7 +649,7 @@ class KumikoConsumer(Consumer):
                 self.queue_name,
                 problem,
             )
-            self._settle_unrun(rid, "dead")
+            self._settle_unrun(rid, "dead", reason=str(problem))
             if message is not None and policy is not None:
                 policy.rejected(message)
             return None
@@ -660,10 +658,14 @@ class KumikoConsumer(Consumer):
         delivery.decoded = decoded
         return delivery
 
-    def _settle_unrun(self, rid: str, outcome: Outcome) -> None:
-        """Settle a fetched message that never reaches Dramatiq's worker."""
+    def _settle_unrun(self, rid: str, outcome: Outcome, *, reason: str = "") -> None:
+        """Settle a fetched message that never reaches Dramatiq's worker; a dead-lettered
+        one's run record (if the fetch wrote one) ends "dead" with ``reason``."""
         if self._lane:
-            self.broker.settle(self.queue_name, rid, outcome, message_id=rid)
+            run = None
+            if outcome == "dead":
+                run = RunWrite(rid, 0, "", "malformed", "", "", reason[:2_000], "")
+            self.broker.settle(self.queue_name, rid, outcome, message_id=rid, run=run)
         elif outcome == "dead":
             self.broker.do_nack(self.queue_name, rid)
         else:

@@ -58,6 +58,17 @@ class Execution:
         """The id the caller got back for the work this delivery carries on."""
         return self.options.origin_id or self.message_id
 
+    def log_fields(self) -> dict[str, object]:
+        """The run's identity for a log record's ``extra=`` (a JSON formatter shows them)."""
+        return {
+            "job": self.job.qualified_name,
+            "message_id": self.message_id,
+            "origin_id": self.origin_id,
+            "tenant_id": self.meta.tenant_id,
+            "trigger": self.meta.trigger,
+            "attempt": self.meta.attempt,
+        }
+
     @property
     def handed_off(self) -> bool:
         return self.handoff_id is not None

@@ -30,6 +30,7 @@ in-process, write theirs with one call per attempt (:meth:`RunHistory.put`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -45,7 +46,10 @@ from dramatiq.middleware import Middleware
 
 from .broker import Delivery, RunWrite
 from .execution import Execution, execution_of
+from .lua import LuaScripts
 from .settings import Settings
+
+logger = logging.getLogger("kumiko_dramatiq")
 
 RunStatus = Literal["running", "completed", "failed", "dead", "cancelled"]
 STATUSES: Final[tuple[RunStatus, ...]] = ("running", "completed", "failed", "dead", "cancelled")
@@ -151,6 +155,34 @@ def run_ttls_ms(settings: Settings) -> tuple[int, int]:
     return retention.completed_age_s * 1000, retention.failed_age_s * 1000
 
 
+def record_write(
+    fields: dict[str, Any], status: RunStatus, settings: Settings, *, dead_note: str = ""
+) -> RunWrite:
+    """A :class:`RunWrite` of the record ``fields`` (short keys) with ``status``."""
+    fields = {**fields, "s": status}
+    return RunWrite(
+        message_id=fields["m"],
+        attempt=fields["a"],
+        job=fields["j"],
+        status=status,
+        tenant=fields.get("t") or "",
+        origin=fields.get("o") or fields["m"],
+        record=json.dumps({k: v for k, v in fields.items() if v is not None}, default=str),
+        dead_note=dead_note,
+    )
+
+
+def error_fields(exception: BaseException | None) -> dict[str, Any]:
+    """The error type, message and traceback of a record (empty without an error)."""
+    if exception is None:
+        return {}
+    return {
+        "et": type(exception).__name__,
+        "em": str(exception)[:MAX_ERROR_CHARS],
+        "tb": format_traceback(exception),
+    }
+
+
 def end_record(
     execution: Execution,
     status: RunStatus,
@@ -179,15 +211,9 @@ def end_record(
         "sa": None if options.scheduled_at is None else options.scheduled_at.isoformat(),
         "dk": options.dedup_key,
     }
-    if exception is not None:
-        record["et"] = type(exception).__name__
-        record["em"] = str(exception)[:MAX_ERROR_CHARS]
-        record["tb"] = format_traceback(exception)
+    record.update(error_fields(exception))
     if settings.record_payloads:
         record["p"] = execution.delivery.args[0]
-    completed_ttl, failed_ttl = run_ttls_ms(settings)
-    ttl = completed_ttl if status in ("completed", "cancelled") else failed_ttl
-    encoded = json.dumps({k: v for k, v in record.items() if v is not None}, default=str)
     dead_note = ""
     if status == "dead":
         dead_note = json.dumps(
@@ -198,17 +224,7 @@ def end_record(
                 "at": now_ms,
             }
         )
-    return RunWrite(
-        message_id=execution.message_id,
-        attempt=meta.attempt,
-        job=execution.job.qualified_name,
-        status=status,
-        tenant=meta.tenant_id or "",
-        origin=execution.origin_id,
-        record=encoded,
-        ttl_ms=ttl,
-        dead_note=dead_note,
-    )
+    return record_write(record, status, settings, dead_note=dead_note)
 
 
 def handoff_record(execution: Execution) -> RunWrite:
@@ -221,7 +237,6 @@ def handoff_record(execution: Execution) -> RunWrite:
         tenant="",
         origin=execution.origin_id,
         record="",
-        ttl_ms=1,
         dead_note="",
     )
 
@@ -257,6 +272,16 @@ class History(Middleware):
         message.settlement.run = end_record(
             execution, status, exception=exception, settings=self.settings
         )
+        if status == "completed":
+            logger.debug(
+                "%s %s completed in %d ms (attempt %d of %d)",
+                execution.job.qualified_name,
+                execution.message_id,
+                int((time.time() - execution.started_at) * 1000),
+                execution.meta.attempt,
+                execution.meta.max_attempts,
+                extra=execution.log_fields(),
+            )
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         execution = execution_of(message)
@@ -270,10 +295,10 @@ class History(Middleware):
 class RunHistory:
     """Queries over the run history of one dataset (``client`` on its Redis database)."""
 
-    def __init__(self, client: redis.Redis, queue_prefix: str, jobs: Iterable[str]) -> None:
+    def __init__(self, client: redis.Redis, lua: LuaScripts, queue_prefix: str) -> None:
         self.client = client
+        self.lua = lua
         self.root = f"kumiko:{queue_prefix}:"
-        self.jobs = tuple(jobs)
 
     def run_record(self, message_id: str) -> list[JobRun]:
         """Every recorded attempt of ``message_id``, oldest first."""
@@ -352,6 +377,25 @@ class RunHistory:
             message_id, _, attempt = member.rpartition(":")
             pipe.hget(f"{self.root}run:{message_id}", attempt)
         return [None if raw is None else JobRun.decode(raw) for raw in pipe.execute()]
+
+    def put(self, run: RunWrite, at: datetime, settings: Settings) -> None:
+        """Write one record outside a delivery (boot gates): one Lua call."""
+        self.lua.run_put(
+            keys=[f"{self.root}run:{run.message_id}"],
+            args=[
+                self.root,
+                run.message_id,
+                run.attempt,
+                run.job,
+                run.status,
+                run.tenant,
+                run.origin,
+                int(at.timestamp() * 1000),
+                run.record,
+                *run_ttls_ms(settings),
+                settings.history_cap,
+            ],
+        )
 
     def dead_note(self, message_id: str) -> dict[str, Any] | None:
         """What kumiko noted when ``message_id`` was dead-lettered (error, attempt, ...)."""

@@ -123,6 +123,7 @@ class Retries(Middleware):
                 describe_error(exception),
                 payload,
                 exc_info=exception,
+                extra=execution.log_fields(),
             )
             message.fail()
             return
@@ -145,4 +146,5 @@ class Retries(Middleware):
             describe_error(exception),
             "now" if delay_ms is None else f"in {delay_ms} ms",
             payload,
+            extra=execution.log_fields(),
         )

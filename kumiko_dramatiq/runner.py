@@ -275,7 +275,7 @@ class JobRunner:
     @property
     def history(self) -> RunHistory:
         """Queries over this dataset's run history (no connection until used)."""
-        return RunHistory(self.broker.client, self.queue_prefix, self.registry.jobs)
+        return RunHistory(self.broker.client, self.broker.lua, self.queue_prefix)
 
     def runs(
         self,

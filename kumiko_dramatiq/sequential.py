@@ -224,6 +224,7 @@ class Sequential(Middleware):
             meta.attempt,
             meta.max_attempts,
             delay_ms,
+            extra=execution.log_fields(),
         )
 
     def _release(self, execution: Execution | None) -> None:

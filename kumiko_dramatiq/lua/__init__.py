@@ -81,6 +81,7 @@ class LuaScripts:
     lock_acquire: Script
     lock_renew: Script
     lock_release: Script
+    run_put: Script
     # the start-up check of a user's permissions
     probe: Script
 

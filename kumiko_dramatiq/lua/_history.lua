@@ -22,11 +22,24 @@ local function index_run(index, at, member, ttl)
     redis.call("zremrangebyscore", index, "-inf", "(" .. (at - ttl))
 end
 
+-- How long a record of `status` lives: completed and cancelled ones `completed_ttl` ms,
+-- running, failed and dead ones `failed_ttl` ms.
+local function run_ttl(status, completed_ttl, failed_ttl)
+    if status == "completed" or status == "cancelled" then
+        return completed_ttl
+    end
+    return failed_ttl
+end
+
 -- put_run(root, message id, attempt, job, status, tenant or "", origin id, at ms, record,
---         TTL ms of this status, the longest TTL of any status)
-local function put_run(root, mid, attempt, job, status, tenant, origin, at, record, ttl, long_ttl)
+--         completed TTL ms, failed TTL ms)
+-- The run hash lives as long as the longest-lived of its records.
+local function put_run(root, mid, attempt, job, status, tenant, origin, at, record,
+                       completed_ttl, failed_ttl)
     local hash = root .. "run:" .. mid
     local member = mid .. ":" .. attempt
+    local ttl = run_ttl(status, completed_ttl, failed_ttl)
+    local long_ttl = math.max(completed_ttl, failed_ttl)
     local old = redis.call("hget", hash, attempt)
     if old then
         local was = string.match(old, '"s":"(%a+)"')
@@ -34,11 +47,22 @@ local function put_run(root, mid, attempt, job, status, tenant, origin, at, reco
             redis.call("zrem", run_job_index(root, job, was), member)
             redis.call("zrem", run_status_index(root, was), member)
         end
+        -- the end record keeps the deliveries count its running record had
+        local deliveries = string.match(old, '"n":(%d+)')
+        if deliveries and not string.find(record, '"n":', 1, true) then
+            record = string.sub(record, 1, -2) .. ',"n":' .. deliveries .. "}"
+        end
     end
     redis.call("hset", hash, attempt, record)
-    if redis.call("pttl", hash) < ttl then
-        redis.call("pexpire", hash, ttl)
+    local keep = ttl
+    local others = redis.call("hgetall", hash)
+    for i = 1, #others, 2 do
+        if others[i] ~= tostring(attempt) then
+            local other = string.match(others[i + 1], '"s":"(%a+)"')
+            keep = math.max(keep, run_ttl(other or "failed", completed_ttl, failed_ttl))
+        end
     end
+    redis.call("pexpire", hash, keep)
     index_run(run_job_index(root, job, status), at, member, ttl)
     index_run(run_status_index(root, status), at, member, ttl)
     local extra = {}
@@ -103,4 +127,36 @@ local function trim_runs(root, cap)
             budget = budget - 1
         end
     end
+end
+
+-- run_of(root, body, worker): the run record fields of an encoded message kumiko wrote (its
+-- attempt from its options), or nil for anything else (or when root is "": no history).
+local function run_of(root, body, worker)
+    if root == "" or not body then
+        return nil
+    end
+    local ok, message = pcall(cjson.decode, body)
+    if not ok or type(message) ~= "table" or type(message.options) ~= "table" then
+        return nil
+    end
+    local options = message.options
+    if type(options.kumiko_trigger) ~= "string" or type(message.actor_name) ~= "string"
+        or type(message.message_id) ~= "string" then
+        return nil
+    end
+    local job = string.gsub(message.actor_name, ":fanout$", "")
+    local function text(value)
+        if type(value) == "string" then
+            return value
+        end
+        return nil
+    end
+    return {
+        j = job, m = message.message_id, o = text(options.kumiko_origin_id) or message.message_id,
+        t = text(options.kumiko_tenant_id), tr = options.kumiko_trigger,
+        a = (tonumber(options.kumiko_failures) or 0) + 1,
+        ma = (tonumber(options.kumiko_retries) or 0) + 1,
+        q = tonumber(message.message_timestamp), w = worker,
+        sa = text(options.kumiko_scheduled_at), dk = text(options.kumiko_dedup_key),
+    }
 end

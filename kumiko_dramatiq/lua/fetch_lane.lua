@@ -7,8 +7,8 @@
 -- ARGV[10] max deliveries: a message delivered this many times without an outcome (its
 --          worker died each time) is dead-lettered here instead of delivered again
 -- ARGV[11] run history root "kumiko:<prefix>:" ("" = keep no history)   ARGV[12] this
---          worker ("host:pid")   ARGV[13] TTL (ms) of a running or dead record and of a dead
---          letter's note   ARGV[14] the longest record TTL (ms)   ARGV[15] record cap
+--          worker ("host:pid")   ARGV[13] TTL (ms) of completed and cancelled records
+--          ARGV[14] TTL (ms) of running, failed and dead ones   ARGV[15] record cap
 -- Each claimed id joins this worker's ack set and its deliveries count goes up by one; the
 -- settle script clears it; a kumiko message also gets its "running" run record (attempt from
 -- its options; a redelivery after a crash supersedes the record of the same attempt). An id
@@ -28,45 +28,15 @@ local done_prefix = ARGV[8]
 local idle = tonumber(ARGV[9]) == 0
 local max_deliveries = tonumber(ARGV[10])
 local root, run_worker = ARGV[11], ARGV[12]
-local run_ttl, long_ttl, cap = tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
+local completed_ttl, failed_ttl = tonumber(ARGV[13]), tonumber(ARGV[14])
+local cap = tonumber(ARGV[15])
 local fetched, dropped, buried = {}, {}, {}
 local alone = 0
 
--- The run record of a message kumiko wrote, as fields; nil for anything else.
-local function run_of(body)
-    if root == "" or not body then
-        return nil
-    end
-    local ok, message = pcall(cjson.decode, body)
-    if not ok or type(message) ~= "table" or type(message.options) ~= "table" then
-        return nil
-    end
-    local options = message.options
-    if type(options.kumiko_trigger) ~= "string" or type(message.actor_name) ~= "string"
-        or type(message.message_id) ~= "string" then
-        return nil
-    end
-    local job = string.gsub(message.actor_name, ":fanout$", "")
-    local function text(value)
-        if type(value) == "string" then
-            return value
-        end
-        return nil
-    end
-    return {
-        j = job, m = message.message_id, o = text(options.kumiko_origin_id) or message.message_id,
-        t = text(options.kumiko_tenant_id), tr = options.kumiko_trigger,
-        a = (tonumber(options.kumiko_failures) or 0) + 1,
-        ma = (tonumber(options.kumiko_retries) or 0) + 1,
-        q = tonumber(message.message_timestamp), w = run_worker,
-        sa = text(options.kumiko_scheduled_at), dk = text(options.kumiko_dedup_key),
-    }
-end
-
-local function write_run(run, status, ttl)
+local function write_run(run, status)
     run.s = status
-    put_run(root, run.m, run.a, run.j, status, run.t or "", run.o, now, cjson.encode(run), ttl,
-        long_ttl)
+    put_run(root, run.m, run.a, run.j, status, run.t or "", run.o, now, cjson.encode(run),
+        completed_ttl, failed_ttl)
     trim_runs(root, cap)
 end
 
@@ -87,11 +57,11 @@ local function claim(rid)
     end
     fetched[#fetched + 1] = rid
     fetched[#fetched + 1] = body
-    local run = run_of(body)
+    local run = run_of(root, body, run_worker)
     if run then
         run.st = now
         run.n = tonumber(redis.call("hget", deliveries, rid))
-        write_run(run, "running", run_ttl)
+        write_run(run, "running")
     end
     return true
 end
@@ -99,7 +69,7 @@ end
 -- a suspect: bury it, run it alone, or set it aside
 local function suspect(rid, seen)
     if seen >= max_deliveries then
-        local run = run_of(redis.call("hget", queue_messages, rid))
+        local run = run_of(root, redis.call("hget", queue_messages, rid), run_worker)
         dead_letter(rid)
         redis.call("hdel", deliveries, rid)
         buried[#buried + 1] = rid
@@ -107,7 +77,7 @@ local function suspect(rid, seen)
         if run then
             local reason = "worker died during " .. seen .. " deliveries"
             run.en, run.et, run.em, run.n = now, "WorkerDied", reason, seen
-            write_run(run, "dead", run_ttl)
+            write_run(run, "dead")
             redis.call("set", root .. "dead:" .. run.m, cjson.encode({
                 r = rid, q = queue, j = run.j, m = run.m, o = run.o, t = run.t, a = run.a,
                 ma = run.ma, et = "WorkerDied", em = reason, at = now,

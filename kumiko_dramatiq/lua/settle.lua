@@ -8,9 +8,11 @@
 -- id   ARGV[12] encoded retry
 -- ARGV[13] run history root "kumiko:<prefix>:" ("" = no run record)   ARGV[14] message id
 -- ARGV[15] attempt   ARGV[16] job   ARGV[17] the run's status, or "" to drop its running
--- record (a sequential hand-off: no attempt happened)   ARGV[18] tenant ("" = none)
--- ARGV[19] origin id   ARGV[20] the run record (JSON)   ARGV[21] its TTL (ms)
--- ARGV[22] the longest record TTL (ms)   ARGV[23] record cap
+-- record (a sequential hand-off: no attempt happened), or "malformed": the message is
+-- dead-lettered unrun, its record (if its body reads as kumiko's, as the fetch wrote it)
+-- ends "dead" with the reason ARGV[20] (ARGV[14..16], [18], [19] unused)   ARGV[18] tenant
+-- ARGV[19] origin id   ARGV[20] the run record (JSON)   ARGV[21] TTL (ms) of completed and
+-- cancelled records   ARGV[22] TTL (ms) of running, failed and dead ones   ARGV[23] record cap
 -- ARGV[24] the dead letter's note (JSON, outcome "dead"; "" = none), kept as long as dead
 -- letters (ARGV[5])
 -- Clears the delivery's count and writes the run record; then, iff the id is still in this
@@ -31,7 +33,8 @@ if outcome == "completed" then
 end
 local root = ARGV[13]
 if root ~= "" then
-    ttl_ms(ARGV[21], "run record")
+    ttl_ms(ARGV[21], "completed run record")
+    ttl_ms(ARGV[22], "failed run record")
 end
 redis.call("hdel", KEYS[2], rid)
 if outcome == "completed" then
@@ -42,6 +45,13 @@ if root ~= "" then
     if status == "" then
         drop_run(root, mid .. ":" .. attempt, "running")
         redis.call("zrem", run_job_index(root, job, "running"), mid .. ":" .. attempt)
+    elseif status == "malformed" then
+        local run = run_of(root, redis.call("hget", queue_messages, rid), worker)
+        if run then
+            run.s, run.en, run.et, run.em = "dead", now, "MalformedMessage", ARGV[20]
+            put_run(root, run.m, run.a, run.j, "dead", run.t or "", run.o, now,
+                cjson.encode(run), tonumber(ARGV[21]), tonumber(ARGV[22]))
+        end
     else
         put_run(root, mid, attempt, job, status, ARGV[18], ARGV[19], now, ARGV[20],
             tonumber(ARGV[21]), tonumber(ARGV[22]))

@@ -162,6 +162,11 @@ def test_a_forged_message_is_dead_lettered_at_fetch_and_the_worker_goes_on(
     assert redis_client.zscore(f"dramatiq:{queue}.XQ", "forged-1") is not None
     wait_for(lambda: queued(redis_client, prefix) == 0, what="the good message acked")
     assert redis_client.hlen(f"kumiko:{prefix}:deliveries") == 0
+    # and no run record is left "running": one the fetch wrote ended "dead", with the reason
+    assert runner.runs(status="running") == []
+    for run in runner.runs(status="dead"):
+        assert run.error_type == "MalformedMessage"
+        assert run.error_message
 
 
 # -- poison messages ---------------------------------------------------------------------------
@@ -235,6 +240,15 @@ def test_a_poison_message_is_dead_lettered_after_five_deaths_and_healthy_ones_fl
     dead = redis_client.hvals(f"dramatiq:{queue}.XQ.msgs")
     assert [json.loads(body)["message_id"] for body in dead] == [poison]
     assert len(supervised_worker) >= 5
+    # And its run record says why, as does its dead letter's note
+    viewer = JobRunner(registry, redis_url=redis_url, queue_prefix=prefix)
+    (run,) = viewer.run_record(poison)
+    assert (run.status, run.error_type, run.deliveries) == ("dead", "WorkerDied", 5)
+    assert run.error_message == "worker died during 5 deliveries"
+    note = viewer.history.dead_note(poison)
+    assert note is not None
+    assert note["em"] == "worker died during 5 deliveries"
+    viewer.stop()
 
 
 def texts(items: Any) -> list[str]:
@@ -268,6 +282,10 @@ def test_logs_name_job_and_attempt_and_never_show_the_payload(
     dead = [r for r in ours if "failed for good" in r.getMessage()]
     assert [r.levelno for r in retried] == [logging.WARNING]
     assert [r.levelno for r in dead] == [logging.ERROR]
+    # The records carry the run's identity as structured fields (for a JSON formatter)
+    fields = {name: getattr(dead[0], name, None) for name in ("job", "message_id", "attempt")}
+    assert fields == {"job": "hard:job:work", "message_id": message_id, "attempt": 2}
+    assert getattr(dead[0], "origin_id", None) == message_id
     assert dead[0].exc_info is not None
     assert all(SECRET not in r.getMessage() for r in caplog.records)
     assert not [r for r in caplog.records if "Failed to process message" in r.getMessage()]

@@ -437,7 +437,7 @@ def test_a_redis_error_while_taking_the_lock_fails_the_attempt_without_running_i
 
     def on_job_failed(name: str, message_id: str, meta: JobMeta, exc: BaseException) -> None:
         # Redis "recovers" before the retry runs
-        redis_client.acl_setuser(lockless_user, keys=[f"kumiko:{prefix}:lock:*"])
+        redis_client.acl_setuser(lockless_user, enabled=True, keys=[f"kumiko:{prefix}:lock:*"])
         recorder.on_job_failed(name, message_id, meta, exc)
 
     runner = make_runner(

@@ -191,6 +191,8 @@ class Proc:
     died_at: float | None = None
     #: the child processes seen alive (Dramatiq's worker process)
     children: set[int] = field(default_factory=set)
+    #: when the supervisor first saw one of them gone
+    child_gone_at: float | None = None
 
     @property
     def pgid(self) -> int:
@@ -207,7 +209,7 @@ class Fleet:
     schedulers: dict[int, Proc] = field(default_factory=dict)
     #: the soak's SIGKILLs of workers
     kills: list[check.Kill] = field(default_factory=list)
-    #: workers that exited on its own, when the supervisor noticed
+    #: workers that exited on their own, when the supervisor noticed
     deaths: list[check.Kill] = field(default_factory=list)
     stuck: list[str] = field(default_factory=list)
     started: int = 0
@@ -246,35 +248,34 @@ class Fleet:
             self.start("worker", slot)
 
     def supervise(self, *, restart: bool = True) -> None:
-        """One look at the workers, as a supervisor: a worker that exited on its own
-        (its Dramatiq worker process died; the main process follows it within a second
-        or two) is noted as a death when first seen, and started anew once its main
-        process has exited."""
+        """One look at the workers, as a supervisor: a worker whose main process exited on
+        its own (Dramatiq's main process exits within a second or two of its worker
+        process) is noted as a death and started anew. The death's time is when the
+        supervisor first saw its worker process gone (a zombie or reaped), else when
+        it saw the main process gone: at or after the death, and well before the
+        heartbeat timeout lets its messages be delivered again."""
         with self.lock:
             for slot, proc in list(self.workers.items()):
-                if proc.by_soak:
+                if proc.by_soak or proc.died_at is not None:
                     continue
                 now = time.time()
-                if proc.died_at is None:
-                    exited = proc.popen.poll() is not None
-                    if not exited:
-                        proc.children |= _children(proc.pgid)
-                    if not exited and not any(_gone(pid) for pid in proc.children):
-                        continue
-                    proc.died_at = now
-                    self.deaths.append(check.Kill(proc.pgid, now))
-                if not restart:
-                    continue
                 if proc.popen.poll() is None:
-                    if now - proc.died_at < STOP_TIMEOUT_S:
+                    proc.children |= _children(proc.pgid)
+                    if proc.child_gone_at is None and any(_gone(pid) for pid in proc.children):
+                        proc.child_gone_at = now
+                    if proc.child_gone_at is None or now - proc.child_gone_at < STOP_TIMEOUT_S:
                         continue
                     self.stuck.append(
                         f"worker {proc.pgid}: its main process did not exit within "
                         f"{STOP_TIMEOUT_S} s of its worker process"
                     )
-                _signal_group(proc.pgid, signal.SIGKILL)  # a stuck leader, stray children
-                proc.popen.wait()
-                self.start("worker", slot)
+                    _signal_group(proc.pgid, signal.SIGKILL)
+                    proc.popen.wait()
+                proc.died_at = now if proc.child_gone_at is None else proc.child_gone_at
+                self.deaths.append(check.Kill(proc.pgid, proc.died_at))
+                _signal_group(proc.pgid, signal.SIGKILL)  # stray children of the dead leader
+                if restart:
+                    self.start("worker", slot)
 
     def restart_scheduler(self, slot: int) -> None:
         self.stop(self.schedulers[slot])
@@ -504,8 +505,19 @@ class Load:
 # -- the faults -----------------------------------------------------------------------------------
 
 
+def deal(round_number: int, skip: Collection[str], rng: random.Random) -> list[str]:
+    """Round ``round_number`` (from 0) of faults, shuffled: :data:`FAULT_ROUND` and one
+    of :data:`POISON_FAULTS`, the kinds taking turns; kinds in ``skip`` left out."""
+    deck = [kind for kind in FAULT_ROUND if kind not in skip]
+    poisons = [kind for kind in POISON_FAULTS if kind not in skip]
+    if poisons:
+        deck.append(poisons[round_number % len(poisons)])
+    rng.shuffle(deck)
+    return deck
+
+
 class Faults(threading.Thread):
-    """Injects one fault every 1-4 s, in shuffled rounds of :data:`FAULT_ROUND`."""
+    """Injects one fault every 1-4 s, in shuffled rounds (:func:`deal`)."""
 
     def __init__(
         self,
@@ -538,7 +550,8 @@ class Faults(threading.Thread):
         deck: list[str] = []
         while not self.stopping.wait(self.rng.uniform(*FAULT_GAP_S)):
             if not deck:
-                deck = self.deal()
+                deck = deal(self.rounds, self.skip, self.rng)
+                self.rounds += 1
                 if not deck:
                     return
             kind = deck.pop()
@@ -548,16 +561,6 @@ class Faults(threading.Thread):
                 self.errors.append(f"{kind}: {type(exc).__name__}: {exc}")
                 continue
             self.counts[kind] += 1
-
-    def deal(self) -> list[str]:
-        """The next round, shuffled: :data:`FAULT_ROUND` and one poison kind, taking turns."""
-        deck = [kind for kind in FAULT_ROUND if kind not in self.skip]
-        poisons = [kind for kind in POISON_FAULTS if kind not in self.skip]
-        if poisons:
-            deck.append(poisons[self.rounds % len(poisons)])
-        self.rounds += 1
-        self.rng.shuffle(deck)
-        return deck
 
     def worker_kill(self) -> None:
         self.fleet.kill_worker(self.rng.choice(sorted(self.fleet.workers)))
@@ -996,8 +999,9 @@ def soak(url: str, prefix: str, workdir: Path, seconds: float, seed: int, skip: 
     finally:
         faults.stopping.set()
         supervisor.stopping.set()
-        with fleet.lock:
-            fleet.kill_all()
+        if supervisor.is_alive():
+            supervisor.join()  # it starts no worker after this
+        fleet.kill_all()
         markers.stopping.set()
         producer.stop()
         fault_producer.stop()

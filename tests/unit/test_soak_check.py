@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from tests.soak import check
-from tests.soak.check import Expected, KeyedDispatch, Kill, KillLog, Malformed, RunIndex
-from tests.soak.run import log_digest, misfired_ranges
+from tests.soak.check import (
+    DeadLetter,
+    Expected,
+    KeyedDispatch,
+    Kill,
+    KillLog,
+    Malformed,
+    Poison,
+    RunIndex,
+)
+from tests.soak.run import FAULT_ROUND, deal, log_digest, misfired_ranges
 
 JOB = "soak:job:parallel"
 SEQ = "soak:job:sequential"
 TENANT_JOB = "soak:job:per_tenant"
 TICK = "soak:job:tick"
 BOOT = "soak:job:boot"
+POISON = "soak:job:poison"
 
 
 def run(
@@ -361,6 +372,29 @@ def test_stuck_messages_are_reported() -> None:
     assert result.violations == ["stuck: unacked in acks: rid"]
 
 
+def test_run_history_records_are_bound_by_the_history_ttl() -> None:
+    keys = [
+        ("kumiko:p:run:m1", 50_000),
+        ("kumiko:p:dead:m2", 50_000),
+        ("kumiko:p:runs:status:completed", -1),
+        ("kumiko:p:runs:job:soak:job:parallel:dead", -1),
+    ]
+    assert check.check_leftovers(keys, "p", 10_000, history_ttl_ms=60_000).passed
+    too_long = check.check_leftovers(
+        [("kumiko:p:run:m1", 90_000), ("kumiko:p:dead:m2", -1)], "p", 10_000, history_ttl_ms=60_000
+    )
+    assert len(too_long.violations) == 2
+    unknown = check.check_leftovers(keys[2:], "p", 10_000)
+    assert len(unknown.violations) == 2
+
+
+def test_a_history_record_left_running_is_reported() -> None:
+    result = check.check_leftovers([], "p", 10_000, history_ttl_ms=60_000, running=["m1:1: x"])
+    assert result.violations == [
+        "history record still running after every message settled: m1:1: x"
+    ]
+
+
 # -- 8. malformed ----------------------------------------------------------------------------------
 
 
@@ -385,11 +419,156 @@ def test_a_malformed_message_without_a_logged_reason_is_reported() -> None:
     assert "no logged reason" in result.violations[0]
 
 
+def test_a_malformed_message_that_ran_is_reported() -> None:
+    pushed = [Malformed("forged_options", "r1", "dead-lettering message f1", 1.0, "f1")]
+    log = "ERROR dead-lettering message f1 (redis id r1) on q: bad options"
+    clean = index(run("a", 2.0, end=2.1))
+    assert check.check_malformed(pushed, {"r1"}, log, clean).passed
+    ran = index(run("a", 2.0, end=2.1), run("b", 1.5, end=1.6, mid="f1"))
+    result = check.check_malformed(pushed, {"r1"}, log, ran)
+    assert len(result.violations) == 1
+    assert result.violations[0].startswith("forged_options message f1 ran 1 time(s)")
+
+
 def test_workers_that_stopped_after_a_malformed_message_are_reported() -> None:
     pushed = [Malformed("wrong_args", "r1", "x", 3.0)]
     runs = index(run("a", 2.0, end=2.1))
     result = check.check_malformed(pushed, {"r1"}, "x", runs)
     assert result.violations == ["no job completed after the last malformed message"]
+
+
+# -- 9. poison messages ---------------------------------------------------------------------------
+
+
+def poison_runs(count: int, *, mid: str = "p1", first_pgid: int = 10) -> list[list[dict[str, Any]]]:
+    """``count`` cut runs of a poison message, one per worker process group, 5 s apart."""
+    return [
+        run(f"{mid}-{k}", 10.0 + 5 * k, job=POISON, mid=mid, n=None, pgid=first_pgid + k)
+        for k in range(count)
+    ]
+
+
+def poison_deaths(count: int, *, first_pgid: int = 10) -> list[Kill]:
+    return [Kill(first_pgid + k, 10.05 + 5 * k) for k in range(count)]
+
+
+BURIED_LOG = "ERROR dead-lettering message rp1 on q-worker: worker died during 5 deliveries"
+BURIED = {"p1": DeadLetter("rp1", 40.0)}
+POISONS = [Poison("exit", "p1", 9.0)]
+
+
+def check_poison(
+    *calls: list[dict[str, Any]],
+    dead_letters: dict[str, DeadLetter] = BURIED,
+    log: str = BURIED_LOG,
+    kills: list[Kill] | None = None,
+    deaths: list[Kill] | None = None,
+    poisons: list[Poison] = POISONS,
+) -> check.CheckResult:
+    healthy = run("h", 20.0, end=20.1, mid="h1", pgid=99)
+    return check.check_poison(
+        poisons,
+        POISON,
+        index(healthy, *calls),
+        dead_letters,
+        log,
+        5,
+        kills=kills or [],
+        deaths=poison_deaths(5) if deaths is None else deaths,
+    )
+
+
+def test_a_poison_message_dead_lettered_after_five_deaths_passes() -> None:
+    result = check_poison(*poison_runs(5))
+    assert result.passed, result.violations
+    assert "5 poison run(s), 5 worker death(s) on their own" in result.notes[-1]
+
+
+def test_a_poison_message_not_dead_lettered_or_not_logged_is_reported() -> None:
+    missing = check_poison(*poison_runs(5), dead_letters={})
+    assert missing.violations == ["exit poison p1 was not dead-lettered (5 run(s))"]
+    unlogged = check_poison(*poison_runs(5), log=BURIED_LOG.replace("5 deliveries", "4 deliveries"))
+    assert len(unlogged.violations) == 1
+    assert "no log line dead-lettering message rp1 on" in unlogged.violations[0]
+
+
+def test_a_poison_message_dead_lettered_too_early_or_too_late_is_reported() -> None:
+    early = check_poison(*poison_runs(4), deaths=poison_deaths(4))
+    assert early.violations == [
+        "exit poison p1 ran 4 times, not max_deliveries (5); "
+        "0 SIGKILL(s) of other workers in its lifetime"
+    ]
+    late = check_poison(*poison_runs(6), deaths=poison_deaths(6))
+    assert "exit poison p1 ran 6 times, more than max_deliveries (5)" in late.violations
+
+
+def test_a_delivery_swallowed_by_a_sigkill_excuses_a_missing_run() -> None:
+    # A SIGKILL of another worker while the poison message waited in its prefetch:
+    # a delivery without a run.
+    excused = check_poison(*poison_runs(4), deaths=poison_deaths(4), kills=[Kill(50, 12.0)])
+    assert excused.passed
+    assert "may have swallowed 1 delivery(ies)" in excused.notes[0]
+    # A kill after the dead letter, or of a worker the poison ran in, excuses nothing.
+    after = check_poison(*poison_runs(4), deaths=poison_deaths(4), kills=[Kill(50, 41.0)])
+    assert not after.passed
+
+
+def test_a_poison_run_that_returned_or_ran_after_its_dead_letter_is_reported() -> None:
+    runs = poison_runs(4)
+    returned = check_poison(*runs, run("p1-x", 30.0, end=30.1, job=POISON, mid="p1", n=None))
+    assert any("its handler returned" in text for text in returned.violations)
+    late = check_poison(*runs, run("p1-y", 45.0, job=POISON, mid="p1", n=None, pgid=30))
+    assert any("ran after it was dead-lettered" in text for text in late.violations)
+
+
+def test_a_suspect_that_did_not_run_alone_is_reported() -> None:
+    # Its first delivery may take healthy runs down with it, the later ones may not.
+    first = check_poison(*poison_runs(5), run("c1", 9.5, pgid=10))
+    assert first.passed
+    second = check_poison(*poison_runs(5), run("c2", 14.5, mid="c2", pgid=11))
+    assert len(second.violations) == 1
+    assert "run 2 did not run alone" in second.violations[0]
+
+
+def test_a_worker_death_without_a_poison_run_is_reported() -> None:
+    result = check_poison(*poison_runs(5), deaths=[*poison_deaths(5), Kill(77, 33.0)])
+    assert result.violations == [
+        "process died on its own: worker 77 (noticed at 33.000) "
+        "with no poison message running in it"
+    ]
+    # A poison run that started after the death noticed does not explain it either.
+    before = check_poison(*poison_runs(5), deaths=[*poison_deaths(4), Kill(14, 29.0)])
+    assert len(before.violations) == 1
+
+
+def test_workers_that_stopped_after_a_poison_message_are_reported() -> None:
+    result = check.check_poison(
+        POISONS, POISON, index(*poison_runs(5)), BURIED, BURIED_LOG, 5, deaths=poison_deaths(5)
+    )
+    assert result.violations == ["no healthy job completed after the first poison message (9.000)"]
+
+
+def test_a_poison_message_whose_dispatch_raised_is_checked_too() -> None:
+    result = check_poison(*poison_runs(5), poisons=[])
+    assert result.passed
+    assert result.checked == 1
+    unburied = check_poison(*poison_runs(5), poisons=[], dead_letters={})
+    assert unburied.violations == ["unconfirmed poison p1 was not dead-lettered (5 run(s))"]
+
+
+# -- the deck ----------------------------------------------------------------------------------
+
+
+def test_each_round_holds_every_fault_and_one_poison_the_kinds_taking_turns() -> None:
+    rng = random.Random(1)
+    rounds = [deal(number, set(), rng) for number in range(4)]
+    for number, deck in enumerate(rounds):
+        poison = ["poison_exit", "poison_segfault"][number % 2]
+        assert sorted(deck) == sorted([*FAULT_ROUND, poison])
+    assert rounds[0] != sorted(rounds[0]) or rounds[1] != sorted(rounds[1])
+    only = deal(0, {"poison_exit", *FAULT_ROUND}, rng)
+    assert only == ["poison_segfault"]
+    assert deal(1, {"poison_exit", "poison_segfault", *FAULT_ROUND}, rng) == []
 
 
 # -- summary ---------------------------------------------------------------------------------------
