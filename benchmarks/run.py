@@ -337,6 +337,110 @@ class Bench:
             }
 
 
+class HistoryBench:
+    """Run history at scale: write many records, then time the queries an operator runs."""
+
+    def __init__(self, bench: Bench, records: int) -> None:
+        self.bench = bench
+        self.records = records
+
+    def __call__(self) -> None:
+        prefix = f"bh{uuid.uuid4().hex[:6]}"
+        jobs = [f"bench:job:j{n}" for n in range(20)]
+        feature = Feature("bench")
+        for job in jobs:
+            feature.job(job.rsplit(":", 1)[1])(_noop)
+        runner = JobRunner(
+            Registry([feature]),
+            redis_url=self.bench.redis_url,
+            queue_prefix=prefix,
+            history_cap=self.records * 2,
+        )
+        history = runner.history
+        client = self.bench.client
+        client.config_set("maxmemory", 0)
+        before = int(client.info("memory")["used_memory"])
+        now_ms = int(time.time() * 1000) - self.records
+        completed_ttl, failed_ttl = 86_400_000, 604_800_000
+        started = time.perf_counter()
+        pipe = client.pipeline(transaction=False)
+        for n in range(self.records):
+            job = jobs[n % len(jobs)]
+            status = "failed" if n % 10 == 3 else "completed"
+            message_id = str(uuid.uuid4())
+            tenant = f"tenant-{n % 500}" if n % 3 == 0 else ""
+            record = {
+                "j": job,
+                "m": message_id,
+                "o": message_id,
+                "t": tenant or None,
+                "tr": "manual",
+                "a": 1,
+                "ma": 3,
+                "s": status,
+                "q": now_ms + n - 5,
+                "st": now_ms + n - 3,
+                "en": now_ms + n,
+                "d": 3,
+                "w": "bench-host:12345",
+            }
+            if status == "failed":
+                record |= {"et": "RuntimeError", "em": "gateway down", "tb": "Traceback ...\n"}
+            history.lua.run_put(
+                keys=[f"{history.root}run:{message_id}"],
+                args=[
+                    history.root,
+                    message_id,
+                    1,
+                    job,
+                    status,
+                    tenant,
+                    message_id,
+                    now_ms + n,
+                    json.dumps({k: v for k, v in record.items() if v is not None}),
+                    completed_ttl,
+                    failed_ttl,
+                    self.records * 2,
+                ],
+                client=pipe,
+            )
+            if n % 5_000 == 4_999:
+                pipe.execute()
+        pipe.execute()
+        write_s = time.perf_counter() - started
+        after = int(client.info("memory")["used_memory"])
+        queries: dict[str, Callable[[], Any]] = {
+            "latest 50 failed of one job": lambda: runner.runs(jobs[3], status="failed"),
+            "latest 50 of one job": lambda: runner.runs(jobs[3]),
+            "latest 50 of every job": lambda: runner.runs(),
+            "latest 50 of one tenant": lambda: runner.runs(tenant_id="tenant-42"),
+        }
+        timings = {}
+        for name, query in queries.items():
+            samples = []
+            for _ in range(30):
+                begun = time.perf_counter()
+                found = query()
+                samples.append((time.perf_counter() - begun) * 1000)
+            assert found, name
+            timings[name] = {
+                "p50_ms": round(percentile(samples, 50), 2),
+                "p99_ms": round(percentile(samples, 99), 2),
+            }
+        self.bench.extra["history"] = {
+            "records": self.records,
+            "bytes_per_record": round((after - before) / self.records),
+            "write_records_per_s": round(self.records / write_s),
+            "queries": timings,
+        }
+        runner.stop()
+        self.bench.flush(prefix)
+
+
+def _noop(payload: dict[str, Any], ctx: JobContext) -> None:
+    return None
+
+
 def machine() -> str:
     cpus = os.cpu_count()
     server = redis.Redis.from_url(os.environ.get("KUMIKO_REDIS_URL", "redis://127.0.0.1:6379"))
@@ -355,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--messages", type=int, default=3000)
     parser.add_argument("--only", default="")
+    parser.add_argument("--history-records", type=int, default=1_000_000)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("kumiko_dramatiq").setLevel(logging.WARNING)
@@ -369,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             "sequential": bench.sequential,
             "dedup": bench.dedup,
             "cron": bench.cron,
+            "history": HistoryBench(bench, args.history_records),
         }
         chosen = [s for s in args.only.split(",") if s] or list(suites)
         for name in chosen:
