@@ -33,7 +33,8 @@ A child is built by :func:`~kumiko_dramatiq.messages.build_message` with
 ``trigger="fanout"`` and ``tenant_id``: it carries ``build_message_options``
 (its own retries, counted from attempt 1), ``kumiko_tenant_id`` and the
 wrapper's payload. It inherits the wrapper's ``kumiko_scheduled_at`` (a cron
-tick's children know their tick) and nothing else: in particular not its
+tick's children know their tick) and its origin id (``kumiko_origin_id``: the
+id the dispatch returned finds the children's runs) and nothing else: not its
 ``kumiko_dedup_key`` (a dedup key covers the wrapper only) nor its spent
 attempts. Locking of sequential children is the ``Sequential`` middleware's
 business (per child, i.e. per tenant); wrappers are never locked.
