@@ -35,6 +35,7 @@ import logging
 import os
 import random
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -185,8 +186,7 @@ class KumikoBroker(RedisBroker):
     """Dramatiq's ``RedisBroker`` with kumiko's consumer, commands and enqueue steps.
 
     ``lua`` holds every kumiko script, registered on the broker's client. ``queue_prefix``
-    names the dataset; ``completed_ttl_ms`` and ``moved_marker_ttl_ms`` are the lifetimes of
-    the "already completed" markers and of the "sent" markers of moved delayed messages.
+    names the dataset; ``completed_ttl_ms`` is the lifetime of the "already completed" markers.
     """
 
     def __init__(
@@ -199,7 +199,6 @@ class KumikoBroker(RedisBroker):
         dead_message_ttl: int,
         queue_prefix: str,
         completed_ttl_ms: int,
-        moved_marker_ttl_ms: int,
         max_deliveries: int = 5,
         message_policy: MessagePolicy | None = None,
         run_ttls_ms: tuple[int, int] | None = None,
@@ -214,12 +213,15 @@ class KumikoBroker(RedisBroker):
         )
         self.queue_prefix = queue_prefix
         self.completed_ttl_ms = completed_ttl_ms
-        self.moved_marker_ttl_ms = moved_marker_ttl_ms
         self.max_deliveries = max_deliveries
         self.message_policy = message_policy
         #: (TTL of completed records, TTL of failed ones) in ms; ``None`` keeps no history
         self.run_ttls_ms = run_ttls_ms
         self.history_cap = history_cap
+        #: redis ids of delayed messages this process's delay-queue consumers hold, and of
+        #: those already moved by ``move`` (their ack on the delay queue has nothing left to do)
+        self._held_delayed: set[str] = set()
+        self._moved: set[str] = set()
         self.lua = LuaScripts.register(client)
 
     def __getattr__(self, name: str) -> Any:
@@ -393,27 +395,49 @@ class KumikoBroker(RedisBroker):
         return message
 
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
-        """Dramatiq's enqueue, made idempotent (see the module docstring).
+        """Dramatiq's enqueue, made idempotent; a due delayed message's move, made atomic.
 
-        A message that carries the redis id it was delivered under (a delayed message moved
-        to its queue, or a copy of a delivered message) gets a redis id derived from it, so a
-        second move of the same copy is a no-op while the marker lives.
+        Dramatiq's worker moves a due delayed message by enqueuing a copy (carrying the redis
+        id it was delivered under) and then acking it on the delay queue. When that id is one
+        this process's delay-queue consumers hold, the copy goes through ``lua/move.lua``: off
+        the delay queue and onto the queue in one step, or dropped if it was cancelled meanwhile.
+        Anything else is written behind its "sent" marker (``keys.sent``, kept
+        :data:`RESEND_WINDOW_MS`): the pool re-sends a command once when a connection drops,
+        and if the first send had executed, Dramatiq's enqueue would store the message twice.
         """
         moved_from = message.options.get("redis_message_id")
-        if moved_from is None:
-            prepared = self.prepare(message, delay)
-            marker_ttl_ms = RESEND_WINDOW_MS
-        else:
-            rid = str(uuid5(_MOVED_NAMESPACE, f"{moved_from}>{message.queue_name}"))
-            prepared = self.prepare(message, delay, redis_message_id=rid)
-            marker_ttl_ms = self.moved_marker_ttl_ms
+        if moved_from is not None and delay is None and moved_from in self._held_delayed:
+            return self._move(message, moved_from)
+        prepared = self.prepare(message, delay)
         rid = prepared.options["redis_message_id"]
         self.emit_before("enqueue", prepared, delay)
         self.lua.guarded_enqueue(
             keys=[*self._queue_keys(prepared), keys.sent(self.queue_prefix, rid)],
-            args=[rid, prepared.encode(), marker_ttl_ms, "1"],
+            args=[rid, prepared.encode(), RESEND_WINDOW_MS, "1"],
         )
         self.emit_after("enqueue", prepared, delay)
+        return prepared
+
+    def _move(self, message: Message[Any], delayed_rid: str) -> Message[Any]:
+        rid = str(uuid5(_MOVED_NAMESPACE, f"{delayed_rid}>{message.queue_name}"))
+        prepared = self.prepare(message, None, redis_message_id=rid)
+        self.emit_before("enqueue", prepared, None)
+        moved = self.lua.move(
+            keys=[self.namespace, keys.cancelled(self.queue_prefix, str(message.message_id))],
+            args=[
+                *self._head(dq_name(prepared.queue_name), maintenance=False),
+                delayed_rid,
+                prepared.queue_name,
+                rid,
+                prepared.encode(),
+            ],
+        )
+        self._held_delayed.discard(delayed_rid)
+        self._moved.add(delayed_rid)
+        if moved == 1:
+            self.emit_after("enqueue", prepared, None)
+        elif moved == 2:
+            logger.info("delayed message %s was cancelled: not moved", message.message_id)
         return prepared
 
     def enqueue_step(
@@ -538,9 +562,18 @@ class KumikoBroker(RedisBroker):
 class KumikoConsumer(Consumer):
     """What Dramatiq's worker pulls the messages of one queue from.
 
-    Fetches up to ``prefetch`` outstanding messages at a time (one Lua call), waits with
-    Dramatiq's progressive backoff (up to ``timeout`` ms) when there is nothing to fetch,
-    and acks each delivery together with its :class:`Settlement`.
+    Fetches in one Lua call per batch, waits with Dramatiq's progressive backoff (up to
+    ``timeout`` ms) when there is nothing to fetch, and acks each delivery together with its
+    :class:`Settlement`.
+
+    On a kumiko lane queue a fetched message is a running one: Dramatiq's worker asks for
+    twice its threads (``prefetch``), but the consumer holds at most ``prefetch // 2``
+    messages, so every message it fetches goes straight to an idle thread (no message waits
+    in a worker's memory where ``cancel`` could not reach it). It fetches when half its
+    threads are free (or all of them), so a batch still serves several messages, and while
+    they are all busy it waits for an ack, not for a poll. Delay queues keep Dramatiq's
+    prefetch: their messages wait in memory until due, and their move is checked (and
+    dropped if cancelled) in the same Lua call that makes it.
 
     Every fetched message is checked before Dramatiq's worker sees it: one that does not
     decode, or decodes into something Dramatiq's worker would crash on (a non-string actor
@@ -562,8 +595,13 @@ class KumikoConsumer(Consumer):
         self.timeout = timeout
         self.misses = 0
         self._lane = broker.is_lane(queue_name)
+        self._delayed = queue_name.endswith(".DQ")
+        #: how many messages this consumer holds at most, and the free room it fetches at
+        self._slots = max(1, prefetch // 2) if self._lane else prefetch
+        self._batch = max(1, self._slots // 2) if self._lane else 1
         self._cache: deque[tuple[str, bytes | None]] = deque()
         self._outstanding: set[str] = set()
+        self._settled = threading.Condition()
         #: the suspect this consumer runs alone, if any
         self._alone: str | None = None
         self._suspects_waiting = 0
@@ -584,6 +622,12 @@ class KumikoConsumer(Consumer):
                     continue
                 if self._fill():
                     continue
+                if self.outstanding_message_count >= self._batch and self._lane:
+                    # Busy: wait for an ack to free room (bounded, so Dramatiq's loop goes
+                    # round to move due delayed messages and to notice a shutdown).
+                    with self._settled:
+                        self._settled.wait(self.timeout / 1000)
+                    return None
                 self.misses, backoff_ms = compute_backoff(self.misses, max_backoff=self.timeout)
                 time.sleep(backoff_ms / 1000)
                 return None
@@ -593,8 +637,8 @@ class KumikoConsumer(Consumer):
     def _fill(self) -> bool:
         """Fetch what there is room for; ``False`` if nothing was (or could be) fetched."""
         outstanding = self.outstanding_message_count
-        room = self.prefetch - outstanding
-        if room <= 0:
+        room = self._slots - outstanding
+        if room <= 0 or (outstanding and room < self._batch):
             return False
         if not self._lane:
             fetched = self.broker.fetch(self.queue_name, room)
@@ -654,6 +698,8 @@ class KumikoConsumer(Consumer):
                 policy.rejected(message)
             return None
         self._outstanding.add(rid)
+        if self._delayed:
+            self.broker._held_delayed.add(rid)
         delivery = Delivery(message, fetched_from=self.queue_name, redis_message_id=rid)
         delivery.decoded = decoded
         return delivery
@@ -676,10 +722,17 @@ class KumikoConsumer(Consumer):
         self._outstanding.discard(rid)
         if rid == self._alone:
             self._alone = None
+        if self._delayed:
+            self.broker._held_delayed.discard(rid)
+            self.broker._moved.discard(rid)
+        with self._settled:
+            self._settled.notify()
 
     def ack(self, message: MessageProxy) -> None:
         rid = _redis_id(message)
         try:
+            if rid in self.broker._moved:
+                return  # moved off the delay queue by ``move``: nothing left to ack
             if not self._lane or not isinstance(message, Delivery):
                 self.broker.do_ack(self.queue_name, rid)
                 return

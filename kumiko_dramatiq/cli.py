@@ -1,14 +1,28 @@
-"""The command lines: ``kumiko`` (also ``python -m kumiko_dramatiq.cli``), operator tools,
-and ``kumiko-scheduler`` (:func:`scheduler_main`, also ``python -m kumiko_dramatiq.scheduler``).
+"""The command lines: ``kumiko`` (also ``python -m kumiko_dramatiq.cli``), the operator's
+tool, and ``kumiko-scheduler`` (:func:`scheduler_main`, also ``python -m
+kumiko_dramatiq.scheduler``).
 
-``kumiko reset-boot JOB_NAME``  forget that boot-once job ``JOB_NAME`` was
-                               enqueued, so the next worker start enqueues it
-``kumiko reset-boot --all``     the same for every ``run_on_boot`` job of the app
+``kumiko`` commands (every one takes ``--json``: one JSON document on stdout)::
 
-The app and its dataset come from the same variables as the worker
-(:mod:`kumiko_dramatiq.apps`): ``KUMIKO_APP``, ``KUMIKO_REDIS_URL``,
-``KUMIKO_QUEUE_PREFIX``. One line is printed per job reset. Exit status: 0 on
-success, 1 when Redis does not answer, 2 on bad input (one line on stderr).
+    status                       per lane: queued, delayed, running, dead, parked; live
+                                 workers and schedulers; paused jobs
+    jobs                         declared jobs: options, lane, next/last cron fire, paused
+    runs [--job J] [--status S] [--tenant T] [--message ID] [--origin ID]
+         [--since ISO] [--before ISO] [--limit N]       run records, newest first
+    dead [--job J] [--limit N]   dead letters with their last error and traceback
+    retry MESSAGE_ID | --all [--job J]                  re-enqueue dead letters
+    cancel MESSAGE_ID            a message that has not started never starts
+    pause JOB / resume JOB       hold a job's messages back / let them run
+    locks                        held sequential locks and the runs holding them
+    dedup [--job J]              live dedup keys
+    reset-boot JOB | --all       the next worker start enqueues a boot-once job again
+
+The app and its dataset come from ``KUMIKO_APP``, ``KUMIKO_REDIS_URL`` and
+``KUMIKO_QUEUE_PREFIX`` (:mod:`kumiko_dramatiq.apps`). Exit status: 0 on success; 1 when Redis
+is unreachable (or refuses the user) or the action found nothing to act on (a message that is
+not dead for ``retry``, a message no longer waiting for ``cancel``, a job not paused for
+``resume``); 2 on bad input (unknown job, malformed id or time). Every error is one line on
+stderr. Human output is aligned tables that fit 100 columns.
 
 ``kumiko-scheduler`` runs the cron scheduler (:class:`~kumiko_dramatiq.scheduler.Scheduler`)
 for the same app until SIGTERM or SIGINT (status 0); a missing or bad ``KUMIKO_APP`` is one
@@ -19,23 +33,36 @@ is one line and status 1.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from types import FrameType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .apps import load_runner
 from .boot import reset_boot_marker
-from .environment import app_target
-from .errors import AppLoadError, RedisAccessError, RedisUnavailableError
+from .errors import (
+    AppLoadError,
+    KumikoError,
+    NotFoundError,
+    RedisAccessError,
+    RedisUnavailableError,
+    UnknownJobError,
+)
+from .history import STATUSES
+from .runner import JobRunner
 from .scheduler import Scheduler
 
 EXIT_OK = 0
 EXIT_REDIS = 1
+EXIT_NOTHING = 1
 EXIT_USAGE = 2
+#: Human tables fit this many columns.
+WIDTH = 100
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,23 +72,50 @@ class _Parser(argparse.ArgumentParser):
         _fail(f"{self.prog}: {message} (see --help)")
 
 
-def _fail(line: str) -> NoReturn:
-    print(line, file=sys.stderr)
-    raise SystemExit(EXIT_USAGE)
+def _fail(line: str, status: int = EXIT_USAGE) -> NoReturn:
+    print(" ".join(line.split()), file=sys.stderr)
+    raise SystemExit(status)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kumiko", description="Operator tools for kumiko_dramatiq apps.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    reset = commands.add_parser(
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--json", action="store_true", help="one JSON document on stdout")
+        return sub
+
+    command("status", "queues per lane, live workers and schedulers, paused jobs")
+    command("jobs", "declared jobs: options, lane, next and last cron fire, paused")
+    runs = command("runs", "run records, newest first")
+    runs.add_argument("--job", help="qualified job name")
+    runs.add_argument("--status", choices=STATUSES)
+    runs.add_argument("--tenant")
+    runs.add_argument("--message", help="every attempt of one message id")
+    runs.add_argument("--origin", help="every run that came of what dispatch returned")
+    runs.add_argument("--since", help="ISO-8601 time (UTC when no offset)")
+    runs.add_argument("--before", help="ISO-8601 time (UTC when no offset)")
+    runs.add_argument("--limit", type=int, default=50)
+    dead = command("dead", "dead-lettered messages with their last error")
+    dead.add_argument("--job", help="qualified job name")
+    dead.add_argument("--limit", type=int, default=100)
+    retry = command("retry", "re-enqueue dead letters with a fresh attempt budget")
+    retry.add_argument("message_id", nargs="?", metavar="MESSAGE_ID")
+    retry.add_argument("--all", action="store_true", help="every dead letter (of --job)")
+    retry.add_argument("--job", help="with --all: only this job's")
+    cancel = command("cancel", "a queued, delayed or waiting message never starts")
+    cancel.add_argument("message_id", metavar="MESSAGE_ID")
+    pause = command("pause", "hold a job's messages back on every worker")
+    pause.add_argument("job", metavar="JOB")
+    resume = command("resume", "let a paused job's messages run again")
+    resume.add_argument("job", metavar="JOB")
+    command("locks", "held sequential locks")
+    dedup = command("dedup", "live dedup keys")
+    dedup.add_argument("--job", help="qualified job name")
+    reset = command(
         "reset-boot",
-        help="make the next worker start enqueue a run_on_boot job again",
-        description=(
-            "Delete the boot marker and id guard of a run_on_boot job in the dataset "
-            "named by KUMIKO_REDIS_URL and KUMIKO_QUEUE_PREFIX (app: KUMIKO_APP), so "
-            "the next worker start enqueues the job again. Reset only once its "
-            "earlier run is over."
-        ),
+        "make the next worker start enqueue a run_on_boot job again (once its earlier run is over)",
     )
     reset.add_argument("job_name", nargs="?", metavar="JOB_NAME", help="qualified job name")
     reset.add_argument("--all", action="store_true", help="every run_on_boot job of the app")
@@ -69,55 +123,287 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "reset-boot":
-        return _reset_boot(args.job_name, args.all)
-    _fail("kumiko: give a command: reset-boot (see --help)")
-
-
-def _reset_boot(job_name: str | None, every: bool) -> int:
-    if (job_name is None) == (not every):
-        _fail("kumiko reset-boot: give either JOB_NAME or --all")
+    args = build_parser().parse_args(argv)
+    if args.command is None:
+        _fail("kumiko: give a command (see --help)")
+    handler = _COMMANDS[args.command]
+    prog = f"kumiko {args.command}"
     try:
         runner = load_runner()
-    except AppLoadError as exc:
-        _fail(f"kumiko reset-boot: {exc}")
+    except KumikoError as exc:
+        _fail(f"{prog}: {exc}")
     try:
-        boot_jobs = [
-            job.qualified_name for job in runner.registry.jobs.values() if job.options.run_on_boot
-        ]
-        if every:
-            names = boot_jobs
-        elif job_name not in runner.registry.jobs:
-            _fail(
-                f"kumiko reset-boot: unknown job {job_name!r} "
-                f"(run_on_boot jobs: {', '.join(boot_jobs) or 'none'})"
-            )
-        elif job_name not in boot_jobs:
-            _fail(f"kumiko reset-boot: job {job_name} is not run_on_boot; it has no boot marker")
-        else:
-            names = [job_name]
         try:
             runner.check_redis()
+            document, text, status = handler(runner, args)
         except (RedisUnavailableError, RedisAccessError) as exc:
-            print(f"kumiko reset-boot: {exc}", file=sys.stderr)
-            return EXIT_REDIS
-        if not names:
-            print(f"no run_on_boot job in {app_target()}; nothing to reset")
-            return EXIT_OK
-        prefix = runner.queue_prefix
-        for name in names:
-            try:
-                deleted = reset_boot_marker(runner.broker.client, prefix, name)
-            except (RedisUnavailableError, RedisAccessError) as exc:
-                print(f"kumiko reset-boot: {exc}", file=sys.stderr)
-                return EXIT_REDIS
-            state = "boot marker deleted" if deleted else "had no boot marker"
-            print(f"{name}: {state} (prefix {prefix}); the next worker start enqueues it")
-        return EXIT_OK
+            _fail(f"{prog}: {exc}", EXIT_REDIS)
+        except NotFoundError as exc:
+            _fail(f"{prog}: {exc}", EXIT_NOTHING)
+        except (UnknownJobError, ValueError) as exc:
+            _fail(f"{prog}: {exc}")
     finally:
         runner.stop()
+    if args.json:
+        print(json.dumps(document, indent=2, sort_keys=True))
+    elif text:
+        print(text)
+    return status
+
+
+Result = tuple[Any, str, int]
+
+
+def _status(runner: JobRunner, args: argparse.Namespace) -> Result:
+    status = runner.status()
+    lanes = table(
+        ["lane", "queue", "queued", "delayed", "running", "dead", "parked"],
+        [[s.lane, s.queue, s.queued, s.delayed, s.running, s.dead, s.parked] for s in status.lanes],
+    )
+    procs = table(
+        ["role", "host", "pid", "lane", "version", "started", "last seen"],
+        [
+            [
+                p.role,
+                p.host,
+                p.pid,
+                p.lane or "-",
+                p.version,
+                _time(p.started_at),
+                _ago(p.last_seen),
+            ]
+            for p in [*status.workers, *status.schedulers]
+        ],
+    )
+    paused = ", ".join(status.paused) or "none"
+    text = f"{lanes}\n\n{procs or 'no live worker or scheduler'}\n\npaused jobs: {paused}"
+    return status.to_json(), text, EXIT_OK
+
+
+def _jobs(runner: JobRunner, args: argparse.Namespace) -> Result:
+    jobs = runner.jobs()
+    rows = [
+        [
+            j.name,
+            j.lane,
+            j.trigger,
+            j.retries,
+            j.concurrency,
+            _time(j.next_fire),
+            _time(j.last_fire),
+            "yes" if j.paused else "",
+        ]
+        for j in jobs
+    ]
+    text = table(
+        ["job", "lane", "trigger", "retries", "concurrency", "next fire", "last fire", "paused"],
+        rows,
+    )
+    return {"jobs": [j.to_json() for j in jobs]}, text, EXIT_OK
+
+
+def _runs(runner: JobRunner, args: argparse.Namespace) -> Result:
+    runs = runner.runs(
+        args.job,
+        status=args.status,
+        tenant_id=args.tenant,
+        message_id=args.message,
+        origin_id=args.origin,
+        since=_instant("--since", args.since),
+        before=_instant("--before", args.before),
+        limit=args.limit,
+    )
+    rows = [
+        [
+            _time(r.ended_at or r.started_at),
+            r.job_name,
+            r.message_id[:8],
+            r.tenant_id or "",
+            r.trigger,
+            f"{r.attempt}/{r.max_attempts}",
+            r.status,
+            "" if r.duration_ms is None else f"{r.duration_ms} ms",
+            r.error_type or "",
+        ]
+        for r in runs
+    ]
+    text = table(
+        ["when", "job", "message", "tenant", "trigger", "att.", "status", "took", "error"], rows
+    )
+    return {"runs": [r.to_json() for r in runs]}, text or "no run matches", EXIT_OK
+
+
+def _dead(runner: JobRunner, args: argparse.Namespace) -> Result:
+    letters = runner.dead_letters(args.job, limit=args.limit)
+    rows = [
+        [
+            _time(d.dead_at),
+            d.job_name,
+            d.message_id,
+            d.attempts or "",
+            f"{d.error_type or ''}: {d.error_message or ''}".strip(": "),
+        ]
+        for d in letters
+    ]
+    text = table(["dead since", "job", "message id", "att.", "error"], rows)
+    return {"dead_letters": [d.to_json() for d in letters]}, text or "no dead letter", EXIT_OK
+
+
+def _retry(runner: JobRunner, args: argparse.Namespace) -> Result:
+    if (args.message_id is None) == (not args.all):
+        raise ValueError("give either MESSAGE_ID or --all")
+    if args.job is not None and not args.all:
+        raise ValueError("--job goes with --all")
+    if args.all:
+        targets = [d.message_id for d in runner.dead_letters(args.job, limit=1_000_000)]
+        if not targets:
+            raise NotFoundError("no dead letter to retry")
+    else:
+        targets = [args.message_id]
+    retried = []
+    for message_id in targets:
+        retried.append({"message_id": message_id, "new_message_id": runner.retry_dead(message_id)})
+    text = "\n".join(
+        f"{item['message_id']}: re-enqueued as {item['new_message_id']}" for item in retried
+    )
+    return {"retried": retried}, text, EXIT_OK
+
+
+def _cancel(runner: JobRunner, args: argparse.Namespace) -> Result:
+    cancelled = runner.cancel(args.message_id)
+    document = {"message_id": args.message_id, "cancelled": cancelled}
+    if not cancelled:
+        print(
+            f"kumiko cancel: message {args.message_id} is running: not interrupted, nothing "
+            "changed",
+            file=sys.stderr,
+        )
+        return {**document, "state": "running"}, "", EXIT_NOTHING
+    return {**document, "state": "cancelled"}, f"{args.message_id}: cancelled", EXIT_OK
+
+
+def _pause(runner: JobRunner, args: argparse.Namespace) -> Result:
+    changed = runner.admin.pause(runner.job(args.job))
+    text = f"{args.job}: paused" if changed else f"{args.job}: was paused already"
+    return {"job": args.job, "paused": True, "changed": changed}, text, EXIT_OK
+
+
+def _resume(runner: JobRunner, args: argparse.Namespace) -> Result:
+    outcome = runner.admin.resume(runner.job(args.job))
+    if outcome is None:
+        raise NotFoundError(f"job {args.job} is not paused")
+    requeued, dropped = outcome
+    text = f"{args.job}: resumed; {requeued} held-back message(s) queued, {dropped} skipped"
+    document = {"job": args.job, "paused": False, "requeued": requeued, "dropped": dropped}
+    return document, text, EXIT_OK
+
+
+def _locks(runner: JobRunner, args: argparse.Namespace) -> Result:
+    locks = runner.locks()
+    rows = [
+        [
+            lock.job_name,
+            lock.tenant_id or "",
+            lock.message_id[:8],
+            (lock.origin_id or "")[:8],
+            lock.worker or "",
+            f"{lock.expires_in_ms / 1000:.1f} s",
+        ]
+        for lock in locks
+    ]
+    text = table(["job", "tenant", "message", "origin", "worker", "expires in"], rows)
+    return {"locks": [lock.to_json() for lock in locks]}, text or "no lock held", EXIT_OK
+
+
+def _dedup(runner: JobRunner, args: argparse.Namespace) -> Result:
+    records = runner.dedup_keys(args.job)
+    rows = [
+        [r.job_name, r.dedup_key, r.message_id[:8], r.state, "yes" if r.follow_up_id else ""]
+        for r in records
+    ]
+    text = table(["job", "key", "message", "state", "follow-up"], rows)
+    return {"dedup_keys": [r.to_json() for r in records]}, text or "no live dedup key", EXIT_OK
+
+
+def _reset_boot(runner: JobRunner, args: argparse.Namespace) -> Result:
+    if (args.job_name is None) == (not args.all):
+        raise ValueError("give either JOB_NAME or --all")
+    boot_jobs = [j.qualified_name for j in runner.registry.jobs.values() if j.options.run_on_boot]
+    if args.all:
+        names = boot_jobs
+    elif args.job_name not in runner.registry.jobs:
+        raise UnknownJobError(args.job_name, boot_jobs)
+    elif args.job_name not in boot_jobs:
+        raise ValueError(f"job {args.job_name} is not run_on_boot; it has no boot marker")
+    else:
+        names = [args.job_name]
+    reset = []
+    for name in names:
+        deleted = reset_boot_marker(runner.broker.client, runner.queue_prefix, name)
+        reset.append({"job": name, "deleted": deleted})
+    lines = [
+        f"{item['job']}: {'boot marker deleted' if item['deleted'] else 'had no boot marker'} "
+        f"(prefix {runner.queue_prefix}); the next worker start enqueues it"
+        for item in reset
+    ]
+    if not names:
+        lines = ["no run_on_boot job in this app; nothing to reset"]
+    return {"reset": reset}, "\n".join(lines), EXIT_OK
+
+
+_COMMANDS: dict[str, Callable[[JobRunner, argparse.Namespace], Result]] = {
+    "status": _status,
+    "jobs": _jobs,
+    "runs": _runs,
+    "dead": _dead,
+    "retry": _retry,
+    "cancel": _cancel,
+    "pause": _pause,
+    "resume": _resume,
+    "locks": _locks,
+    "dedup": _dedup,
+    "reset-boot": _reset_boot,
+}
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Rows aligned under ``headers``, every line at most :data:`WIDTH` columns: the widest
+    columns are cut (with "...") until it fits. Empty without rows."""
+    if not rows:
+        return ""
+    cells = [[str(cell) for cell in row] for row in rows]
+    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(headers)]
+    while sum(widths) + 2 * (len(widths) - 1) > WIDTH:
+        widest = widths.index(max(widths))
+        widths[widest] -= 1
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(_cut(v, w).ljust(w) for v, w in zip(values, widths, strict=True)).rstrip()
+
+    return "\n".join([line(list(headers)), *(line(row) for row in cells)])
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(0, width - 3)] + "..."
+
+
+def _time(value: datetime | None) -> str:
+    return "-" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _ago(value: datetime) -> str:
+    seconds = (datetime.now(UTC) - value).total_seconds()
+    return f"{max(0.0, seconds):.0f} s ago"
+
+
+def _instant(option: str, text: str | None) -> datetime | None:
+    if text is None:
+        return None
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"{option} must be an ISO-8601 time, got {text!r}") from None
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
 def scheduler_main() -> int:

@@ -152,3 +152,7 @@ class RedisAccessError(KumikoError):
         self.redis_url = redis_url
         self.problem = problem
         super().__init__(f"Redis at {redact_url(redis_url)} {problem}")
+
+
+class NotFoundError(KumikoError, LookupError):
+    """An admin action found nothing to act on (a message that is not a dead letter, ...)."""

@@ -70,3 +70,28 @@ def suspects(queue_prefix: str, queue_name: str) -> str:
 def probe(queue_prefix: str) -> str:
     """Base of the keys the start-up permission probe writes and deletes at once."""
     return f"{_root(queue_prefix)}:probe"
+
+
+def cancelled(queue_prefix: str, message_id: str) -> str:
+    """Set by ``cancel`` for a delayed message a worker holds in memory: its move drops it."""
+    return f"{_root(queue_prefix)}:cancel:{message_id}"
+
+
+def paused(queue_prefix: str) -> str:
+    """Set of the names of paused jobs."""
+    return f"{_root(queue_prefix)}:paused"
+
+
+def parked(queue_prefix: str, job_name: str) -> str:
+    """List: redis ids of a paused job's messages, held back until it is resumed."""
+    return f"{_root(queue_prefix)}:parked:{job_name}"
+
+
+def process(queue_prefix: str, identity: str) -> str:
+    """A live worker's or scheduler's registration (JSON, TTL: its heartbeat timeout)."""
+    return f"{_root(queue_prefix)}:proc:{identity}"
+
+
+def processes(queue_prefix: str) -> str:
+    """Sorted set of registered process ids by last refresh (ms)."""
+    return f"{_root(queue_prefix)}:procs"

@@ -10,6 +10,7 @@ an argument not given falls back to its ``KUMIKO_*`` variable, then to its defau
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,12 +23,19 @@ from dramatiq.middleware import Middleware
 from dramatiq.worker import Worker
 
 from .actors import declare_actors
+from .admin import Admin, DeadLetter, DedupInfo, JobInfo, LockInfo, Status
 from .boot import Boot
 from .broker import KumikoBroker, make_connection_pool
 from .completed import Completed
 from .dedup import Dedup, dispatch_with_key, event_dedup_keys
 from .environment import resolve_settings
-from .errors import JobConfigError, RedisAccessError, RedisUnavailableError, UnknownJobError
+from .errors import (
+    JobConfigError,
+    NotFoundError,
+    RedisAccessError,
+    RedisUnavailableError,
+    UnknownJobError,
+)
 from .executions import Executions, KumikoMessages
 from .history import STATUSES, History, JobRun, RunHistory, RunStatus, run_ttls_ms
 from .hooks import Hooks
@@ -36,6 +44,7 @@ from .limits import check_dedup_key, check_delay_ms, check_payload
 from .logs import install_log_filter
 from .messages import build_message
 from .options import Retention
+from .presence import Presence
 from .registry import JobDefinition, Registry
 from .retries import Retries, retry_window_ms
 from .runtime import FailedHook, HookSet, Runtime, StartHook, TenantResolver
@@ -47,7 +56,7 @@ from .timeouts import Timeouts
 logger = logging.getLogger("kumiko_dramatiq")
 
 
-def build_middleware(runtime: Runtime, dedup: Dedup) -> list[Middleware]:
+def build_middleware(runtime: Runtime, dedup: Dedup, presence: Presence) -> list[Middleware]:
     """The one middleware chain of a kumiko broker, in ``before_*`` order (``after_*`` hooks
     run in reverse)::
 
@@ -60,7 +69,8 @@ def build_middleware(runtime: Runtime, dedup: Dedup) -> list[Middleware]:
         Sequential  the lease of sequential jobs (before: acquire or hand off; after: release)
         Dedup       the life of dedup keys
         Hooks       on_job_start / on_job_complete / on_job_failed
-        Timeouts    Dramatiq's TimeLimit, last so its timer covers only the handler
+        Timeouts    Dramatiq's TimeLimit, last of the message hooks: its clock covers the handler
+        Presence    registers the worker process as alive while it runs
     """
     return [
         Lane(runtime.queue_name),
@@ -73,6 +83,7 @@ def build_middleware(runtime: Runtime, dedup: Dedup) -> list[Middleware]:
         dedup,
         Hooks(runtime),
         Timeouts(interval=runtime.settings.timeout_check_ms),
+        presence,
     ]
 
 
@@ -157,19 +168,22 @@ class JobRunner:
         )
         retention_ms = settings.retention.completed_age_s * 1000
         dedup = Dedup(self.runtime)
+        client = redis.Redis(
+            connection_pool=make_connection_pool(
+                settings.redis_url, settings.boot_redis_timeout_ms / 1000
+            )
+        )
+        presence = Presence(
+            client, settings.queue_prefix, settings.lane, settings.heartbeat_timeout_ms
+        )
         self.broker = KumikoBroker(
-            middleware=build_middleware(self.runtime, dedup),
-            client=redis.Redis(
-                connection_pool=make_connection_pool(
-                    settings.redis_url, settings.boot_redis_timeout_ms / 1000
-                )
-            ),
+            middleware=build_middleware(self.runtime, dedup, presence),
+            client=client,
             heartbeat_timeout=settings.heartbeat_timeout_ms,
             maintenance_chance=settings.maintenance_chance,
             dead_message_ttl=settings.retention.failed_age_s * 1000,
             queue_prefix=settings.queue_prefix,
             completed_ttl_ms=retention_ms,
-            moved_marker_ttl_ms=retention_ms,
             max_deliveries=settings.max_deliveries,
             run_ttls_ms=run_ttls_ms(settings),
             history_cap=settings.history_cap,
@@ -318,6 +332,76 @@ class JobRunner:
         with self._redis("reading the run history"):
             return self.history.run_record(message_id)
 
+    # -- operating (see kumiko_dramatiq.admin) ----------------------------
+    @property
+    def admin(self) -> Admin:
+        """The admin API over this runner's dataset (no connection until used)."""
+        return Admin(self.broker, self.registry, self.settings)
+
+    def status(self) -> Status:
+        """Per lane: queued, delayed, running, dead (and parked) counts; live workers and
+        schedulers; paused jobs."""
+        with self._redis("reading the status"):
+            return self.admin.status()
+
+    def jobs(self) -> list[JobInfo]:
+        """Every declared job with its options, lane, next and last cron fire, paused."""
+        with self._redis("reading the jobs"):
+            return self.admin.jobs()
+
+    def dead_letters(self, job: str | None = None, *, limit: int = 100) -> list[DeadLetter]:
+        """Dead-lettered messages, newest first, with their last error and traceback."""
+        if job is not None:
+            self._job(job)
+        with self._redis("reading the dead letters"):
+            return self.admin.dead_letters(job, limit=limit)
+
+    def retry_dead(self, message_id: str) -> str:
+        """Re-enqueue dead letter ``message_id`` with a fresh attempt budget (one atomic step
+        with its removal from the dead letters); return the id that will run. Raises
+        :class:`NotFoundError` when it is not a dead letter."""
+        _check_message_id(message_id)
+        with self._redis("retrying a dead letter"):
+            new_id = self.admin.retry_dead(message_id)
+        if new_id is None:
+            raise NotFoundError(f"message {message_id} is not a dead letter")
+        return new_id
+
+    def cancel(self, message_id: str) -> bool:
+        """Make sure ``message_id`` never starts if it has not: ``True`` if it was queued,
+        delayed, waiting out a backoff or a lock, or parked; ``False`` (nothing changed) if it
+        is running. Raises :class:`NotFoundError` when no such message waits or runs."""
+        _check_message_id(message_id)
+        with self._redis("cancelling a message"):
+            cancelled, why = self.admin.cancel(message_id)
+        if not cancelled and why == "gone":
+            raise NotFoundError(f"message {message_id} is not queued, delayed or running")
+        return cancelled
+
+    def pause(self, job: str) -> None:
+        """Hold ``job``'s messages back (kept, never run) on every worker until :meth:`resume`."""
+        definition = self._job(job)
+        with self._redis("pausing a job"):
+            self.admin.pause(definition)
+
+    def resume(self, job: str) -> None:
+        """Let a paused job run again; its held-back messages go first."""
+        definition = self._job(job)
+        with self._redis("resuming a job"):
+            self.admin.resume(definition)
+
+    def locks(self) -> list[LockInfo]:
+        """Held sequential locks."""
+        with self._redis("reading the locks"):
+            return self.admin.locks()
+
+    def dedup_keys(self, job: str | None = None) -> list[DedupInfo]:
+        """Live dedup keys."""
+        if job is not None:
+            self._job(job)
+        with self._redis("reading the dedup keys"):
+            return self.admin.dedup_keys(job)
+
     # -- consuming --------------------------------------------------------
     def start(self) -> None:
         """Boot gates, boot-once enqueue, then consume this runner's lane."""
@@ -406,6 +490,10 @@ class JobRunner:
             finally:
                 probe.close()
 
+    def job(self, job_name: str) -> JobDefinition:
+        """The declared job ``job_name``; ``UnknownJobError`` if the registry lacks it."""
+        return self._job(job_name)
+
     # -- internals --------------------------------------------------------
     def _job(self, job_name: str) -> JobDefinition:
         try:
@@ -439,6 +527,16 @@ class JobRunner:
     def _close(self) -> None:
         self.runtime.loop.stop()
         self.broker.close()
+
+
+def _check_message_id(message_id: object) -> None:
+    if not isinstance(message_id, str) or not _MESSAGE_ID.fullmatch(message_id):
+        raise JobConfigError(
+            None, "message_id", "must be a message id (letters, digits, . _ : -)", message_id
+        )
+
+
+_MESSAGE_ID = re.compile(r"[A-Za-z0-9._:-]{1,200}")
 
 
 def check_lane_can_run(runtime: Runtime) -> None:

@@ -10,7 +10,8 @@ before the script's own code; pieces may include pieces). Two calling convention
   are called only by :mod:`kumiko_dramatiq.broker`. Dramatiq's own commands (``enqueue``,
   ``fetch``, ``ack``, ``nack``, ``requeue``, ``purge``, ``qsize``) behave exactly as
   Dramatiq's; kumiko's lane queues use ``fetch_lane`` and ``settle``, which add the poison
-  message bound, the "already completed" markers and the ack-with-retry;
+  message bound, the run history, the "already completed" markers and the ack-with-retry, and
+  due delayed messages move by ``move`` (one step instead of Dramatiq's enqueue-then-ack);
 - **enqueue steps** (scripts that write a message together with kumiko's own records):
   ``KEYS[1]`` the queue's message hash, ``KEYS[2]`` its list, ``ARGV[1]`` the redis message
   id, ``ARGV[2]`` the encoded message; their own keys and arguments follow. They run through
@@ -63,6 +64,7 @@ class LuaScripts:
     fetch_lane: Script
     ack: Script
     settle: Script
+    move: Script
     nack: Script
     requeue: Script
     purge: Script
@@ -82,6 +84,10 @@ class LuaScripts:
     lock_renew: Script
     lock_release: Script
     run_put: Script
+    # operating
+    cancel: Script
+    retry_dead: Script
+    resume: Script
     # the start-up check of a user's permissions
     probe: Script
 

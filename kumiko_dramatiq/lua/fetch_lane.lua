@@ -10,7 +10,9 @@
 --          worker ("host:pid")   ARGV[13] TTL (ms) of completed and cancelled records
 --          ARGV[14] TTL (ms) of running, failed and dead ones   ARGV[15] record cap
 -- Each claimed id joins this worker's ack set and its deliveries count goes up by one; the
--- settle script clears it; a kumiko message also gets its "running" run record (attempt from
+-- settle script clears it; a message of a paused job (in the set "<root>paused") is not
+-- claimed but parked in "<root>parked:<job>" until the job is resumed; a kumiko message
+-- that is claimed gets its "running" run record (attempt from
 -- its options; a redelivery after a crash supersedes the record of the same attempt). An id
 -- with deliveries already (a suspect) is never delivered
 -- beside other messages: with ARGV[9] = 0 and nothing claimed yet it is delivered alone (first
@@ -40,10 +42,32 @@ local function write_run(run, status)
     trim_runs(root, cap)
 end
 
+local any_paused = root ~= "" and redis.call("scard", root .. "paused") > 0
+
+-- the job of an encoded message, if it is one of a paused job's ("<job>" or nil)
+local function paused_job(body)
+    local actor = body and string.match(body, '"actor_name":"([^"]*)"')
+    if not actor then
+        return nil
+    end
+    local job = string.gsub(actor, ":fanout$", "")
+    if redis.call("sismember", root .. "paused", job) == 1 then
+        return job
+    end
+    return nil
+end
+
 local function claim(rid)
+    local body = redis.call("hget", queue_messages, rid)
+    if any_paused then
+        local job = paused_job(body)
+        if job then
+            redis.call("rpush", root .. "parked:" .. job, rid)
+            return false
+        end
+    end
     redis.call("sadd", queue_acks, rid)
     redis.call("hincrby", deliveries, rid, 1)
-    local body = redis.call("hget", queue_messages, rid)
     if body and done_prefix ~= "" then
         local ok, message = pcall(cjson.decode, body)
         if ok and type(message) == "table" and type(message.message_id) == "string"

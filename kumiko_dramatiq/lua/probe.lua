@@ -10,8 +10,9 @@ local arguments = {
     set = {"v", "PX", "60000"},
     hdel = {"f"}, hexists = {"f"}, hget = {"f"}, hgetall = {}, hincrby = {"f", "0"}, hlen = {},
     hmget = {"f"}, hset = {"f", "v"},
-    llen = {}, lpop = {}, lrange = {"0", "0"}, lrem = {"0", "v"}, rpush = {"v"},
-    sadd = {"m"}, scard = {}, smembers = {}, srem = {"m"},
+    llen = {}, lpop = {}, lpush = {"v"}, lrange = {"0", "0"}, lrem = {"0", "v"}, rpush = {"v"},
+    sadd = {"m"}, scard = {}, sismember = {"m"}, smembers = {}, srem = {"m"},
+    hscan = {"0"},
     zadd = {"0", "m"}, zcard = {}, zrange = {"0", "0"}, zrangebyscore = {"0", "0"}, zrem = {"m"},
     zremrangebyscore = {"0", "0"},
 }

@@ -75,6 +75,7 @@ from ..broker import KumikoBroker
 from ..cron import Cron
 from ..messages import build_message
 from ..options import Retention
+from ..presence import Registration
 from ..registry import JobDefinition, Registry
 from ..ticks import TickPlan, effective_grace_s, plan_ticks
 
@@ -149,6 +150,14 @@ class Scheduler:
         ]
         self._guard_ttl_ms = completed_age_s * 1000
         self._lock = threading.Lock()
+        self._registration = Registration(
+            broker.client,
+            broker.queue_prefix,
+            identity=self.identity,
+            role="scheduler",
+            lane=None,
+            ttl_ms=broker.heartbeat_timeout,
+        )
         self._aps: BackgroundScheduler | None = None
         self._started = False
         self._stopped = False
@@ -189,6 +198,10 @@ class Scheduler:
             except BaseException:
                 self._aps = None
                 raise
+            try:
+                self._registration.start()
+            except redis.RedisError as exc:
+                logger.warning("kumiko scheduler: could not register as alive (%s)", exc)
         logger.info(
             "kumiko scheduler %s started: %d cron job(s), queue prefix %s",
             self.identity,
@@ -207,6 +220,7 @@ class Scheduler:
             aps, self._aps = self._aps, None
         if aps is not None:
             aps.shutdown(wait=True)
+            self._registration.stop()
             logger.info("kumiko scheduler %s stopped", self.identity)
 
     # -- in the executor thread --------------------------------------------------------------

@@ -39,7 +39,6 @@ def kumiko_broker(client: redis.Redis, prefix: str) -> KumikoBroker:
         dead_message_ttl=7 * 86_400_000,
         queue_prefix=prefix,
         completed_ttl_ms=60_000,
-        moved_marker_ttl_ms=60_000,
     )
     broker.broker_id = WORKER
     return broker

@@ -1,0 +1,493 @@
+"""Operating a dataset: what is queued, dead, locked, keyed, paused and alive, and actions on it.
+
+:class:`Admin` answers the ``kumiko`` command, the dashboard and ``JobRunner``'s admin
+methods (``status``, ``dead_letters``, ``retry_dead``, ``cancel``, ``pause``, ``resume``,
+plus ``jobs``, ``locks`` and ``dedup_keys``). Reads are plain reads (a status is one pipelined
+round trip plus the liveness listing); every action that changes more than one key is one Lua
+call, so it is all-or-nothing:
+
+- **retry** (``lua/retry_dead.lua``): the dead letter leaves the dead letters and a new
+  message is enqueued in one step, with a fresh attempt budget, a new message id, the
+  original origin id (the id the caller first got back) and, for a per-tenant child, its
+  tenant; the dedup key is not carried (the key's job ended when it died);
+- **cancel** (``lua/cancel.lua``): a queued, delayed, backing-off, parked or waiting message
+  never starts; one held in a worker's memory until due is dropped by its move; a running one
+  is not interrupted (``False``, nothing changed);
+- **pause** (``keys.paused``): a paused job's messages are not fetched but parked
+  (``keys.parked``) when a fetch meets them: kept, never run, no busy loop, on every worker;
+  **resume** (``lua/resume.lua``) puts them back at the head of their queue. Cron ticks parked
+  meanwhile follow the job's misfire policy: ``coalesce`` runs the latest one, ``skip`` none.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+from dramatiq.common import dq_name
+from dramatiq.message import Message, generate_unique_id
+
+from . import keys
+from .broker import KumikoBroker, consumer_acks, dead_letters, queue_list, queue_messages
+from .codec import DEDUP_KEY, FAILURES, ORIGIN_ID, TRIGGER, KumikoOptions, OptionsError
+from .cron import Cron
+from .history import RunHistory, run_ttls_ms
+from .presence import ProcessInfo, live_processes
+from .registry import JobDefinition, Registry
+from .settings import LANES, Settings, lane_queue
+
+
+@dataclass(frozen=True)
+class LaneStatus:
+    """Message counts of one lane: waiting, waiting out a delay or backoff, claimed by a
+    worker (running), dead-lettered, and held back because their job is paused."""
+
+    lane: str
+    queue: str
+    queued: int
+    delayed: int
+    running: int
+    dead: int
+    parked: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Status:
+    lanes: list[LaneStatus]
+    workers: list[ProcessInfo]
+    schedulers: list[ProcessInfo]
+    paused: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "lanes": [lane.to_json() for lane in self.lanes],
+            "workers": [worker.to_json() for worker in self.workers],
+            "schedulers": [scheduler.to_json() for scheduler in self.schedulers],
+            "paused": self.paused,
+        }
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    name: str
+    lane: str
+    trigger: str
+    retries: int
+    backoff: str | None
+    per_tenant: bool
+    concurrency: str
+    run_on_boot: bool
+    boot_gate: bool
+    timeout_ms: int | None
+    next_fire: datetime | None
+    last_fire: datetime | None
+    paused: bool
+
+    def to_json(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        for name in ("next_fire", "last_fire"):
+            value = out[name]
+            out[name] = None if value is None else value.isoformat()
+        return out
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    message_id: str
+    job_name: str
+    queue: str
+    redis_message_id: str
+    dead_at: datetime
+    attempts: int | None
+    tenant_id: str | None
+    origin_id: str | None
+    error_type: str | None
+    error_message: str | None
+    traceback: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["dead_at"] = self.dead_at.isoformat()
+        return out
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    job_name: str
+    tenant_id: str | None
+    message_id: str
+    origin_id: str | None
+    worker: str | None
+    expires_in_ms: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class DedupInfo:
+    job_name: str
+    dedup_key: str
+    message_id: str
+    state: str
+    follow_up_id: str | None
+    expires_in_ms: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class Admin:
+    """The admin API over one dataset (``broker``'s Redis and queue prefix)."""
+
+    def __init__(self, broker: KumikoBroker, registry: Registry, settings: Settings) -> None:
+        self.broker = broker
+        self.registry = registry
+        self.settings = settings
+        self.client: redis.Redis = broker.client
+        self.prefix = settings.queue_prefix
+        self.history = RunHistory(broker.client, broker.lua, self.prefix)
+
+    @property
+    def lane_queues(self) -> list[str]:
+        return [lane_queue(self.prefix, lane) for lane in LANES]
+
+    # -- reads ---------------------------------------------------------------------------
+    def status(self) -> Status:
+        processes = live_processes(self.client, self.prefix)
+        workers = [p for p in processes if p.role == "worker"]
+        paused = sorted(_text(job) for job in self.client.smembers(keys.paused(self.prefix)))
+        pipe = self.client.pipeline(transaction=False)
+        worker_ids = [_text(w) for w in self.client.zrange("dramatiq:__heartbeats__", 0, -1)]
+        for queue in self.lane_queues:
+            pipe.llen(queue_list(queue))
+            pipe.llen(keys.suspects(self.prefix, queue))
+            pipe.hlen(queue_messages(dq_name(queue)))
+            pipe.zcard(dead_letters(queue))
+            for worker in worker_ids:
+                pipe.scard(consumer_acks(worker, queue))
+        for job in paused:
+            pipe.llen(keys.parked(self.prefix, job))
+        replies = iter(pipe.execute())
+        lanes = []
+        for lane, queue in zip(LANES, self.lane_queues, strict=True):
+            queued = int(next(replies)) + int(next(replies))
+            delayed = int(next(replies))
+            dead = int(next(replies))
+            running = sum(int(next(replies)) for _ in worker_ids)
+            lanes.append(LaneStatus(lane, queue, queued, delayed, running, dead, 0))
+        parked_by_job = {job: int(next(replies)) for job in paused}
+        lanes = [
+            LaneStatus(
+                **{
+                    **lane.__dict__,
+                    "parked": sum(
+                        count
+                        for job, count in parked_by_job.items()
+                        if job in self.registry.jobs
+                        and self.registry.jobs[job].options.run_in == lane.lane
+                    ),
+                }
+            )
+            for lane in lanes
+        ]
+        return Status(
+            lanes=lanes,
+            workers=workers,
+            schedulers=[p for p in processes if p.role == "scheduler"],
+            paused=paused,
+        )
+
+    def jobs(self, now: datetime | None = None) -> list[JobInfo]:
+        now = datetime.now(UTC) if now is None else now
+        declared = list(self.registry.jobs.values())
+        paused = {_text(job) for job in self.client.smembers(keys.paused(self.prefix))}
+        cron_jobs = [job for job in declared if isinstance(job.options.trigger, Cron)]
+        last = (
+            self.client.mget(
+                [keys.cron_last_tick(self.prefix, job.qualified_name) for job in cron_jobs]
+            )
+            if cron_jobs
+            else []
+        )
+        last_by_job = dict(zip((j.qualified_name for j in cron_jobs), last, strict=True))
+        infos = []
+        for job in declared:
+            options = job.options
+            trigger = options.trigger
+            next_fire = trigger.next_fire_time(now) if isinstance(trigger, Cron) else None
+            raw_last = last_by_job.get(job.qualified_name)
+            infos.append(
+                JobInfo(
+                    name=job.qualified_name,
+                    lane=options.run_in,
+                    trigger=_describe_trigger(job),
+                    retries=options.retries,
+                    backoff=None
+                    if options.backoff is None
+                    else f"{options.backoff.type} {options.backoff.delay_ms} ms",
+                    per_tenant=options.per_tenant,
+                    concurrency=options.concurrency,
+                    run_on_boot=options.run_on_boot,
+                    boot_gate=options.boot_gate,
+                    timeout_ms=options.timeout_ms,
+                    next_fire=next_fire,
+                    last_fire=None
+                    if raw_last is None
+                    else datetime.fromtimestamp(int(raw_last), UTC),
+                    paused=job.qualified_name in paused,
+                )
+            )
+        return infos
+
+    def dead_letters(self, job: str | None = None, *, limit: int = 100) -> list[DeadLetter]:
+        """Dead-lettered kumiko messages, newest first, with their last error."""
+        found: list[DeadLetter] = []
+        for queue in self.lane_queues:
+            entries: list[tuple[Any, float]] = self.client.zrevrange(  # type: ignore[assignment]
+                dead_letters(queue), 0, -1, withscores=True
+            )
+            if not entries:
+                continue
+            rids = [_text(entry[0]) for entry in entries]
+            bodies = self.client.hmget(f"{dead_letters(queue)}.msgs", rids)
+            for rid, (_, score), body in zip(rids, entries, bodies, strict=True):
+                letter = self._dead_letter(queue, rid, float(score), body)
+                if letter is not None and (job is None or letter.job_name == job):
+                    found.append(letter)
+        found.sort(key=lambda letter: letter.dead_at, reverse=True)
+        return found[:limit]
+
+    def _dead_letter(self, queue: str, rid: str, score: float, body: Any) -> DeadLetter | None:
+        if body is None:
+            return None
+        try:
+            message = Message.decode(body)
+        except Exception:
+            message = None
+        message_id = rid if message is None else str(message.message_id)
+        actor = "?" if message is None else str(message.actor_name)
+        entry = self.registry.actor(actor)
+        job_name = entry[0].qualified_name if entry is not None else actor
+        options: KumikoOptions | None = None
+        if message is not None and isinstance(message.options, dict):
+            try:
+                options = KumikoOptions.decode(message.options)
+            except OptionsError:
+                options = None
+        note = self.history.dead_note(message_id) if message is not None else None
+        return DeadLetter(
+            message_id=message_id,
+            job_name=job_name,
+            queue=queue,
+            redis_message_id=rid,
+            dead_at=datetime.fromtimestamp(score / 1000, UTC),
+            attempts=None if note is None else note.get("a"),
+            tenant_id=None if options is None else options.tenant_id,
+            origin_id=(None if options is None else options.origin_id) or message_id,
+            error_type=None if note is None else note.get("et"),
+            error_message=None if note is None else note.get("em"),
+            traceback=None if note is None else note.get("tb"),
+        )
+
+    def locks(self) -> list[LockInfo]:
+        """Held sequential locks: job, tenant, the run that holds it, time left."""
+        pattern = keys.sequential_lock(self.prefix, "*", None)
+        found = []
+        for raw in self.client.scan_iter(match=pattern, count=1000):
+            key = _text(raw)
+            pipe = self.client.pipeline(transaction=False)
+            pipe.get(key)
+            pipe.pttl(key)
+            token, ttl = pipe.execute()
+            if token is None:
+                continue
+            job_name, tenant = _parse_lock_key(key, keys.sequential_lock(self.prefix, "", None))
+            message_id = _text(token).split(":", 1)[0]
+            runs = self.history.run_record(message_id)
+            latest = runs[-1] if runs else None
+            found.append(
+                LockInfo(
+                    job_name=job_name,
+                    tenant_id=tenant,
+                    message_id=message_id,
+                    origin_id=None if latest is None else latest.origin_id,
+                    worker=None if latest is None else latest.worker,
+                    expires_in_ms=int(ttl),
+                )
+            )
+        return sorted(found, key=lambda lock: (lock.job_name, lock.tenant_id or ""))
+
+    def dedup_keys(self, job: str | None = None) -> list[DedupInfo]:
+        """Live dedup keys: job, key, the message it stands for, its state."""
+        base = keys.dedup(self.prefix, "", "")[:-1]  # "kumiko:{prefix}:dedup:"
+        pattern = keys.dedup(self.prefix, job, "*") if job else base + "*"
+        found = []
+        for raw in self.client.scan_iter(match=pattern, count=1000):
+            key = _text(raw)
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hgetall(key)
+            pipe.pttl(key)
+            fields, ttl = pipe.execute()
+            if not fields:
+                continue
+            record = {_text(k): _text(v) for k, v in fields.items()}
+            rest = key[len(base) :]
+            parts = rest.split(":", 3)
+            job_name, dedup_key = ":".join(parts[:3]), parts[3] if len(parts) > 3 else ""
+            found.append(
+                DedupInfo(
+                    job_name=job_name,
+                    dedup_key=dedup_key,
+                    message_id=record.get("id", ""),
+                    state=record.get("state", ""),
+                    follow_up_id=record.get("fid"),
+                    expires_in_ms=int(ttl),
+                )
+            )
+        return sorted(found, key=lambda info: (info.job_name, info.dedup_key))
+
+    # -- actions -------------------------------------------------------------------------
+    def retry_dead(self, message_id: str) -> str | None:
+        """Re-enqueue dead letter ``message_id``; the new message id, or ``None`` when it is
+        not (or no longer) a dead letter."""
+        for letter in self.dead_letters(limit=1_000_000):
+            if letter.message_id == message_id:
+                return self._retry(letter)
+        return None
+
+    def _retry(self, letter: DeadLetter) -> str | None:
+        queue = letter.queue
+        body = self.client.hget(f"{dead_letters(queue)}.msgs", letter.redis_message_id)
+        if body is None:
+            return None
+        message = Message.decode(body if isinstance(body, bytes) else body.encode())
+        options = {k: v for k, v in message.options.items() if k not in ("eta", "redis_message_id")}
+        options.pop(FAILURES, None)
+        if TRIGGER in options:  # a kumiko message: a new id that keeps its origin
+            options[ORIGIN_ID] = options.get(ORIGIN_ID) or letter.message_id
+            options.pop(DEDUP_KEY, None)
+        new_id = generate_unique_id()
+        fresh: Message[Any] = Message(
+            queue_name=queue,
+            actor_name=message.actor_name,
+            args=message.args,
+            kwargs=message.kwargs,
+            options=options,
+            message_id=new_id,
+        )
+        prepared = self.broker.prepare(fresh, None)
+        rid = prepared.options["redis_message_id"]
+        self.broker.emit_before("enqueue", prepared, None)
+        done = self.broker.lua.retry_dead(
+            keys=[
+                dead_letters(queue),
+                f"{dead_letters(queue)}.msgs",
+                queue_messages(queue),
+                queue_list(queue),
+                f"{keys.root(self.prefix)}dead:{letter.message_id}",
+            ],
+            args=[letter.redis_message_id, rid, prepared.encode()],
+        )
+        if done != 1:
+            return None
+        self.broker.emit_after("enqueue", prepared, None)
+        return new_id
+
+    def cancel(self, message_id: str) -> tuple[bool, str]:
+        """Cancel ``message_id`` if it has not started: ``(True, queue)``, or ``(False, why)``
+        with why ``"running"`` or ``"gone"``."""
+        completed_ttl, failed_ttl = run_ttls_ms(self.settings)
+        reply = self.broker.lua.cancel(
+            keys=[self.broker.namespace],
+            args=[
+                keys.root(self.prefix),
+                message_id,
+                int(datetime.now(UTC).timestamp() * 1000),
+                completed_ttl,
+                failed_ttl,
+                self.settings.heartbeat_timeout_ms + 3_600_000,
+                *self.lane_queues,
+            ],
+        )
+        return reply[0] == 1, _text(reply[1])
+
+    def pause(self, job: JobDefinition) -> bool:
+        """Pause ``job``; ``False`` if it was paused already."""
+        return bool(self.client.sadd(keys.paused(self.prefix), job.qualified_name))
+
+    def resume(self, job: JobDefinition) -> tuple[int, int] | None:
+        """Resume ``job``: ``(requeued, dropped)`` parked messages, or ``None`` if it was not
+        paused."""
+        if not self.client.sismember(keys.paused(self.prefix), job.qualified_name):
+            return None
+        parked_key = keys.parked(self.prefix, job.qualified_name)
+        queue = job.queue_name(self.prefix)
+        drop = self._skipped_ticks(job, self.client.lrange(parked_key, 0, -1), queue)
+        completed_ttl, failed_ttl = run_ttls_ms(self.settings)
+        requeued, dropped = self.broker.lua.resume(
+            keys=[keys.paused(self.prefix), parked_key, queue_list(queue), queue_messages(queue)],
+            args=[
+                job.qualified_name,
+                keys.root(self.prefix),
+                int(datetime.now(UTC).timestamp() * 1000),
+                completed_ttl,
+                failed_ttl,
+                *drop,
+            ],
+        )
+        return int(requeued), int(dropped)
+
+    def _skipped_ticks(self, job: JobDefinition, parked: Sequence[Any], queue: str) -> list[str]:
+        """The parked cron ticks the job's misfire policy skips on resume: with ``coalesce``
+        all but the latest, with ``skip`` all of them."""
+        trigger = job.options.trigger
+        if not isinstance(trigger, Cron) or not parked:
+            return []
+        rids = [_text(rid) for rid in parked]
+        bodies = self.client.hmget(queue_messages(queue), rids)
+        ticks: list[tuple[datetime, str]] = []
+        for rid, body in zip(rids, bodies, strict=True):
+            if body is None:
+                continue
+            options = json.loads(body).get("options", {})
+            if options.get(TRIGGER) != "cron":
+                continue
+            try:
+                tick = KumikoOptions.decode(options).scheduled_at
+            except OptionsError:
+                continue
+            if tick is not None:
+                ticks.append((tick.astimezone(UTC), rid))
+        ticks.sort()
+        if trigger.misfire == "skip":
+            return [rid for _, rid in ticks]
+        return [rid for _, rid in ticks[:-1]]
+
+
+def _describe_trigger(job: JobDefinition) -> str:
+    trigger = job.options.trigger
+    if isinstance(trigger, Cron):
+        return f"cron {trigger.expr} {trigger.timezone}"
+    name = getattr(trigger, "name", None)
+    return f"event {name}" if name else "manual"
+
+
+def _parse_lock_key(key: str, base: str) -> tuple[str, str | None]:
+    rest = key[len(base) :]
+    job, sep, scope = rest.partition(":tenant:")
+    if not sep:
+        return job, None
+    _, _, tenant = scope.partition(":")
+    return job, tenant if tenant else None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
