@@ -401,6 +401,7 @@ class HistoryBench:
                     completed_ttl,
                     failed_ttl,
                     self.records * 2,
+                    0,
                 ],
                 client=pipe,
             )

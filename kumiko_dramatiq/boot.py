@@ -49,7 +49,7 @@ from dramatiq.middleware.time_limit import TimeLimitExceeded
 from . import keys
 from .context import JobContext, JobMeta
 from .errors import BootGateError, JobConfigError, RedisUnavailableError
-from .history import RunHistory, RunStatus, error_fields, record_write, worker_identity
+from .history import RunHistory, RunStatus, error_fields, record_write
 from .ids import boot_message_id
 from .messages import build_message
 from .registry import JobDefinition, Registry
@@ -147,7 +147,7 @@ def _record_gate(
         "a": ctx.meta.attempt,
         "ma": ctx.meta.max_attempts,
         "st": int(started.timestamp() * 1000),
-        "w": worker_identity(),
+        "w": runtime.broker.worker_identity(),
         **error_fields(error),
     }
     if status != "running":

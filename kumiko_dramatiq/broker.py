@@ -70,6 +70,10 @@ NAMESPACE = "dramatiq"
 #: re-sent write is recognised (redis-py re-sends within a second).
 RESEND_WINDOW_MS = 60_000
 
+#: One settle call in this many also trims the run history (ages and cap), dropping at most
+#: this many records beyond the cap: the trimming keeps pace with the writes at a shared cost.
+TRIM_BUDGET = 32
+
 _MOVED_NAMESPACE = UUID("9d4b7e0c-2f5a-5c8e-b1d3-7a6f4c2e9b01")
 
 
@@ -201,7 +205,7 @@ class KumikoBroker(RedisBroker):
         completed_ttl_ms: int,
         max_deliveries: int = 5,
         message_policy: MessagePolicy | None = None,
-        run_ttls_ms: tuple[int, int] | None = None,
+        run_ttls_ms: tuple[int, int] = (86_400_000, 604_800_000),
         history_cap: int = 100_000,
     ) -> None:
         super().__init__(  # type: ignore[no-untyped-call]
@@ -215,11 +219,12 @@ class KumikoBroker(RedisBroker):
         self.completed_ttl_ms = completed_ttl_ms
         self.max_deliveries = max_deliveries
         self.message_policy = message_policy
-        #: (TTL of completed records, TTL of failed ones) in ms; ``None`` keeps no history
+        #: (TTL of completed records, TTL of failed ones) in ms
         self.run_ttls_ms = run_ttls_ms
         self.history_cap = history_cap
         #: redis ids of delayed messages this process's delay-queue consumers hold, and of
         #: those already moved by ``move`` (their ack on the delay queue has nothing left to do)
+        self._identity = (0, "")
         self._held_delayed: set[str] = set()
         self._moved: set[str] = set()
         self.lua = LuaScripts.register(client)
@@ -242,14 +247,12 @@ class KumikoBroker(RedisBroker):
 
     # -- broker commands (Dramatiq's semantics, kumiko's Lua) --------------------------------
     def _head(self, queue_name: str, *, maintenance: bool = True) -> list[Any]:
+        """The two arguments every broker command starts with (``lua/_dispatch.lua``)."""
         chance = maintenance and random.randint(1, MAINTENANCE_SCALE) <= self.maintenance_chance
         return [
             queue_name,
-            current_millis(),
-            self.broker_id,
-            self.heartbeat_timeout,
-            self.dead_message_ttl,
-            "1" if chance else "0",
+            f"{current_millis()} {self.broker_id} {self.heartbeat_timeout} "
+            f"{self.dead_message_ttl} {1 if chance else 0}",
         ]
 
     def do_enqueue(self, queue_name: str, redis_message_id: str | bytes, data: bytes) -> None:
@@ -268,19 +271,19 @@ class KumikoBroker(RedisBroker):
 
     def fetch_lane(self, queue_name: str, count: int, *, outstanding: int) -> LaneFetch:
         """Claim up to ``count`` messages of a lane queue (``lua/fetch_lane.lua``)."""
+        completed_ttl, failed_ttl = self.run_ttls_ms
         fetched, completed, buried, waiting, alone = self.lua.fetch_lane(
             keys=[
                 self.namespace,
-                keys.deliveries(self.queue_prefix),
+                keys.inflight(self.queue_prefix),
                 keys.suspects(self.queue_prefix, queue_name),
             ],
             args=[
                 *self._head(queue_name),
-                count,
+                f"{count} {outstanding} {self.max_deliveries} {completed_ttl} {failed_ttl}",
                 keys.completed(self.queue_prefix, ""),
-                outstanding,
-                self.max_deliveries,
-                *self._history_args(),
+                keys.root(self.queue_prefix),
+                self.worker_identity(),
             ],
         )
         return LaneFetch(
@@ -291,18 +294,12 @@ class KumikoBroker(RedisBroker):
             alone=alone == 1,
         )
 
-    def _history_args(self) -> list[Any]:
-        """Run history root, worker, TTLs of completed and of failed records, cap."""
-        if self.run_ttls_ms is None:
-            return ["", "", 1, 1, 0]
-        completed_ttl, failed_ttl = self.run_ttls_ms
-        return [
-            keys.root(self.queue_prefix),
-            f"{socket.gethostname()}:{os.getpid()}",
-            completed_ttl,
-            failed_ttl,
-            self.history_cap,
-        ]
+    def worker_identity(self) -> str:
+        """``"host:pid"`` of this process (looked up again after a fork)."""
+        pid = os.getpid()
+        if self._identity[0] != pid:
+            self._identity = (pid, f"{socket.gethostname()}:{pid}")
+        return self._identity[1]
 
     def do_ack(self, queue_name: str, redis_message_id: str) -> None:
         self.lua.ack(
@@ -317,7 +314,7 @@ class KumikoBroker(RedisBroker):
         )
 
     def do_requeue(self, queue_name: str, *redis_message_ids: str) -> None:
-        lane = [keys.deliveries(self.queue_prefix)] if self.is_lane(queue_name) else []
+        lane = [keys.inflight(self.queue_prefix)] if self.is_lane(queue_name) else []
         self.lua.requeue(
             keys=[self.namespace, *lane], args=[*self._head(queue_name), *redis_message_ids]
         )
@@ -340,40 +337,43 @@ class KumikoBroker(RedisBroker):
     ) -> bool:
         """The outcome of one delivery from a lane queue, in one Lua call
         (``lua/settle.lua``); ``False`` if the delivery was no longer this worker's (then
-        nothing but its "already completed" marker was written)."""
-        retry_args: list[Any] = ["", "", ""]
+        nothing but its in-flight entry, marker and run record was written)."""
+        header, record, note = "", "", ""
+        if run is not None:
+            trim = TRIM_BUDGET if random.random() < 1 / TRIM_BUDGET else 0
+            header = "\t".join(
+                (
+                    keys.root(self.queue_prefix),
+                    run.message_id,
+                    str(run.attempt),
+                    run.job,
+                    run.status,
+                    run.tenant,
+                    run.origin,
+                    *map(str, self.run_ttls_ms),
+                    str(self.history_cap),
+                    str(trim),
+                )
+            )
+            record, note = run.record, run.dead_note
+        args = [
+            *self._head(queue_name, maintenance=False),
+            redis_message_id,
+            f"{outcome} {self.completed_ttl_ms}",
+            header,
+            record,
+            note,
+        ]
         if retry is not None:
             message = retry[0]
-            retry_args = [message.queue_name, message.options["redis_message_id"], message.encode()]
-        run_args: list[Any] = ["", "", "", "", "", "", "", "", 1, 1, 0, ""]
-        if run is not None and self.run_ttls_ms is not None:
-            run_args = [
-                keys.root(self.queue_prefix),
-                run.message_id,
-                run.attempt,
-                run.job,
-                run.status,
-                run.tenant,
-                run.origin,
-                run.record,
-                *self.run_ttls_ms,
-                self.history_cap,
-                run.dead_note,
-            ]
+            args += [message.queue_name, message.options["redis_message_id"], message.encode()]
         done = self.lua.settle(
             keys=[
                 self.namespace,
-                keys.deliveries(self.queue_prefix),
+                keys.inflight(self.queue_prefix),
                 keys.completed(self.queue_prefix, message_id),
             ],
-            args=[
-                *self._head(queue_name, maintenance=False),
-                redis_message_id,
-                outcome,
-                self.completed_ttl_ms,
-                *retry_args,
-                *run_args,
-            ],
+            args=args,
         )
         if done == 1 and retry is not None:
             self.emit_after("enqueue", *retry)

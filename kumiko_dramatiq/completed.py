@@ -5,11 +5,12 @@ Dramatiq's maintenance from a worker presumed dead that in fact finished it, or 
 written twice. So:
 
 - **written by the ack**: when a kumiko run completes (not handed off, no exception), the
-  :class:`Completed` middleware sets the delivery's settlement, and the consumer's ack writes
-  ``keys.completed(prefix, message id)`` with a TTL of ``Retention.completed_age_s`` in the
-  same Lua call as the ack (``lua/ack.lua``): no round trip of its own;
+  ``History`` middleware calls :func:`mark_completed` on the delivery's settlement, and the
+  consumer's ack writes ``keys.completed(prefix, message id)`` with a TTL of
+  ``Retention.completed_age_s`` in the same Lua call as the ack (``lua/settle.lua``): no round
+  trip of its own;
 - **checked by the fetch**: fetching from a lane queue checks each fetched message's marker
-  inside the fetch's own Lua call (``lua/fetch.lua``) and acks, without running it, a message
+  inside the fetch's own Lua call (``lua/fetch_lane.lua``) and acks, without running it, a message
   whose id carries one (logged at WARNING by the consumer). Delay queues are not checked:
   their messages are checked when they come due.
 
@@ -20,28 +21,13 @@ once (delivery is at least once): the marker is written by the ack. Reset: ``DEL
 
 from __future__ import annotations
 
-from typing import Any
-
-from dramatiq.broker import Broker, MessageProxy
-from dramatiq.middleware import Middleware
-
-from .execution import execution_of
+from .broker import Settlement
 
 
-class Completed(Middleware):
-    """Asks the ack to write the "already completed" marker of every completed kumiko run.
+def mark_completed(settlement: Settlement) -> None:
+    """Ask the ack to write the "already completed" marker of this delivery's message id.
 
-    Touches no Redis key itself (the ack does). Right after ``Executions`` in the chain.
+    Touches no Redis key itself: the ack's Lua call (``lua/settle.lua``) does, with the
+    marker TTL the broker was built with.
     """
-
-    def after_process_message(
-        self,
-        broker: Broker,
-        message: MessageProxy,
-        *,
-        result: Any = None,
-        exception: BaseException | None = None,
-    ) -> None:
-        execution = execution_of(message)
-        if exception is None and execution is not None and not execution.handed_off:
-            execution.delivery.settlement.completed = True
+    settlement.completed = True

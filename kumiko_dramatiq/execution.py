@@ -38,6 +38,7 @@ class Execution:
     options: KumikoOptions
     is_wrapper: bool
     meta: JobMeta = field(init=False)
+    message_id: str = field(init=False)
     #: The sequential lock this run holds (set by ``Sequential`` when it takes it).
     lease: Lease | None = None
     #: The message this one handed its run off to (``Sequential``, lock held): the actor
@@ -48,10 +49,7 @@ class Execution:
 
     def __post_init__(self) -> None:
         self.meta = self.options.meta()
-
-    @property
-    def message_id(self) -> str:
-        return str(self.delivery.message_id)
+        self.message_id = str(self.delivery.message.message_id)
 
     @property
     def origin_id(self) -> str:

@@ -1,26 +1,29 @@
 """Run history: one record per attempt of every job, kept in Redis, queried by the operator.
 
 Every attempt leaves one :class:`JobRun`, written on the calls that already happen: the
-fetch of a lane queue writes the "running" record of each message it claims
-(``lua/fetch_lane.lua``), and the one Lua call that settles a delivery writes its end
-record (``lua/settle.lua``: completed, failed with a retry following, dead, or dropped for a
-sequential hand-off, which is no attempt). No round trip of its own. Boot gates, which run
-in-process, write theirs with one call per attempt (:meth:`RunHistory.put`).
+fetch of a lane queue puts each message it claims in the in-flight hash (``keys.inflight``:
+its deliveries count, claim time and worker; ``lua/fetch_lane.lua``), where running runs are
+read from, together with the message itself, so the fetch decodes nothing; the one Lua call
+that settles a delivery writes the attempt's record (``lua/settle.lua``: completed, failed
+with a retry following, or dead; a sequential hand-off is no attempt and writes none). No
+round trip of its own. Boot gates, which run in-process, write theirs with one call per
+attempt (:meth:`RunHistory.put`).
 
 - **Identity**: ``origin_id`` is the id ``dispatch``/``handle_event``/the scheduler/boot
   returned or logged; it stays the same across retries (the same message id), sequential
   hand-offs and a per-tenant wrapper's children (``kumiko_origin_id`` on the message), so the
   id a caller got back finds every run that came of it.
 - **Crashes**: a run cut short by its worker's death stays "running" until its message is
-  delivered again (the new delivery's record of the same attempt supersedes it, with its
-  ``deliveries`` count) or dead-lettered after ``max_deliveries`` deaths (``dead``, error
-  type ``WorkerDied``, ``worker died during N deliveries``); it also expires like any record.
-- **Lifetime**: completed and cancelled records live ``Retention.completed_age_s``; running,
-  failed and dead ones ``Retention.failed_age_s``. ``history_cap`` (default 100,000) bounds
-  their number: beyond it each write drops the oldest records, completed first.
-- **Size**: a record is a JSON object with short keys (:data:`FIELDS`), about 300-400 bytes
-  with its index entries; payloads are kept only with ``JobRunner(record_payloads=True)``;
-  tracebacks are cut to 8 KiB.
+  delivered again (the new delivery supersedes it, and the attempt's record counts its
+  ``deliveries``) or dead-lettered after ``max_deliveries`` deaths (``dead``, error type
+  ``WorkerDied``, ``worker died during N deliveries``).
+- **Lifetime**: completed and cancelled records live ``Retention.completed_age_s``; failed
+  and dead ones ``Retention.failed_age_s``. ``history_cap`` (default 100,000) bounds their
+  number: about one write in 32 also trims (old index entries, and the oldest records beyond
+  the cap, completed first).
+- **Size**: a record is a JSON object with short keys (:data:`FIELDS`), about 1 KB with its
+  index entries (measured in ``benchmarks/``); payloads are kept only with
+  ``JobRunner(record_payloads=True)``; tracebacks are cut to 8 KiB.
 - **Keys** (``kumiko:{prefix}:``): ``run:{message id}`` (hash attempt -> record),
   ``runs:job:{job}:{status}``, ``runs:status:{status}``, ``runs:tenant:{tenant}``,
   ``runs:origin:{origin}`` (sorted sets of ``"{message id}:{attempt}"`` by the time of the
@@ -31,8 +34,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
 import time
 import traceback as tb
 from collections.abc import Iterable, Sequence
@@ -42,12 +43,17 @@ from typing import Any, Final, Literal
 
 import redis
 from dramatiq.broker import Broker, MessageProxy
+from dramatiq.message import Message
 from dramatiq.middleware import Middleware
 
-from .broker import Delivery, RunWrite
+from . import keys
+from .broker import Delivery, KumikoBroker, RunWrite, queue_messages
+from .codec import KumikoOptions
+from .completed import mark_completed
 from .execution import Execution, execution_of
 from .lua import LuaScripts
-from .settings import Settings
+from .registry import WRAPPER_SUFFIX
+from .settings import LANES, Settings, lane_queue
 
 logger = logging.getLogger("kumiko_dramatiq")
 
@@ -135,11 +141,6 @@ def _instant(ms: Any) -> datetime | None:
     return None if ms is None else datetime.fromtimestamp(int(ms) / 1000, UTC)
 
 
-def worker_identity() -> str:
-    """``"host:pid"`` of this process."""
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
 def format_traceback(exception: BaseException) -> str:
     """The traceback of ``exception``, cut to its last :data:`MAX_TRACEBACK_BYTES` bytes."""
     text = "".join(tb.format_exception(exception))
@@ -167,7 +168,9 @@ def record_write(
         status=status,
         tenant=fields.get("t") or "",
         origin=fields.get("o") or fields["m"],
-        record=json.dumps({k: v for k, v in fields.items() if v is not None}, default=str),
+        record=json.dumps(
+            {k: v for k, v in fields.items() if v is not None}, separators=(",", ":"), default=str
+        ),
         dead_note=dead_note,
     )
 
@@ -189,31 +192,37 @@ def end_record(
     *,
     exception: BaseException | None,
     settings: Settings,
+    worker: str,
 ) -> RunWrite:
     """What the settle call writes for the end of ``execution``'s attempt."""
     now_ms = int(time.time() * 1000)
     options, meta = execution.options, execution.meta
     started_ms = int(execution.started_at * 1000)
+    origin = options.origin_id or execution.message_id
     record: dict[str, Any] = {
         "j": execution.job.qualified_name,
         "m": execution.message_id,
-        "o": execution.origin_id,
-        "t": meta.tenant_id,
-        "tr": meta.trigger,
+        "o": origin,
+        "tr": options.trigger,
         "a": meta.attempt,
         "ma": meta.max_attempts,
         "s": status,
-        "q": execution.delivery.message_timestamp,
+        "q": execution.delivery.message.message_timestamp,
         "st": started_ms,
         "en": now_ms,
         "d": max(0, now_ms - started_ms),
-        "w": worker_identity(),
-        "sa": None if options.scheduled_at is None else options.scheduled_at.isoformat(),
-        "dk": options.dedup_key,
+        "w": worker,
     }
-    record.update(error_fields(exception))
+    if options.tenant_id is not None:
+        record["t"] = options.tenant_id
+    if options.scheduled_at is not None:
+        record["sa"] = options.scheduled_at.isoformat()
+    if options.dedup_key is not None:
+        record["dk"] = options.dedup_key
+    if exception is not None:
+        record.update(error_fields(exception))
     if settings.record_payloads:
-        record["p"] = execution.delivery.args[0]
+        record["p"] = execution.delivery.message.args[0]
     dead_note = ""
     if status == "dead":
         dead_note = json.dumps(
@@ -224,7 +233,16 @@ def end_record(
                 "at": now_ms,
             }
         )
-    return record_write(record, status, settings, dead_note=dead_note)
+    return RunWrite(
+        message_id=execution.message_id,
+        attempt=meta.attempt,
+        job=execution.job.qualified_name,
+        status=status,
+        tenant=options.tenant_id or "",
+        origin=origin,
+        record=json.dumps(record, separators=(",", ":"), default=str),
+        dead_note=dead_note,
+    )
 
 
 def handoff_record(execution: Execution) -> RunWrite:
@@ -242,11 +260,13 @@ def handoff_record(execution: Execution) -> RunWrite:
 
 
 class History(Middleware):
-    """Prepares the end record of every kumiko attempt for the ack that writes it.
+    """Prepares the end record of every kumiko attempt for the ack that writes it, and asks
+    the ack to write the "already completed" marker of a completed run
+    (:mod:`kumiko_dramatiq.completed`).
 
     Right after ``Executions`` in the chain, so its ``after_process_message`` runs after
     ``Retries`` decided (a retry on the settlement = failed; ``message.failed`` = dead). A
-    hand-off drops its running record. Touches no Redis key itself (the settle call does).
+    hand-off writes no record. Touches no Redis key itself (the settle call does).
     """
 
     def __init__(self, settings: Settings) -> None:
@@ -269,8 +289,10 @@ class History(Middleware):
         status: RunStatus = "completed"
         if exception is not None:
             status = "dead" if message.failed else "failed"
+        else:
+            mark_completed(message.settlement)
         message.settlement.run = end_record(
-            execution, status, exception=exception, settings=self.settings
+            execution, status, exception=exception, settings=self.settings, worker=_worker(broker)
         )
         if status == "completed":
             logger.debug(
@@ -288,8 +310,12 @@ class History(Middleware):
         if execution is not None and isinstance(message, Delivery):
             status: RunStatus = "dead" if message.failed else "completed"
             message.settlement.run = end_record(
-                execution, status, exception=None, settings=self.settings
+                execution, status, exception=None, settings=self.settings, worker=_worker(broker)
             )
+
+
+def _worker(broker: Broker) -> str:
+    return broker.worker_identity() if isinstance(broker, KumikoBroker) else "?"
 
 
 class RunHistory:
@@ -299,12 +325,41 @@ class RunHistory:
         self.client = client
         self.lua = lua
         self.root = f"kumiko:{queue_prefix}:"
+        self.inflight = keys.inflight(queue_prefix)
+        self.queues = [lane_queue(queue_prefix, lane) for lane in LANES]
 
     def run_record(self, message_id: str) -> list[JobRun]:
-        """Every recorded attempt of ``message_id``, oldest first."""
+        """Every recorded attempt of ``message_id``, oldest first (a running one included)."""
         raw = self.client.hgetall(f"{self.root}run:{message_id}")
-        runs = [JobRun.decode(value) for value in raw.values()]
-        return sorted(runs, key=lambda run: run.attempt)
+        runs = {run.attempt: run for run in (JobRun.decode(value) for value in raw.values())}
+        for run in self.running():
+            if run.message_id == message_id:
+                runs[run.attempt] = run
+        return [runs[attempt] for attempt in sorted(runs)]
+
+    def running(self) -> list[JobRun]:
+        """The runs out with a worker now, read off the in-flight hash and their messages (a
+        run whose worker died shows until its message is delivered again or dead-lettered)."""
+        entries = {
+            _text(rid): _text(entry) for rid, entry in self.client.hgetall(self.inflight).items()
+        }
+        if not entries:
+            return []
+        rids = list(entries)
+        pipe = self.client.pipeline(transaction=False)
+        for queue in self.queues:
+            pipe.hmget(queue_messages(queue), rids)
+        bodies: dict[str, Any] = {}
+        for reply in pipe.execute():
+            for rid, body in zip(rids, reply, strict=True):
+                if body is not None:
+                    bodies[rid] = body
+        runs = []
+        for rid, body in bodies.items():
+            run = _running_run(body, entries[rid])
+            if run is not None:
+                runs.append(run)
+        return runs
 
     def runs(
         self,
@@ -335,7 +390,9 @@ class RunHistory:
             wanted = STATUSES if status is None else (status,)
             indexes = [f"{self.root}runs:status:{s}" for s in wanted]
         extra = self.run_record(origin_id) if origin_id is not None else []
-        picked = _filtered(extra, job, status, tenant_id, None, since, before)
+        if status in (None, "running"):
+            extra += self.running()
+        picked = _filtered(extra, job, status, tenant_id, origin_id, since, before)
         scored = [(_last_write(run).timestamp() * 1000, run) for run in picked]
         # Read each index newest first, a page at a time; stop once `limit` records that pass
         # the filters are newer than anything still unread (records gone are skipped).
@@ -394,6 +451,7 @@ class RunHistory:
                 run.record,
                 *run_ttls_ms(settings),
                 settings.history_cap,
+                4,
             ],
         )
 
@@ -401,6 +459,39 @@ class RunHistory:
         """What kumiko noted when ``message_id`` was dead-lettered (error, attempt, ...)."""
         raw = self.client.get(f"{self.root}dead:{message_id}")
         return None if raw is None else dict(json.loads(raw))
+
+
+def _running_run(body: Any, entry: str) -> JobRun | None:
+    """The running run of an in-flight message (``None`` if it is not a kumiko message)."""
+    try:
+        message = Message.decode(body if isinstance(body, bytes) else str(body).encode())
+        options = KumikoOptions.decode(message.options)
+    except Exception:
+        return None
+    deliveries, _, rest = entry.partition("|")
+    claimed, _, worker = rest.partition("|")
+    job = str(message.actor_name).removesuffix(WRAPPER_SUFFIX)
+    return JobRun(
+        job_name=job,
+        message_id=str(message.message_id),
+        origin_id=options.origin_id or str(message.message_id),
+        tenant_id=options.tenant_id,
+        trigger=options.trigger,
+        attempt=options.attempt,
+        max_attempts=options.max_attempts,
+        status="running",
+        enqueued_at=_instant(message.message_timestamp),
+        started_at=_instant(claimed or None),
+        ended_at=None,
+        duration_ms=None,
+        error_type=None,
+        error_message=None,
+        traceback=None,
+        worker=worker or None,
+        scheduled_at=options.scheduled_at,
+        dedup_key=options.dedup_key,
+        deliveries=int(deliveries) if deliveries.isdigit() else None,
+    )
 
 
 def _last_write(run: JobRun) -> datetime:

@@ -56,9 +56,10 @@ def cron_last_tick(queue_prefix: str, job_name: str) -> str:
     return f"{_root(queue_prefix)}:cron:last:{job_name}"
 
 
-def deliveries(queue_prefix: str) -> str:
-    """Hash: redis message id -> deliveries to a worker without an outcome (crashes)."""
-    return f"{_root(queue_prefix)}:deliveries"
+def inflight(queue_prefix: str) -> str:
+    """Hash: redis id of a message out with a worker -> ``"<deliveries>|<claimed ms>|<worker>"``
+    (deliveries without an outcome count crashes; the run history reads running runs here)."""
+    return f"{_root(queue_prefix)}:inflight"
 
 
 def suspects(queue_prefix: str, queue_name: str) -> str:

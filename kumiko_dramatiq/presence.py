@@ -4,9 +4,10 @@ Every worker process (``JobRunner.start()`` or a ``dramatiq kumiko_dramatiq.app`
 through the :class:`Presence` middleware) and every scheduler registers itself: a key
 ``kumiko:{prefix}:proc:{id}`` holding its host, pid, role, lane, version, start and last-seen
 times, with a TTL of ``heartbeat_timeout_ms``, refreshed every third of it by a daemon thread
-(one ``SET`` and one ``ZADD`` per refresh, pipelined), and its id in the sorted set
-``kumiko:{prefix}:procs``. A process that dies stops refreshing, its key expires, and the next
-listing forgets it (and removes it from the set): there are no stale entries. A process that
+(one pipelined round trip per refresh), and its id in the sorted set ``kumiko:{prefix}:procs``
+(scored by the last refresh; the set itself expires ``PROCESSES_TTL_MS`` after the last refresh
+of any process). A process that dies stops refreshing, its key expires, and the next listing
+forgets it: there are no stale entries. A process that
 stops gracefully removes itself at once.
 """
 
@@ -21,7 +22,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import metadata
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import redis
 from dramatiq.broker import Broker
@@ -29,6 +30,10 @@ from dramatiq.middleware import Middleware
 from dramatiq.worker import Worker
 
 from . import keys
+
+#: How long the set of process ids outlives the last refresh of any process (processes may
+#: run with different heartbeat timeouts, so the set has one generous TTL of its own).
+PROCESSES_TTL_MS: Final = 86_400_000
 
 logger = logging.getLogger("kumiko_dramatiq")
 
@@ -135,6 +140,7 @@ class Registration:
             px=self.ttl_ms,
         )
         pipe.zadd(keys.processes(self.queue_prefix), {self.identity: now_ms})
+        pipe.pexpire(keys.processes(self.queue_prefix), PROCESSES_TTL_MS)
         pipe.execute()
 
 

@@ -26,7 +26,6 @@ from .actors import declare_actors
 from .admin import Admin, DeadLetter, DedupInfo, JobInfo, LockInfo, Status
 from .boot import Boot
 from .broker import KumikoBroker, make_connection_pool
-from .completed import Completed
 from .dedup import Dedup, dispatch_with_key, event_dedup_keys
 from .environment import resolve_settings
 from .errors import (
@@ -63,8 +62,8 @@ def build_middleware(runtime: Runtime, dedup: Dedup, presence: Presence) -> list
         Lane        consume only the runner's lane
         Boot        boot gates and boot-once jobs on process boot
         Executions  open each delivery's Execution; dead-letter malformed messages
-        History     the end record of each attempt, for the ack to write
-        Completed   the ack writes the "already completed" marker of a completed run
+        History     the end record of each attempt and the "already completed" marker of a
+                    completed run, for the ack to write
         Retries     retry failed attempts on the same message id (after: runs late)
         Sequential  the lease of sequential jobs (before: acquire or hand off; after: release)
         Dedup       the life of dedup keys
@@ -77,7 +76,6 @@ def build_middleware(runtime: Runtime, dedup: Dedup, presence: Presence) -> list
         Boot(runtime),
         Executions(runtime),
         History(runtime.settings),
-        Completed(),
         Retries(log_payloads=runtime.settings.log_payloads),
         Sequential(runtime),
         dedup,

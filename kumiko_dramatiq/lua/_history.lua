@@ -1,11 +1,14 @@
--- include "history": write and trim run records (format: kumiko_dramatiq/history.py).
+-- include "history": run records (format: kumiko_dramatiq/history.py).
 -- Keys, all under the dataset's root "kumiko:<prefix>:" (passed as `root`):
---   run:<message id>                   hash attempt -> record (JSON), TTL = its longest status age
---   runs:job:<job>:<status>            zset "<message id>:<attempt>" by time of the last write
---   runs:status:<status>               zset, the same members across jobs
---   runs:tenant:<tenant>               zset, records of a tenant (TTL refreshed on write)
---   runs:origin:<origin id>            zset, records of messages whose origin is another id
--- Index entries older than their status age are trimmed on every write to that index.
+--   run:<message id>          hash attempt -> the record of an attempt that ended (JSON);
+--                             TTL = the longest status age of its records (running runs are
+--                             read off the in-flight hash "<root>inflight", see fetch_lane)
+--   runs:job:<job>:<status>   zset "<message id>:<attempt>" by the time of the record's write
+--   runs:status:<status>      zset, the same members across jobs
+--   runs:tenant:<tenant>      zset, records of a tenant (TTL refreshed on write)
+--   runs:origin:<origin id>   zset, records of messages whose origin is another id
+-- trim_runs drops index entries older than their status age and records beyond the cap; the
+-- writers call it on about one write in 32, so its cost is shared.
 
 local RUN_STATUSES = {"running", "completed", "failed", "dead", "cancelled"}
 
@@ -15,11 +18,6 @@ end
 
 local function run_status_index(root, status)
     return root .. "runs:status:" .. status
-end
-
-local function index_run(index, at, member, ttl)
-    redis.call("zadd", index, at, member)
-    redis.call("zremrangebyscore", index, "-inf", "(" .. (at - ttl))
 end
 
 -- How long a record of `status` lives: completed and cancelled ones `completed_ttl` ms,
@@ -33,38 +31,29 @@ end
 
 -- put_run(root, message id, attempt, job, status, tenant or "", origin id, at ms, record,
 --         completed TTL ms, failed TTL ms)
--- The run hash lives as long as the longest-lived of its records.
+-- The run hash lives as long as the longest-lived of its records: an attempt after the first
+-- follows a failed one, so its hash keeps at least the failed TTL.
 local function put_run(root, mid, attempt, job, status, tenant, origin, at, record,
                        completed_ttl, failed_ttl)
     local hash = root .. "run:" .. mid
     local member = mid .. ":" .. attempt
-    local ttl = run_ttl(status, completed_ttl, failed_ttl)
-    local long_ttl = math.max(completed_ttl, failed_ttl)
     local old = redis.call("hget", hash, attempt)
     if old then
-        local was = string.match(old, '"s":"(%a+)"')
+        local was = string.match(old, '"s":%s*"(%a+)"')
         if was and was ~= status then
             redis.call("zrem", run_job_index(root, job, was), member)
             redis.call("zrem", run_status_index(root, was), member)
         end
-        -- the end record keeps the deliveries count its running record had
-        local deliveries = string.match(old, '"n":(%d+)')
-        if deliveries and not string.find(record, '"n":', 1, true) then
-            record = string.sub(record, 1, -2) .. ',"n":' .. deliveries .. "}"
-        end
     end
     redis.call("hset", hash, attempt, record)
-    local keep = ttl
-    local others = redis.call("hgetall", hash)
-    for i = 1, #others, 2 do
-        if others[i] ~= tostring(attempt) then
-            local other = string.match(others[i + 1], '"s":"(%a+)"')
-            keep = math.max(keep, run_ttl(other or "failed", completed_ttl, failed_ttl))
-        end
+    local ttl = run_ttl(status, completed_ttl, failed_ttl)
+    if tostring(attempt) ~= "1" then
+        ttl = math.max(ttl, failed_ttl)
     end
-    redis.call("pexpire", hash, keep)
-    index_run(run_job_index(root, job, status), at, member, ttl)
-    index_run(run_status_index(root, status), at, member, ttl)
+    redis.call("pexpire", hash, ttl)
+    redis.call("zadd", run_job_index(root, job, status), at, member)
+    redis.call("zadd", run_status_index(root, status), at, member)
+    local long_ttl = math.max(completed_ttl, failed_ttl)
     local extra = {}
     if tenant ~= "" then
         extra[#extra + 1] = root .. "runs:tenant:" .. tenant
@@ -73,10 +62,8 @@ local function put_run(root, mid, attempt, job, status, tenant, origin, at, reco
         extra[#extra + 1] = root .. "runs:origin:" .. origin
     end
     for _, index in ipairs(extra) do
-        index_run(index, at, member, long_ttl)
-        if redis.call("pttl", index) < long_ttl then
-            redis.call("pexpire", index, long_ttl)
-        end
+        redis.call("zadd", index, at, member)
+        redis.call("pexpire", index, long_ttl)
     end
 end
 
@@ -108,15 +95,23 @@ local function drop_run(root, member, status)
     end
 end
 
--- trim_runs(root, cap): while more than `cap` records are indexed, drop the oldest records,
--- completed first, then cancelled, failed and dead (never running ones); at most 4 per call,
--- so a lowered cap is reached over the next writes, never in one long call.
-local function trim_runs(root, cap)
+-- trim_runs(root, cap, budget, completed TTL, failed TTL, at): drop index entries older than
+-- their status age from the status and job indexes of `job` (if given), then, while more than
+-- `cap` records are indexed, the oldest records, completed first, then cancelled, failed and
+-- dead; at most `budget` of them (so a lowered cap is reached over the next writes).
+local function trim_runs(root, cap, budget, completed_ttl, failed_ttl, at, job)
     local total = 0
     for _, status in ipairs(RUN_STATUSES) do
-        total = total + redis.call("zcard", run_status_index(root, status))
+        local ttl = run_ttl(status, completed_ttl, failed_ttl)
+        local index = run_status_index(root, status)
+        redis.call("zremrangebyscore", index, "-inf", "(" .. (at - ttl))
+        if job then
+            redis.call("zremrangebyscore", run_job_index(root, job, status), "-inf",
+                "(" .. (at - ttl))
+        end
+        total = total + redis.call("zcard", index)
     end
-    local budget = math.min(total - cap, 4)
+    budget = math.min(total - cap, budget)
     for _, status in ipairs({"completed", "cancelled", "failed", "dead"}) do
         while budget > 0 do
             local oldest = redis.call("zrange", run_status_index(root, status), 0, 0)[1]
@@ -127,6 +122,17 @@ local function trim_runs(root, cap)
             budget = budget - 1
         end
     end
+end
+
+-- inflight_count(entry): the deliveries count of an in-flight entry (0 for none)
+local function inflight_count(entry)
+    return tonumber(entry and string.match(entry, "^(%d+)")) or 0
+end
+
+-- message_id_of(body): the message id of a message Dramatiq encoded (its last field but one),
+-- without decoding it; nil if the body does not end that way
+local function message_id_of(body)
+    return string.match(body, '"message_id":"([^"]*)","message_timestamp":[%d.]+}$')
 end
 
 -- run_of(root, body, worker): the run record fields of an encoded message kumiko wrote (its

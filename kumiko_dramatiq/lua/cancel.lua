@@ -90,7 +90,7 @@ for i = 7, #ARGV do
                 redis.call("set", root .. "cancel:" .. message.message_id, "1", "PX", ttl)
             else
                 redis.call("hdel", list .. ".msgs", rid)
-                redis.call("hdel", root .. "deliveries", rid)
+                redis.call("hdel", root .. "inflight", rid)
             end
             local run = run_of(root, body, "")
             if run then

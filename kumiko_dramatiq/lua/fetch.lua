@@ -1,12 +1,12 @@
 -- fetch: Dramatiq's fetch: pop up to N messages off a queue and claim them for this worker.
 -- KEYS[1] namespace
--- ARGV[1..6] dispatch head (see _dispatch.lua)
--- ARGV[7] N (at most this many)
+-- ARGV[1..2] dispatch head (see _dispatch.lua)
+-- ARGV[3] N (at most this many)
 -- Returns {rid, body, rid, body, ...}; a body is false when the id had no message
 -- (Dramatiq's fetch returns nil there too). Kumiko's lane queues use fetch_lane.
 -- @include dispatch
 local fetched = {}
-for _ = 1, tonumber(ARGV[7]) do
+for _ = 1, tonumber(ARGV[3]) do
     local rid = redis.call("lpop", queue_list)
     if not rid then
         break

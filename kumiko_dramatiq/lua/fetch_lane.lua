@@ -1,48 +1,37 @@
 -- fetch_lane: claim up to N messages of a kumiko lane queue, keeping poison messages apart.
--- KEYS[1] namespace   KEYS[2] deliveries hash (redis id -> deliveries without an outcome)
+-- KEYS[1] namespace   KEYS[2] in-flight hash (redis id -> "<deliveries>|<claimed ms>|<worker>")
 -- KEYS[3] suspects list of this queue (redis ids whose worker died while they were out)
--- ARGV[1..6] dispatch head (see _dispatch.lua)
--- ARGV[7] N   ARGV[8] "already completed" marker prefix ("" = no check)
--- ARGV[9] messages this consumer holds (fetched, not yet acked)
--- ARGV[10] max deliveries: a message delivered this many times without an outcome (its
---          worker died each time) is dead-lettered here instead of delivered again
--- ARGV[11] run history root "kumiko:<prefix>:" ("" = keep no history)   ARGV[12] this
---          worker ("host:pid")   ARGV[13] TTL (ms) of completed and cancelled records
---          ARGV[14] TTL (ms) of running, failed and dead ones   ARGV[15] record cap
--- Each claimed id joins this worker's ack set and its deliveries count goes up by one; the
--- settle script clears it; a message of a paused job (in the set "<root>paused") is not
--- claimed but parked in "<root>parked:<job>" until the job is resumed; a kumiko message
--- that is claimed gets its "running" run record (attempt from
--- its options; a redelivery after a crash supersedes the record of the same attempt). An id
--- with deliveries already (a suspect) is never delivered
--- beside other messages: with ARGV[9] = 0 and nothing claimed yet it is delivered alone (first
--- from the suspects list), else it waits in the suspects list. A message whose id carries an
--- "already completed" marker is acked unrun.
+-- ARGV[1..2] dispatch head (see _dispatch.lua)
+-- ARGV[3] "<N> <messages this consumer holds> <max deliveries> <TTL ms of completed and
+--         cancelled run records> <TTL ms of failed ones>": claim up to N; a message delivered
+--         max deliveries times without an outcome (its worker died each time) is
+--         dead-lettered here instead of delivered again
+-- ARGV[4] "already completed" marker prefix ("" = no check)   ARGV[5] kumiko root
+--         "kumiko:<prefix>:"   ARGV[6] this worker ("host:pid")
+-- Each claimed id joins this worker's ack set and gets its in-flight entry, its deliveries
+-- count one up (settle removes the entry): the run history reads running runs from there, so
+-- the fetch decodes no message. A message of a paused job (in "<root>paused") is not claimed
+-- but parked in "<root>parked:<job>" until the job is resumed. An id with deliveries already
+-- (a suspect) is never delivered beside other messages: with ARGV[5] = 0 and nothing claimed
+-- yet it is delivered alone (first from the suspects list), else it waits in the suspects
+-- list. A message whose id carries an "already completed" marker is acked unrun. A message at
+-- the max is dead-lettered, its run record "dead" ("worker died during N deliveries").
 -- Returns {{rid, body, ...}, {message ids acked as already completed},
 --          {rid, deliveries, ...} dead-lettered, suspects waiting, 1 if a suspect was claimed}.
 -- @include dispatch
 -- @include dead_letter
 -- @include history
-local deliveries = KEYS[2]
+local inflight = KEYS[2]
 local suspects = KEYS[3]
-local wanted = tonumber(ARGV[7])
-local done_prefix = ARGV[8]
-local idle = tonumber(ARGV[9]) == 0
-local max_deliveries = tonumber(ARGV[10])
-local root, run_worker = ARGV[11], ARGV[12]
-local completed_ttl, failed_ttl = tonumber(ARGV[13]), tonumber(ARGV[14])
-local cap = tonumber(ARGV[15])
+local wanted, held, max_deliveries, completed_ttl, failed_ttl =
+    string.match(ARGV[3], "^(%d+) (%d+) (%d+) (%d+) (%d+)$")
+wanted, max_deliveries = tonumber(wanted), tonumber(max_deliveries)
+completed_ttl, failed_ttl = tonumber(completed_ttl), tonumber(failed_ttl)
+local idle = held == "0"
+local done_prefix, root, run_worker = ARGV[4], ARGV[5], ARGV[6]
 local fetched, dropped, buried = {}, {}, {}
 local alone = 0
-
-local function write_run(run, status)
-    run.s = status
-    put_run(root, run.m, run.a, run.j, status, run.t or "", run.o, now, cjson.encode(run),
-        completed_ttl, failed_ttl)
-    trim_runs(root, cap)
-end
-
-local any_paused = root ~= "" and redis.call("scard", root .. "paused") > 0
+local any_paused = redis.call("scard", root .. "paused") > 0
 
 -- the job of an encoded message, if it is one of a paused job's ("<job>" or nil)
 local function paused_job(body)
@@ -57,7 +46,7 @@ local function paused_job(body)
     return nil
 end
 
-local function claim(rid)
+local function claim(rid, seen)
     local body = redis.call("hget", queue_messages, rid)
     if any_paused then
         local job = paused_job(body)
@@ -67,26 +56,19 @@ local function claim(rid)
         end
     end
     redis.call("sadd", queue_acks, rid)
-    redis.call("hincrby", deliveries, rid, 1)
     if body and done_prefix ~= "" then
-        local ok, message = pcall(cjson.decode, body)
-        if ok and type(message) == "table" and type(message.message_id) == "string"
-            and redis.call("exists", done_prefix .. message.message_id) == 1 then
+        local message_id = message_id_of(body)
+        if message_id and redis.call("exists", done_prefix .. message_id) == 1 then
             redis.call("srem", queue_acks, rid)
             redis.call("hdel", queue_messages, rid)
-            redis.call("hdel", deliveries, rid)
-            dropped[#dropped + 1] = message.message_id
+            redis.call("hdel", inflight, rid)
+            dropped[#dropped + 1] = message_id
             return false
         end
     end
+    redis.call("hset", inflight, rid, (seen + 1) .. "|" .. now .. "|" .. run_worker)
     fetched[#fetched + 1] = rid
     fetched[#fetched + 1] = body
-    local run = run_of(root, body, run_worker)
-    if run then
-        run.st = now
-        run.n = tonumber(redis.call("hget", deliveries, rid))
-        write_run(run, "running")
-    end
     return true
 end
 
@@ -95,20 +77,21 @@ local function suspect(rid, seen)
     if seen >= max_deliveries then
         local run = run_of(root, redis.call("hget", queue_messages, rid), run_worker)
         dead_letter(rid)
-        redis.call("hdel", deliveries, rid)
+        redis.call("hdel", inflight, rid)
         buried[#buried + 1] = rid
         buried[#buried + 1] = seen
         if run then
             local reason = "worker died during " .. seen .. " deliveries"
-            run.en, run.et, run.em, run.n = now, "WorkerDied", reason, seen
-            write_run(run, "dead")
+            run.s, run.en, run.et, run.em, run.n = "dead", now, "WorkerDied", reason, seen
+            put_run(root, run.m, run.a, run.j, "dead", run.t or "", run.o, now,
+                cjson.encode(run), completed_ttl, failed_ttl)
             redis.call("set", root .. "dead:" .. run.m, cjson.encode({
                 r = rid, q = queue, j = run.j, m = run.m, o = run.o, t = run.t, a = run.a,
                 ma = run.ma, et = "WorkerDied", em = reason, at = now,
-            }), "PX", ARGV[5])
+            }), "PX", dead_ttl)
         end
     elseif idle and #fetched == 0 and alone == 0 then
-        if claim(rid) then
+        if claim(rid, seen) then
             alone = 1
         end
     else
@@ -122,7 +105,7 @@ if idle then
         if not rid then
             break
         end
-        suspect(rid, tonumber(redis.call("hget", deliveries, rid)) or 0)
+        suspect(rid, inflight_count(redis.call("hget", inflight, rid)))
     end
 end
 while alone == 0 and #fetched < 2 * wanted do
@@ -130,11 +113,11 @@ while alone == 0 and #fetched < 2 * wanted do
     if not rid then
         break
     end
-    local seen = tonumber(redis.call("hget", deliveries, rid)) or 0
+    local seen = inflight_count(redis.call("hget", inflight, rid))
     if seen > 0 then
         suspect(rid, seen)
     else
-        claim(rid)
+        claim(rid, 0)
     end
 end
 return {fetched, dropped, buried, redis.call("llen", suspects), alone}

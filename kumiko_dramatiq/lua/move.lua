@@ -1,8 +1,8 @@
 -- move: a due delayed message goes from its delay queue to its queue, in one step.
 -- KEYS[1] namespace   KEYS[2] the cancel marker of its message id
--- ARGV[1..6] dispatch head (see _dispatch.lua), ARGV[1] = the delay queue
--- ARGV[7] its redis id on the delay queue   ARGV[8] the queue it moves to
--- ARGV[9] its new redis id   ARGV[10] the message as it goes there (no eta)
+-- ARGV[1..2] dispatch head (see _dispatch.lua), ARGV[1] = the delay queue
+-- ARGV[3] its redis id on the delay queue   ARGV[4] the queue it moves to
+-- ARGV[5] its new redis id   ARGV[6] the message as it goes there (no eta)
 -- Iff the id is in this worker's ack set of the delay queue: it leaves the delay queue and,
 -- unless its message id was cancelled meanwhile (KEYS[2] exists; deleted here), is written
 -- to its queue. So a kill can neither lose the move nor make it twice (Dramatiq moves by an
@@ -11,13 +11,13 @@
 -- maintenance, its new holder moves it).
 -- @include dispatch
 -- @include enqueue
-if redis.call("srem", queue_acks, ARGV[7]) == 0 then
+if redis.call("srem", queue_acks, ARGV[3]) == 0 then
     return 0
 end
-redis.call("hdel", queue_messages, ARGV[7])
+redis.call("hdel", queue_messages, ARGV[3])
 if redis.call("del", KEYS[2]) == 1 then
     return 2
 end
-local target = namespace .. ":" .. ARGV[8]
-enqueue_message(target .. ".msgs", target, ARGV[9], ARGV[10])
+local target = namespace .. ":" .. ARGV[4]
+enqueue_message(target .. ".msgs", target, ARGV[5], ARGV[6])
 return 1

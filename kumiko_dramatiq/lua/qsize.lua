@@ -1,6 +1,6 @@
 -- qsize: messages of a queue and its delay queue, queued or claimed by this worker.
 -- KEYS[1] namespace
--- ARGV[1..6] dispatch head (see _dispatch.lua); ".DQ" on the queue name is ignored
+-- ARGV[1..2] dispatch head (see _dispatch.lua); ".DQ" on the queue name is ignored
 -- Returns hlen(queue.msgs) + scard(own acks) + the same for the delay queue.
 -- @include dispatch
 local base = namespace .. ":" .. canonical

@@ -4,10 +4,14 @@
 -- ARGV[4] job   ARGV[5] status   ARGV[6] tenant ("" = none)   ARGV[7] origin id
 -- ARGV[8] time of the write (ms)   ARGV[9] the record (JSON)   ARGV[10] TTL (ms) of completed
 -- and cancelled records   ARGV[11] TTL (ms) of running, failed and dead ones   ARGV[12] cap
+-- ARGV[13] trim budget: how many old index entries trim_runs may drop now (0 = no trim)
 -- Returns 1.
 -- @include ttl
 -- @include history
 put_run(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], tonumber(ARGV[8]),
     ARGV[9], ttl_ms(ARGV[10], "completed run record"), ttl_ms(ARGV[11], "failed run record"))
-trim_runs(ARGV[1], tonumber(ARGV[12]))
+if tonumber(ARGV[13]) > 0 then
+    trim_runs(ARGV[1], tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[10]),
+        tonumber(ARGV[11]), tonumber(ARGV[8]), ARGV[4])
+end
 return 1

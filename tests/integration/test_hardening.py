@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -187,27 +188,31 @@ def supervised_worker(redis_url: str, prefix: str) -> Iterator[list[int]]:
     )
     command = [sys.executable, "-m", "dramatiq", "kumiko_dramatiq.app", "-p", "1", "-t", "4"]
     exits: list[int] = []
-    stop = False
-    import threading
+    procs: list[subprocess.Popen[bytes]] = []
+    lock = threading.Lock()
+    stopping = threading.Event()
 
     def supervise() -> None:
-        while not stop:
-            worker = subprocess.Popen(
-                command, cwd=ROOT, env=env, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL
-            )
-            procs.append(worker)
+        while True:
+            with lock:
+                if stopping.is_set():
+                    return
+                worker = subprocess.Popen(
+                    command, cwd=ROOT, env=env, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+                )
+                procs.append(worker)
             exits.append(worker.wait())
 
-    procs: list[subprocess.Popen[bytes]] = []
     thread = threading.Thread(target=supervise, daemon=True)
     thread.start()
     try:
         yield exits
     finally:
-        stop = True
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
+        with lock:
+            stopping.set()
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
         thread.join(timeout=60)
 
 

@@ -265,6 +265,7 @@ def put_many(runner: JobRunner, count: int, *, job: str, status: str, start_ms: 
                 completed_ttl,
                 failed_ttl,
                 runner.settings.history_cap,
+                4,
             ],
             client=pipe,
         )

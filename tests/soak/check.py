@@ -599,6 +599,8 @@ HISTORY = frozenset({"run", "dead"})
 #: The run history's indexes (``runs:...``): sorted sets trimmed on every write, documented
 #: without a TTL of their own.
 HISTORY_INDEXES = frozenset({"runs"})
+#: Liveness entries (:mod:`kumiko_dramatiq.presence`): each with a TTL of its own.
+PRESENCE = frozenset({"proc", "procs"})
 
 
 def check_leftovers(
@@ -631,6 +633,10 @@ def check_leftovers(
         if kind in OWN or kind in PERSISTENT:
             continue
         if history_ttl_ms is not None and kind in HISTORY_INDEXES:
+            continue
+        if kind in PRESENCE:
+            if pttl < 0:
+                result.violations.append(f"liveness entry without a TTL: {key}")
             continue
         if history_ttl_ms is not None and kind in HISTORY:
             if pttl < 0 or pttl > history_ttl_ms:
