@@ -112,9 +112,10 @@ class Comparison:
             )
         else:
             cpu = " | - | -"
+        digits = 1 if self.unit == "ms" else 0  # latencies: tenths of a millisecond
         return (
-            f"| {self.name} | {statistics.median(self.kumiko):,.0f} {self.unit}"
-            f" | {statistics.median(self.plain):,.0f} {self.unit} ({self.baseline})"
+            f"| {self.name} | {statistics.median(self.kumiko):,.{digits}f} {self.unit}"
+            f" | {statistics.median(self.plain):,.{digits}f} {self.unit} ({self.baseline})"
             f" | {self.ratio:.2f}x{cpu}"
             f" | {len(self.kumiko)} |"
         )

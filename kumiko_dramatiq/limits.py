@@ -52,54 +52,57 @@ def unicode_problem(text: str) -> str | None:
     return None
 
 
-def check_payload(job_name: str, payload: Any, *, max_bytes: int) -> dict[str, Any]:
+def check_payload(
+    job_name: str, payload: Any, *, max_bytes: int, path: str = "payload"
+) -> dict[str, Any]:
     """Return ``payload`` (``None`` -> ``{}``) if it is within the limits, else raise
-    :class:`PayloadError` naming the job, the path of the bad value and the value."""
+    :class:`PayloadError` naming the job, the path of the bad value (rooted at ``path``,
+    say ``payloads[3]`` in a bulk dispatch) and the value."""
     if payload is None:
         return {}
     if not isinstance(payload, dict):
-        raise PayloadError(job_name, "payload", "must be a JSON object (dict)", payload)
+        raise PayloadError(job_name, path, "must be a JSON object (dict)", payload)
     # Iterative walk: a payload nested 10,000 levels deep must not hit Python's recursion
     # limit before it hits ours.
-    stack: list[tuple[str, Any, int]] = [("payload", payload, 1)]
+    stack: list[tuple[str, Any, int]] = [(path, payload, 1)]
     while stack:
-        path, value, depth = stack.pop()
+        at, value, depth = stack.pop()
         if value is None or isinstance(value, bool):
             continue
         if isinstance(value, int):
             if not -_INT_LIMIT <= value <= _INT_LIMIT:
-                raise PayloadError(job_name, path, "must be an integer within +-(2**63-1)", value)
+                raise PayloadError(job_name, at, "must be an integer within +-(2**63-1)", value)
             continue
         if isinstance(value, float):
             if not math.isfinite(value):
-                raise PayloadError(job_name, path, "must be a finite number", value)
+                raise PayloadError(job_name, at, "must be a finite number", value)
             continue
         if isinstance(value, str):
             problem = unicode_problem(value)
             if problem is not None:
-                raise PayloadError(job_name, path, problem, value)
+                raise PayloadError(job_name, at, problem, value)
             continue
         if isinstance(value, dict | list):
             if depth > MAX_NESTING:
                 raise PayloadError(
-                    job_name, "payload", f"nests deeper than {MAX_NESTING} levels", "[...]"
+                    job_name, path, f"nests deeper than {MAX_NESTING} levels", "[...]"
                 )
             if isinstance(value, dict):
                 for key, item in value.items():
                     if not isinstance(key, str):
-                        raise PayloadError(job_name, path, "must have string keys", key)
+                        raise PayloadError(job_name, at, "must have string keys", key)
                     problem = unicode_problem(key)
                     if problem is not None:
-                        raise PayloadError(job_name, f"{path} key", problem, key)
-                    stack.append((f"{path}[{key!r}]", item, depth + 1))
+                        raise PayloadError(job_name, f"{at} key", problem, key)
+                    stack.append((f"{at}[{key!r}]", item, depth + 1))
             else:
-                stack.extend((f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value))
+                stack.extend((f"{at}[{i}]", item, depth + 1) for i, item in enumerate(value))
             continue
-        raise PayloadError(job_name, path, "must be a JSON value", value)
+        raise PayloadError(job_name, at, "must be a JSON value", value)
     size = len(json.dumps(payload, allow_nan=False, separators=(",", ":")).encode())
     if size > max_bytes:
         raise PayloadError(
-            job_name, "payload", f"is too large once encoded (at most {max_bytes} bytes)", size
+            job_name, path, f"is too large once encoded (at most {max_bytes} bytes)", size
         )
     return payload
 

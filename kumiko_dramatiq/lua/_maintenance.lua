@@ -4,9 +4,11 @@
 --   A worker whose heartbeat (<namespace>:__heartbeats__) is older than heartbeat_timeout_ms
 --   is dead: each redis message id in its ack set <namespace>:__acks__.<worker>.<queue> whose
 --   message still exists goes back to the tail of <namespace>:<queue>, and the ack set is
---   deleted; a dead worker with no ack set left leaves the heartbeats. Dead letters of the
+--   deleted (the queue's doorbell rings if any went back); a dead worker with no ack set left
+--   leaves the heartbeats. Dead letters of the
 --   queue (<namespace>:<canonical queue>.XQ, ".DQ" stripped) older than dead_message_ttl_ms
 --   are deleted.
+-- @include bell
 local function maintain(namespace, queue, now, heartbeat_timeout, dead_ttl)
     local heartbeats = namespace .. ":__heartbeats__"
     local list = namespace .. ":" .. queue
@@ -18,6 +20,7 @@ local function maintain(namespace, queue, now, heartbeat_timeout, dead_ttl)
         for _, rid in ipairs(redis.call("smembers", acks)) do
             if redis.call("hexists", messages, rid) == 1 then
                 redis.call("rpush", list, rid)
+                ring(list)
             end
         end
         redis.call("del", acks)

@@ -9,7 +9,8 @@
 -- @include guarded
 ttl_ms(ARGV[3], "tick guard")
 ttl_ms(ARGV[6], "last-tick record")
-local enqueued = enqueue_unless_guarded(KEYS[1], KEYS[2], ARGV[1], ARGV[2], KEYS[3], ARGV[4], ARGV[3])
+local enqueued =
+    enqueue_unless_guarded(KEYS[1], KEYS[2], ARGV[1], ARGV[2], KEYS[3], ARGV[4], ARGV[3])
 local last = tonumber(redis.call("get", KEYS[4]))
 if last == nil or last < tonumber(ARGV[5]) then
     redis.call("set", KEYS[4], ARGV[5], "PX", ARGV[6])

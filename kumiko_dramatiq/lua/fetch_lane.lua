@@ -12,15 +12,18 @@
 -- count one up (settle removes the entry): the run history reads running runs from there, so
 -- the fetch decodes no message. A message of a paused job (in "<root>paused") is not claimed
 -- but parked in "<root>parked:<job>" until the job is resumed. An id with deliveries already
--- (a suspect) is never delivered beside other messages: with ARGV[5] = 0 and nothing claimed
--- yet it is delivered alone (first from the suspects list), else it waits in the suspects
--- list. A message whose id carries an "already completed" marker is acked unrun. A message at
--- the max is dead-lettered, its run record "dead" ("worker died during N deliveries").
+-- (a suspect) is never delivered beside other messages: to a consumer that holds nothing it
+-- is delivered alone (first from the suspects list), else it waits in the suspects list. A
+-- message whose id carries an "already completed" marker is acked unrun. A message at
+-- the max is dead-lettered, its run record "dead" ("worker died during N deliveries"). The
+-- queue's doorbell rings when a suspect is left waiting for an idle consumer, or a full batch
+-- (or a suspect claimed alone) left messages behind.
 -- Returns {{rid, body, ...}, {message ids acked as already completed},
 --          {rid, deliveries, ...} dead-lettered, suspects waiting, 1 if a suspect was claimed}.
 -- @include dispatch
 -- @include dead_letter
 -- @include history
+-- @include bell
 local inflight = KEYS[2]
 local suspects = KEYS[3]
 local wanted, held, max_deliveries, completed_ttl, failed_ttl =
@@ -120,4 +123,9 @@ while alone == 0 and #fetched < 2 * wanted do
         claim(rid, 0)
     end
 end
-return {fetched, dropped, buried, redis.call("llen", suspects), alone}
+local waiting = redis.call("llen", suspects)
+local full = #fetched >= 2 * wanted or alone == 1
+if (waiting > 0 and not idle) or (full and redis.call("llen", queue_list) > 0) then
+    ring(queue_list)
+end
+return {fetched, dropped, buried, waiting, alone}

@@ -7,7 +7,7 @@
 -- @include guarded
 local enqueued = {}
 for i = 3, #ARGV, 3 do
-    enqueued[#enqueued + 1] =
-        enqueue_unless_guarded(KEYS[1], KEYS[2], ARGV[i + 1], ARGV[i + 2], ARGV[i], ARGV[2], ARGV[1])
+    enqueued[#enqueued + 1] = enqueue_unless_guarded(KEYS[1], KEYS[2], ARGV[i + 1],
+        ARGV[i + 2], ARGV[i], ARGV[2], ARGV[1])
 end
 return enqueued

@@ -4,8 +4,8 @@
 -- ARGV[3..] redis message ids
 -- Each id in this worker's ack set whose message exists goes back to the queue's tail; with
 -- KEYS[2] its delivery is undone (it never ran: its deliveries count goes one down, its entry
--- goes at 0), and the entry of an id whose message is gone is dropped. Returns how many went
--- back.
+-- goes at 0), and the entry of an id whose message is gone is dropped. The queue's doorbell
+-- rings if any went back. Returns how many went back.
 -- @include dispatch
 local moved = 0
 for i = 3, #ARGV do
@@ -27,5 +27,8 @@ for i = 3, #ARGV do
             redis.call("hdel", KEYS[2], ARGV[i])
         end
     end
+end
+if moved > 0 then
+    ring(queue_list)
 end
 return moved

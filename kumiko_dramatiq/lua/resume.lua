@@ -6,9 +6,11 @@
 -- ARGV[6..] redis ids of parked messages to drop instead (cron ticks its misfire policy skips)
 -- The job leaves the paused set; each parked id goes back to the queue, ahead of what was
 -- queued meanwhile and in its parked order, except the ids to drop, whose messages are
--- deleted and whose run record (if any) says "cancelled".
+-- deleted and whose run record (if any) says "cancelled". The queue's doorbell rings if any
+-- went back.
 -- Returns {requeued, dropped}.
 -- @include history
+-- @include bell
 local drop = {}
 for i = 6, #ARGV do
     drop[ARGV[i]] = true
@@ -32,5 +34,8 @@ for i = #parked, 1, -1 do
         redis.call("lpush", KEYS[3], rid)
         requeued = requeued + 1
     end
+end
+if requeued > 0 then
+    ring(KEYS[3])
 end
 return {requeued, dropped}
