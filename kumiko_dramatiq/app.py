@@ -2,10 +2,13 @@
 
 It builds the app's runner from the environment (:mod:`kumiko_dramatiq.apps`) and exposes
 its broker, with every actor declared and kumiko's middleware chain, as Dramatiq's global
-broker: the same wiring ``JobRunner.start()`` uses, so there is no second one. Dramatiq then
-runs a worker per process; kumiko's ``Lane`` middleware restricts it to ``KUMIKO_LANE`` and
-``Boot`` runs boot gates and boot-once jobs in every process. A bad ``KUMIKO_APP`` exits with
-one line on stderr, status 2.
+broker: the same wiring ``JobRunner.start()`` uses, so there is no second one. Plain Dramatiq
+actors declared while the app's module was imported are bound to that broker too. Dramatiq
+then runs a worker per process, consuming the queue of every declared actor; kumiko's
+``Lane`` middleware keeps it off the dataset's other lane, and ``Boot`` runs boot gates and
+boot-once jobs in every process. A bad ``KUMIKO_APP``, or a broker carrying Dramatiq's own
+``Retries`` (refused here as by ``JobRunner.start()``), exits with one line on stderr,
+status 2.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import dramatiq
 
 from .apps import load_runner
 from .errors import KumikoError
+from .retries import check_no_dramatiq_retries
 from .runner import check_lane_can_run
 
 try:
     runner = load_runner()
+    check_no_dramatiq_retries(runner.broker.middleware)
     check_lane_can_run(runner.runtime)
 except (KumikoError, ValueError) as exc:
     print(f"kumiko_dramatiq.app: {exc}", file=sys.stderr)

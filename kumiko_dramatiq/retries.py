@@ -21,25 +21,34 @@ Everything about retries is here:
   it leaves neither (the attempt is redelivered and runs again) and one killed after it leaves
   both: a retry chain never forks and is never lost, at no extra round trip.
 
-Dramatiq's own ``Retries`` middleware must not be on a kumiko broker (``JobRunner.start()``
-refuses it): it would retry kumiko's messages 20 times with jittered backoff.
+Actors kumiko did not declare (plain ``@dramatiq.actor`` functions on a kumiko broker) keep
+Dramatiq's retry semantics: :class:`Retries` hands their messages to an embedded Dramatiq
+``Retries`` (its defaults: 20 retries, 15 s minimum backoff, jittered exponential delays), and
+declares its actor options (``max_retries``, ``min_backoff``, ``max_backoff``, ``retry_when``,
+``throws``, ``on_retry_exhausted``). One middleware decides for every message, so none is
+retried twice or not at all. A second, Dramatiq ``Retries`` on the same broker would do
+both, so :func:`check_no_dramatiq_retries` refuses it on every start path
+(``JobRunner.start()`` and ``dramatiq kumiko_dramatiq.app``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+import dramatiq
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.middleware import Middleware
 
 from .broker import Delivery, KumikoBroker
 from .codec import FAILURES, BackoffType, encode_policy
+from .errors import JobConfigError
 from .execution import execution_of
 
 if TYPE_CHECKING:
     from .options import JobOptions
-    from .registry import JobDefinition
+    from .registry import JobDefinition, Registry
 
 logger = logging.getLogger("kumiko_dramatiq")
 
@@ -86,20 +95,36 @@ def describe_error(exception: BaseException) -> str:
 
 
 class Retries(Middleware):
-    """Retries failed kumiko attempts on their message id; dead-letters the final failure.
+    """Retries failed kumiko attempts on their message id; dead-letters the final failure;
+    gives every other actor's messages Dramatiq's retry semantics.
 
-    Logs each failed attempt: retried ones at WARNING (``Type: message``), the final one at
-    ERROR with its traceback; the payload only with ``log_payloads``.
+    Logs each failed kumiko attempt: retried ones at WARNING (``Type: message``), the final
+    one at ERROR with its traceback; the payload only with ``log_payloads``.
 
     Reads the delivery's decoded options (``kumiko_retries``, ``kumiko_backoff``,
     ``kumiko_backoff_delay_ms``, ``kumiko_failures``); writes ``kumiko_failures`` on the
-    retry. Touches no kumiko Redis key. After ``Executions`` in the chain, so its
-    ``after_process_message`` runs late: after the hooks, the dedup transition and the lock
-    release. Messages of actors kumiko did not declare pass through untouched.
+    retry, and Dramatiq's own ``retries`` (failed attempts so far, Dramatiq's meaning), which
+    ``CurrentMessage`` readers and Dramatiq's ``Prometheus`` retry counter go by. Touches no
+    kumiko Redis key. After ``Executions`` in the chain, so its ``after_process_message`` runs
+    late: after the hooks, the dedup transition and the lock release.
+
+    A message of an actor ``registry`` does not declare goes to :attr:`plain`, Dramatiq's own
+    ``Retries`` (``max_retries``, ``min_backoff``, ``max_backoff``, ``retry_when``, ``throws``,
+    ``on_retry_exhausted``, ``Retry(delay=...)``, all as on Dramatiq's ``RedisBroker``): it
+    enqueues the retry and the original is acked, or fails it on its last retry.
+    ``Callbacks`` and ``Pipelines`` sit just before this middleware in the chain, as before
+    Dramatiq's ``Retries`` in Dramatiq's default order, so they see its decision.
     """
 
-    def __init__(self, *, log_payloads: bool = False) -> None:
+    def __init__(self, registry: Registry, *, log_payloads: bool = False) -> None:
+        self.registry = registry
         self.log_payloads = log_payloads
+        #: Dramatiq's ``Retries``, with Dramatiq's defaults, for actors kumiko did not declare
+        self.plain = dramatiq.middleware.Retries()
+
+    @property
+    def actor_options(self) -> set[str]:
+        return set(self.plain.actor_options)
 
     def after_process_message(
         self,
@@ -109,6 +134,11 @@ class Retries(Middleware):
         result: Any = None,
         exception: BaseException | None = None,
     ) -> None:
+        if self.registry.actor(message.actor_name) is None:
+            self.plain.after_process_message(  # type: ignore[no-untyped-call]
+                broker, message, result=result, exception=exception
+            )
+            return
         execution = execution_of(message)
         if exception is None or execution is None or execution.handed_off:
             return
@@ -129,7 +159,7 @@ class Retries(Middleware):
             return
         failures = meta.attempt
         delay_ms = retry_delay_ms(options.backoff, options.backoff_delay_ms, failures)
-        retry = message.copy(options={FAILURES: failures})
+        retry = message.copy(options={FAILURES: failures, DRAMATIQ_RETRIES: failures})
         retry.options.pop("eta", None)
         retry.options.pop("redis_message_id", None)
         assert isinstance(broker, KumikoBroker)
@@ -148,3 +178,27 @@ class Retries(Middleware):
             payload,
             extra=execution.log_fields(),
         )
+
+
+#: Dramatiq's message option counting a message's retries (its ``Retries`` writes it).
+DRAMATIQ_RETRIES = "retries"
+
+
+def check_no_dramatiq_retries(middleware: Iterable[Middleware]) -> None:
+    """Refuse Dramatiq's own ``Retries`` in a kumiko broker's middleware (``JobConfigError``).
+
+    Kumiko's :class:`Retries` already retries every message, plain actors' with Dramatiq's
+    semantics; a second retries middleware would retry kumiko's jobs with Dramatiq's policy
+    and plain actors' messages twice. Called on every start path: ``JobRunner.start()`` and
+    ``dramatiq kumiko_dramatiq.app``.
+    """
+    for each in middleware:
+        if isinstance(each, dramatiq.middleware.Retries):
+            raise JobConfigError(
+                None,
+                "broker middleware",
+                "must not include dramatiq's Retries: kumiko's Retries already retries "
+                "kumiko's jobs their way and plain actors Dramatiq's way (set max_retries, "
+                "min_backoff, ... on the actor)",
+                type(each).__name__,
+            )

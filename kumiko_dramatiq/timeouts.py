@@ -76,15 +76,22 @@ class _NamingLog:
         return getattr(self._fallback, name)
 
 
+#: Dramatiq's default ``time_limit`` (ms), which actors kumiko did not declare keep.
+DRAMATIQ_TIME_LIMIT_MS = 600_000
+
+
 class Timeouts(TimeLimit):
     """Dramatiq's ``TimeLimit`` whose interruption log names the kumiko run it interrupts.
 
-    Reads each actor's ``time_limit`` (``timeout_ms``, or no limit). Touches no Redis key.
-    Last in the chain.
+    Reads each actor's ``time_limit``: a kumiko job's actor always declares one
+    (``timeout_ms``, or infinity: no limit); any other actor (a plain ``@dramatiq.actor`` on a
+    kumiko broker) keeps Dramatiq's: its own ``time_limit`` option, else Dramatiq's default of
+    :data:`DRAMATIQ_TIME_LIMIT_MS`. Touches no Redis key. Last of the message middleware in
+    the chain, so its clock covers the handler only.
     """
 
     def __init__(self, *, interval: int) -> None:
-        super().__init__(time_limit=float("inf"), interval=interval)
+        super().__init__(time_limit=DRAMATIQ_TIME_LIMIT_MS, interval=interval)
         self._running: dict[int, Execution] = {}
         self._lock = threading.Lock()
         self.manager.logger = _NamingLog(self._running, self.manager.logger)

@@ -1,0 +1,1 @@
+"""Dramatiq's own test suite run against kumiko's broker (``python -m tests.compat.run``)."""
