@@ -15,6 +15,10 @@ these, all JSON-native so they survive the JSON round trip of delays and retries
 ``kumiko_scheduled_at``     ISO-8601 tick of a cron message, with its UTC offset (absent = none)
 ``kumiko_origin_id``        the id the caller got back for the work this message carries on (a
                             hand-off's, a per-tenant child's); absent = the message's own id
+``kumiko_trace``            OpenTelemetry context (:mod:`kumiko_dramatiq.tracing`): an object
+                            with ``parent`` (the dispatching span) and/or ``link`` (the wrapper
+                            or predecessor span), each a propagator carrier: at most
+                            :data:`MAX_CARRIER_ENTRIES` strings by name (absent = none)
 =========================== ===================================================================
 
 :meth:`KumikoOptions.decode` is strict: a missing required key or a value of the wrong type
@@ -43,6 +47,14 @@ TENANT_ID: Final = "kumiko_tenant_id"
 DEDUP_KEY: Final = "kumiko_dedup_key"
 SCHEDULED_AT: Final = "kumiko_scheduled_at"
 ORIGIN_ID: Final = "kumiko_origin_id"
+TRACE: Final = "kumiko_trace"
+
+#: A trace carrier holds at most this many entries, of names up to :data:`MAX_CARRIER_NAME`
+#: characters and values up to :data:`MAX_CARRIER_VALUE` (W3C baggage allows 8,192 bytes).
+MAX_CARRIER_ENTRIES: Final = 16
+MAX_CARRIER_NAME: Final = 64
+MAX_CARRIER_VALUE: Final = 8192
+_TRACE_PARTS: Final = ("parent", "link")
 
 _TRIGGERS: Final = frozenset(get_args(Trigger))
 _BACKOFFS: Final = frozenset(get_args(BackoffType))
@@ -90,6 +102,27 @@ def encode_run(
     return options
 
 
+def encode_trace(
+    parent: Mapping[str, str] | None, link: Mapping[str, str] | None
+) -> dict[str, Any]:
+    """The trace key of a message (empty when there is neither a parent nor a link)."""
+    trace = {
+        name: dict(carrier)
+        for name, carrier in zip(_TRACE_PARTS, (parent, link), strict=True)
+        if carrier
+    }
+    return {TRACE: trace} if trace else {}
+
+
+@dataclass(frozen=True, slots=True)
+class TraceContext:
+    """The decoded ``kumiko_trace`` of a message: propagator carriers of the span that
+    dispatched the work (``parent``) and of the span it carries on from (``link``)."""
+
+    parent: Mapping[str, str] | None = None
+    link: Mapping[str, str] | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class KumikoOptions:
     """The decoded kumiko options of one message."""
@@ -103,6 +136,7 @@ class KumikoOptions:
     dedup_key: str | None = None
     scheduled_at: datetime | None = None
     origin_id: str | None = None
+    trace: TraceContext | None = None
 
     def encode(self) -> dict[str, Any]:
         """JSON-native options; keys at their default (0 failures, no tenant...) are left out."""
@@ -116,6 +150,7 @@ class KumikoOptions:
                 scheduled_at=self.scheduled_at,
                 origin_id=self.origin_id,
             ),
+            **(encode_trace(self.trace.parent, self.trace.link) if self.trace else {}),
         }
 
     @classmethod
@@ -150,6 +185,7 @@ class KumikoOptions:
             dedup_key=_checked(options, DEDUP_KEY, dedup_key_problem),
             scheduled_at=_instant(options, SCHEDULED_AT),
             origin_id=_text(options, ORIGIN_ID),
+            trace=_trace(options),
         )
 
     @property
@@ -220,3 +256,37 @@ def _instant(options: Mapping[str, Any], key: str) -> datetime | None:
     if value.tzinfo is None:
         raise OptionsError(key, "must carry a UTC offset", text)
     return value
+
+
+def _trace(options: Mapping[str, Any]) -> TraceContext | None:
+    if TRACE not in options:
+        return None
+    value = options[TRACE]
+    if not isinstance(value, Mapping) or not value or set(value) - set(_TRACE_PARTS):
+        raise OptionsError(TRACE, 'must be an object with "parent" and/or "link"', value)
+    parent, link = (_carrier(value, part) for part in _TRACE_PARTS)
+    return TraceContext(parent=parent, link=link)
+
+
+def _carrier(trace: Mapping[str, Any], part: str) -> dict[str, str] | None:
+    if part not in trace:
+        return None
+    carrier = trace[part]
+    if (
+        not isinstance(carrier, Mapping)
+        or not 0 < len(carrier) <= MAX_CARRIER_ENTRIES
+        or not all(
+            isinstance(name, str)
+            and 0 < len(name) <= MAX_CARRIER_NAME
+            and isinstance(text, str)
+            and len(text) <= MAX_CARRIER_VALUE
+            for name, text in carrier.items()
+        )
+    ):
+        raise OptionsError(
+            f"{TRACE}.{part}",
+            f"must be an object of 1 to {MAX_CARRIER_ENTRIES} strings "
+            f"(names up to {MAX_CARRIER_NAME} characters, values up to {MAX_CARRIER_VALUE})",
+            carrier,
+        )
+    return dict(carrier)

@@ -96,3 +96,9 @@ def process(queue_prefix: str, identity: str) -> str:
 def processes(queue_prefix: str) -> str:
     """Sorted set of registered process ids by last refresh (ms)."""
     return f"{_root(queue_prefix)}:procs"
+
+
+def runs_by_status(queue_prefix: str, status: str) -> str:
+    """Sorted set indexing the run records of one status (written in Lua, see
+    :mod:`kumiko_dramatiq.history`; the metrics count it)."""
+    return f"{_root(queue_prefix)}:runs:status:{status}"
