@@ -3,8 +3,10 @@
 :class:`Admin` answers the ``kumiko`` command, the dashboard and ``JobRunner``'s admin
 methods (``status``, ``dead_letters``, ``retry_dead``, ``cancel``, ``pause``, ``resume``,
 plus ``jobs``, ``locks`` and ``dedup_keys``). Reads are plain reads (a status is one pipelined
-round trip plus the liveness listing); every action that changes more than one key is one Lua
-call, so it is all-or-nothing:
+round trip plus the liveness listing); the dashboard's reads stay bounded whatever the size
+of the dataset (``dead_letter_page``, ``locks_in_flight``, ``walk_dedup_keys``,
+``dedup_record``, ``boot_markers``). Every action that changes more than one key is one Lua
+call, so it is all-or-nothing (``retry_all_dead`` is one such retry per letter):
 
 - **retry** (``lua/retry_dead.lua``): the dead letter leaves the dead letters and a new
   message is enqueued in one step, with a fresh attempt budget, a new message id, the
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -32,10 +34,17 @@ from dramatiq.common import dq_name
 from dramatiq.message import Message, generate_unique_id
 
 from . import keys
-from .broker import KumikoBroker, consumer_acks, dead_letters, queue_list, queue_messages
+from .broker import (
+    KumikoBroker,
+    consumer_acks,
+    dead_letter_messages,
+    dead_letters,
+    queue_list,
+    queue_messages,
+)
 from .codec import DEDUP_KEY, FAILURES, ORIGIN_ID, TRIGGER, KumikoOptions, OptionsError
 from .cron import Cron
-from .history import RunHistory, run_ttls_ms
+from .history import JobRun, RunHistory, run_ttls_ms
 from .presence import ProcessInfo, live_processes
 from .registry import JobDefinition, Registry
 from .settings import LANES, Settings, lane_queue
@@ -142,6 +151,23 @@ class DedupInfo:
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class BootMarker:
+    """A ``run_on_boot`` job and its boot marker: the fixed message id of its boot run, or
+    ``None`` when unset (the next worker start of its lane enqueues it)."""
+
+    job_name: str
+    lane: str
+    message_id: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+#: A position in the dead letters, newest first: (dead-letter time in epoch ms, redis id).
+DeadCursor = tuple[float, str]
 
 
 class Admin:
@@ -265,7 +291,9 @@ class Admin:
         found.sort(key=lambda letter: letter.dead_at, reverse=True)
         return found[:limit]
 
-    def _dead_letter(self, queue: str, rid: str, score: float, body: Any) -> DeadLetter | None:
+    def _dead_letter(
+        self, queue: str, rid: str, score: float, body: Any, *, read_note: bool = True
+    ) -> DeadLetter | None:
         if body is None:
             return None
         try:
@@ -282,7 +310,7 @@ class Admin:
                 options = KumikoOptions.decode(message.options)
             except OptionsError:
                 options = None
-        note = self.history.dead_note(message_id) if message is not None else None
+        note = self.history.dead_note(message_id) if message is not None and read_note else None
         return DeadLetter(
             message_id=message_id,
             job_name=job_name,
@@ -296,6 +324,106 @@ class Admin:
             error_message=None if note is None else note.get("em"),
             traceback=None if note is None else note.get("tb"),
         )
+
+    def dead_letter_page(
+        self,
+        job: str | None = None,
+        *,
+        after: DeadCursor | None = None,
+        limit: int = 50,
+        max_read: int = 5_000,
+        notes: bool = True,
+    ) -> tuple[list[DeadLetter], DeadCursor | None]:
+        """One page of dead letters, newest first, starting just after ``after``: at most
+        ``limit`` of them (only ``job``'s when given), and the cursor of the next page
+        (``None`` at the end). Each lane's dead letters are read newest first, a batch at a
+        time (``ZREVRANGEBYSCORE ... LIMIT``, never the whole set), at most ``max_read``
+        entries per lane and call, so a job whose letters are rare among many may take
+        several pages, some of them empty. Pages are ordered by (time, redis id): they neither
+        repeat nor skip a letter, however many share a millisecond. With ``notes`` each letter
+        carries its last error (one more round trip for the page)."""
+        found: list[tuple[DeadCursor, DeadLetter]] = []
+        floors: list[DeadCursor] = []
+        for queue in self.lane_queues:
+            matched, floor = self._read_dead(queue, job, after, limit, max_read)
+            found += matched
+            if floor is not None:
+                floors.append(floor)
+        # A lane that stopped early has unread letters below its floor, which may outrank
+        # what other lanes found there: keep only what is complete.
+        floor = max(floors, default=None)
+        found.sort(key=lambda item: item[0], reverse=True)
+        if floor is not None:
+            found = [item for item in found if item[0] >= floor]
+        page = found[:limit]
+        next_cursor: DeadCursor | None = None
+        if len(found) > limit or (page and len(found) == limit and floor is not None):
+            next_cursor = page[-1][0]
+        elif floor is not None:
+            next_cursor = floor
+        letters = [letter for _, letter in page]
+        return (self._with_notes(letters) if notes else letters), next_cursor
+
+    def _read_dead(
+        self, queue: str, job: str | None, after: DeadCursor | None, limit: int, max_read: int
+    ) -> tuple[list[tuple[DeadCursor, DeadLetter]], DeadCursor | None]:
+        """``queue``'s dead letters (``job``'s) after ``after``, newest first, until ``limit``
+        match or ``max_read`` were read; and the last entry read when more remain."""
+        batch = limit if job is None else max(limit, min(200, max_read))
+        high: float | str = "+inf" if after is None else after[0]
+        offset = 0
+        matched: list[tuple[DeadCursor, DeadLetter]] = []
+        while True:
+            entries: list[tuple[Any, float]] = self.client.zrevrangebyscore(  # type: ignore[assignment]
+                dead_letters(queue), high, "-inf", start=offset, num=batch, withscores=True
+            )
+            offset += len(entries)
+            fresh = [(float(score), _text(rid)) for rid, score in entries]
+            fresh = [key for key in fresh if after is None or key < after]
+            if fresh:
+                bodies = self.client.hmget(dead_letter_messages(queue), [rid for _, rid in fresh])
+                for key, body in zip(fresh, bodies, strict=True):
+                    letter = self._dead_letter(queue, key[1], key[0], body, read_note=False)
+                    if letter is not None and (job is None or letter.job_name == job):
+                        matched.append((key, letter))
+            if len(entries) < batch:
+                return matched, None
+            if len(matched) >= limit or offset >= max_read:
+                return matched, (float(entries[-1][1]), _text(entries[-1][0]))
+
+    def _with_notes(self, letters: Sequence[DeadLetter]) -> list[DeadLetter]:
+        """``letters`` with their last error from their dead letter notes (one round trip)."""
+        if not letters:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for letter in letters:
+            pipe.get(f"{keys.root(self.prefix)}dead:{letter.message_id}")
+        out = []
+        for letter, raw in zip(letters, pipe.execute(), strict=True):
+            note = None if raw is None else json.loads(raw)
+            out.append(
+                letter
+                if not isinstance(note, dict)
+                else replace(
+                    letter,
+                    attempts=note.get("a"),
+                    error_type=note.get("et"),
+                    error_message=note.get("em"),
+                    traceback=note.get("tb"),
+                )
+            )
+        return out
+
+    def boot_markers(self) -> list[BootMarker]:
+        """Every ``run_on_boot`` job with its boot marker (one ``MGET``)."""
+        jobs = [job for job in self.registry.jobs.values() if job.options.run_on_boot]
+        if not jobs:
+            return []
+        values = self.client.mget([keys.boot_marker(self.prefix, j.qualified_name) for j in jobs])
+        return [
+            BootMarker(job.qualified_name, job.options.run_in, None if v is None else _text(v))
+            for job, v in zip(jobs, values, strict=True)
+        ]
 
     def locks(self) -> list[LockInfo]:
         """Held sequential locks: job, tenant, the run that holds it, time left."""
@@ -325,17 +453,113 @@ class Admin:
             )
         return sorted(found, key=lambda lock: (lock.job_name, lock.tenant_id or ""))
 
+    def locks_in_flight(self) -> list[LockInfo]:
+        """Held sequential locks, read by their keys instead of by walking the keyspace as
+        :meth:`locks` does: the lock of each sequential job, and for a per-tenant sequential
+        job the lock of each tenant with a run in flight (a lock is taken and released by a
+        run in flight, and a dead worker's run stays in flight until its message is delivered
+        again, after its lock expired). So it misses at most a lock whose holder left the
+        in-flight runs without releasing it, for the ``lock_ttl_ms`` until it expires.
+        Cost: the in-flight runs plus one round trip, whatever the size of the keyspace."""
+        running = self.history.running()
+        candidates: dict[str, tuple[str, str | None]] = {}
+        for job in self.registry.jobs.values():
+            if job.options.concurrency == "sequential" and not job.options.per_tenant:
+                name = job.qualified_name
+                candidates[keys.sequential_lock(self.prefix, name, None)] = (name, None)
+        for run in running:
+            declared = self.registry.jobs.get(run.job_name)
+            if (
+                declared is not None
+                and declared.options.concurrency == "sequential"
+                and declared.options.per_tenant
+                and run.tenant_id is not None
+            ):
+                key = keys.sequential_lock(self.prefix, run.job_name, run.tenant_id)
+                candidates[key] = (run.job_name, run.tenant_id)
+        if not candidates:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for key in candidates:
+            pipe.get(key)
+            pipe.pttl(key)
+        replies = iter(pipe.execute())
+        by_message = {run.message_id: run for run in running}
+        found = []
+        for job_name, tenant in candidates.values():
+            token, ttl = next(replies), next(replies)
+            if token is None:
+                continue
+            message_id = _text(token).split(":", 1)[0]
+            holder: JobRun | None = by_message.get(message_id)
+            if holder is None:
+                runs = self.history.run_record(message_id)
+                holder = runs[-1] if runs else None
+            found.append(
+                LockInfo(
+                    job_name=job_name,
+                    tenant_id=tenant,
+                    message_id=message_id,
+                    origin_id=None if holder is None else holder.origin_id,
+                    worker=None if holder is None else holder.worker,
+                    expires_in_ms=int(ttl),
+                )
+            )
+        return sorted(found, key=lambda lock: (lock.job_name, lock.tenant_id or ""))
+
     def dedup_keys(self, job: str | None = None) -> list[DedupInfo]:
         """Live dedup keys: job, key, the message it stands for, its state."""
+        pattern = self._dedup_pattern(job)
+        names = [_text(raw) for raw in self.client.scan_iter(match=pattern, count=1000)]
+        found = [
+            info
+            for start in range(0, len(names), 1000)
+            for info in self._dedup_infos(names[start : start + 1000])
+        ]
+        return sorted(found, key=lambda info: (info.job_name, info.dedup_key))
+
+    def walk_dedup_keys(
+        self, job: str | None = None, *, cursor: int = 0, max_keys: int = 50_000, limit: int = 200
+    ) -> tuple[list[DedupInfo], int]:
+        """Live dedup keys found by walking about ``max_keys`` keys of the keyspace from
+        ``cursor`` (``SCAN``, 10,000 at a time; dedup records have no index), stopping early
+        once ``limit`` are found; and the cursor to walk on from (0 when the walk is done).
+        A key alive for the whole walk is found once at least; one written meanwhile may not
+        be (Redis ``SCAN``'s guarantee)."""
+        step = 10_000
+        names: list[str] = []
+        walked = 0
+        while True:
+            cursor, batch = self.client.scan(cursor, match=self._dedup_pattern(job), count=step)
+            names += [_text(raw) for raw in batch]
+            walked += step
+            if cursor == 0 or walked >= max_keys or len(names) >= limit:
+                break
+        found = self._dedup_infos(names)
+        return sorted(found, key=lambda info: (info.job_name, info.dedup_key)), int(cursor)
+
+    def dedup_record(self, job: JobDefinition, dedup_key: str) -> DedupInfo | None:
+        """The live dedup record of ``dedup_key`` of ``job``, if any (read by its key)."""
+        found = self._dedup_infos([keys.dedup(self.prefix, job.qualified_name, dedup_key)])
+        return found[0] if found else None
+
+    def _dedup_pattern(self, job: str | None) -> str:
         base = keys.dedup(self.prefix, "", "")[:-1]  # "kumiko:{prefix}:dedup:"
-        pattern = keys.dedup(self.prefix, job, "*") if job else base + "*"
-        found = []
-        for raw in self.client.scan_iter(match=pattern, count=1000):
-            key = _text(raw)
-            pipe = self.client.pipeline(transaction=False)
+        return keys.dedup(self.prefix, job, "*") if job else base + "*"
+
+    def _dedup_infos(self, names: Sequence[str]) -> list[DedupInfo]:
+        """The records behind dedup record keys ``names`` (one round trip; gone ones left out)."""
+        if not names:
+            return []
+        base = keys.dedup(self.prefix, "", "")[:-1]
+        pipe = self.client.pipeline(transaction=False)
+        for key in names:
             pipe.hgetall(key)
             pipe.pttl(key)
-            fields, ttl = pipe.execute()
+        replies = iter(pipe.execute())
+        found = []
+        for key in names:
+            fields, ttl = next(replies), next(replies)
             if not fields:
                 continue
             record = {_text(k): _text(v) for k, v in fields.items()}
@@ -352,16 +576,55 @@ class Admin:
                     expires_in_ms=int(ttl),
                 )
             )
-        return sorted(found, key=lambda info: (info.job_name, info.dedup_key))
+        return found
 
     # -- actions -------------------------------------------------------------------------
     def retry_dead(self, message_id: str) -> str | None:
         """Re-enqueue dead letter ``message_id``; the new message id, or ``None`` when it is
-        not (or no longer) a dead letter."""
+        not (or no longer) a dead letter. Found through its dead letter note (a few key reads)
+        when it has one, else by reading the dead letters."""
+        noted = self._noted_dead_letter(message_id)
+        if noted is not None:
+            return self._retry(noted)
         for letter in self.dead_letters(limit=1_000_000):
             if letter.message_id == message_id:
                 return self._retry(letter)
         return None
+
+    def retry_all_dead(self, job: str | None = None) -> list[tuple[str, str]]:
+        """Re-enqueue every dead letter (``job``'s, when given), newest first, each as
+        :meth:`retry_dead` does; ``(dead message id, new message id)`` of each one retried.
+        Letters that die again meanwhile are newer than the sweep and are not retried again."""
+        retried: list[tuple[str, str]] = []
+        cursor: DeadCursor | None = None
+        while True:
+            letters, cursor = self.dead_letter_page(
+                job, after=cursor, limit=500, max_read=10_000, notes=False
+            )
+            for letter in letters:
+                new_id = self._retry(letter)
+                if new_id is not None:
+                    retried.append((letter.message_id, new_id))
+            if cursor is None:
+                return retried
+
+    def _noted_dead_letter(self, message_id: str) -> DeadLetter | None:
+        """Dead letter ``message_id`` found where its note says it is (``None`` if it has no
+        note, or is not there)."""
+        note = self.history.dead_note(message_id)
+        if note is None:
+            return None
+        queue, rid = note.get("q"), note.get("r")
+        if not isinstance(queue, str) or not isinstance(rid, str) or queue not in self.lane_queues:
+            return None
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zscore(dead_letters(queue), rid)
+        pipe.hget(dead_letter_messages(queue), rid)
+        score, body = pipe.execute()
+        if score is None:
+            return None
+        letter = self._dead_letter(queue, rid, float(score), body, read_note=False)
+        return letter if letter is not None and letter.message_id == message_id else None
 
     def _retry(self, letter: DeadLetter) -> str | None:
         queue = letter.queue

@@ -32,6 +32,7 @@ attempt (:meth:`RunHistory.put`).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -424,6 +425,20 @@ class RunHistory:
         for _, run in sorted(scored, key=lambda item: item[0], reverse=True):
             unique.setdefault((run.message_id, run.attempt), run)
         return list(unique.values())[:limit]
+
+    def counts(
+        self, statuses: Sequence[RunStatus], edges_ms: Sequence[int]
+    ) -> dict[str, list[int]]:
+        """Per status, how many records were last written in each interval
+        ``[edges_ms[i], edges_ms[i + 1])`` (epoch ms): one ``ZCOUNT`` per status and interval
+        on ``runs:status:{status}``, all in one round trip, never a scan."""
+        pipe = self.client.pipeline(transaction=False)
+        for status in statuses:
+            for low, high in itertools.pairwise(edges_ms):
+                pipe.zcount(f"{self.root}runs:status:{status}", low, f"({high}")
+        replies = iter(pipe.execute())
+        intervals = max(0, len(edges_ms) - 1)
+        return {status: [int(next(replies)) for _ in range(intervals)] for status in statuses}
 
     def _load(self, members: Sequence[str]) -> list[JobRun | None]:
         """The records of index members (``None`` for one that expired or was trimmed)."""

@@ -1,0 +1,290 @@
+"""What each dashboard page shows: query parsing and the reads behind every page.
+
+Every read is bounded whatever the size of the dataset (the budget is "under 100 ms with a
+million run records and 10,000 queued messages", measured in ``benchmarks/dashboard.py``):
+
+- counts are ``LLEN``/``HLEN``/``ZCARD``/``ZCOUNT`` (the overview and its chart: one
+  ``ZCOUNT`` per minute and status on the run history's status indexes);
+- lists read sorted-set indexes newest first with ``LIMIT`` (runs, dead letters) and page on
+  with a cursor, never an offset into everything;
+- locks are read by their keys (:meth:`~kumiko_dramatiq.admin.Admin.locks_in_flight`);
+- dedup records have no index: a page walks a bounded slice of the keyspace
+  (:meth:`~kumiko_dramatiq.admin.Admin.walk_dedup_keys`) and links to the next slice, and
+  one key is looked up directly.
+
+Bad input (an unknown job, a status, a time that does not parse) is a :class:`BadInput`
+whose message is one line naming the field and the value.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from ..admin import DeadCursor
+from ..cron import Cron
+from ..history import STATUSES, JobRun
+from ..presence import live_processes
+from ..runner import JobRunner
+from .chart import bar_chart, minute_edges
+
+#: Message ids as the admin API accepts them.
+MESSAGE_ID: Final = re.compile(r"[A-Za-z0-9._:-]{1,200}")
+#: Page sizes offered on the runs page.
+RUN_LIMITS: Final = (20, 50, 100, 200)
+#: Dead letters per page.
+DEAD_PAGE: Final = 50
+#: Cron fire times shown per job on the schedules page.
+NEXT_FIRES: Final = 3
+
+
+class BadInput(ValueError):
+    """A query or form value the dashboard cannot use; the message is one line."""
+
+
+Query = Mapping[str, str]
+
+
+def _text(query: Query, name: str, max_chars: int = 512) -> str | None:
+    value = query.get(name, "").strip()
+    if not value:
+        return None
+    if len(value) > max_chars:
+        raise BadInput(f"{name} must be at most {max_chars} characters, got {len(value)}")
+    return value
+
+
+def parse_job(runner: JobRunner, query: Query, name: str = "job") -> str | None:
+    """A declared job name from ``query[name]`` (``None`` when empty)."""
+    job = _text(query, name)
+    if job is not None and job not in runner.registry.jobs:
+        known = ", ".join(sorted(runner.registry.jobs)[:10]) or "none"
+        raise BadInput(f"{name} {job!r} is not a declared job (known jobs: {known})")
+    return job
+
+
+def parse_message_id(value: str | None, name: str = "message id") -> str:
+    if value is None or not MESSAGE_ID.fullmatch(value):
+        raise BadInput(f"{name} must be a message id (letters, digits, . _ : -), got {value!r}")
+    return value
+
+
+def parse_time(query: Query, name: str) -> datetime | None:
+    """An ISO-8601 time (UTC when it has no offset), as ``<input type=datetime-local>``
+    sends it or with seconds and an offset."""
+    text = _text(query, name, 64)
+    if text is None:
+        return None
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        raise BadInput(f"{name} must be an ISO-8601 time, got {text!r}") from None
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def parse_dead_cursor(query: Query) -> DeadCursor | None:
+    text = _text(query, "after", 300)
+    if text is None:
+        return None
+    score, sep, rid = text.partition(":")
+    if not sep or not score.isdigit() or not rid:
+        raise BadInput(f"after must look like '<ms>:<redis id>', got {text!r}")
+    return float(score), rid
+
+
+def dead_cursor_text(cursor: DeadCursor) -> str:
+    return f"{int(cursor[0])}:{cursor[1]}"
+
+
+def last_write(run: JobRun) -> datetime | None:
+    """The time a run's record was last written: what the history orders and filters by."""
+    return run.ended_at or run.started_at
+
+
+# -- pages -----------------------------------------------------------------------------------
+def overview(runner: JobRunner, now: datetime) -> dict[str, Any]:
+    status = runner.status()
+    edges = minute_edges(int(now.timestamp() * 1000))
+    counts = runner.history.counts(("completed", "failed", "dead"), edges)
+    failures = [f + d for f, d in zip(counts["failed"], counts["dead"], strict=True)]
+    return {
+        "status": status,
+        "chart": bar_chart(edges, counts["completed"], failures),
+        "latest_dead": runner.runs(status="dead", limit=5),
+    }
+
+
+def jobs(runner: JobRunner) -> dict[str, Any]:
+    return {"jobs": runner.jobs()}
+
+
+@dataclass(frozen=True)
+class RunFilter:
+    job: str | None
+    status: str | None
+    tenant: str | None
+    origin: str | None
+    since: datetime | None
+    before: datetime | None
+    limit: int
+
+    def query(self, **changes: Any) -> dict[str, str]:
+        """This filter as query parameters (empty ones left out), with ``changes``."""
+        values: dict[str, Any] = {
+            "job": self.job,
+            "status": self.status,
+            "tenant": self.tenant,
+            "origin": self.origin,
+            "since": None if self.since is None else self.since.isoformat(),
+            "before": None if self.before is None else self.before.isoformat(),
+            "limit": None if self.limit == RUN_LIMITS[1] else str(self.limit),
+            **changes,
+        }
+        return {k: str(v) for k, v in values.items() if v not in (None, "")}
+
+
+def parse_run_filter(runner: JobRunner, query: Query) -> RunFilter:
+    status = _text(query, "status")
+    if status is not None and status not in STATUSES:
+        raise BadInput(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+    origin = _text(query, "origin")
+    if origin is not None:
+        parse_message_id(origin, "origin")
+    limit_text = _text(query, "limit") or str(RUN_LIMITS[1])
+    if not limit_text.isdigit() or int(limit_text) not in RUN_LIMITS:
+        raise BadInput(
+            f"limit must be one of {', '.join(map(str, RUN_LIMITS))}, got {limit_text!r}"
+        )
+    return RunFilter(
+        job=parse_job(runner, query),
+        status=status,
+        tenant=_text(query, "tenant", 256),
+        origin=origin,
+        since=parse_time(query, "since"),
+        before=parse_time(query, "before"),
+        limit=int(limit_text),
+    )
+
+
+def runs(runner: JobRunner, query: Query) -> dict[str, Any]:
+    chosen = parse_run_filter(runner, query)
+    found = runner.runs(
+        chosen.job,
+        status=chosen.status,  # type: ignore[arg-type]  # checked against STATUSES
+        tenant_id=chosen.tenant,
+        origin_id=chosen.origin,
+        since=chosen.since,
+        before=chosen.before,
+        limit=chosen.limit,
+    )
+    older = None
+    if len(found) == chosen.limit:
+        oldest = last_write(found[-1])
+        if oldest is not None:
+            older = chosen.query(before=oldest.isoformat())
+    return {
+        "filter": chosen,
+        "runs": found,
+        "older": older,
+        "job_names": sorted(runner.registry.jobs),
+        "statuses": STATUSES,
+        "limits": RUN_LIMITS,
+    }
+
+
+def run(runner: JobRunner, message_id: str) -> dict[str, Any]:
+    parse_message_id(message_id)
+    attempts = runner.run_record(message_id)
+    latest = attempts[-1] if attempts else None
+    origin = None if latest is None else latest.origin_id
+    family = runner.runs(origin_id=origin, limit=100) if origin is not None else []
+    dead_note = runner.history.dead_note(message_id)
+    return {
+        "message_id": message_id,
+        "attempts": attempts,
+        "latest": latest,
+        "origin": origin,
+        "family": family,
+        "dead": dead_note is not None,
+        # a message with no record yet may be queued or delayed; "failed" waits for its retry
+        "cancellable": latest is None or latest.status == "failed",
+    }
+
+
+def dead(runner: JobRunner, query: Query) -> dict[str, Any]:
+    job = parse_job(runner, query)
+    after = parse_dead_cursor(query)
+    letters, next_cursor = runner.admin.dead_letter_page(job, after=after, limit=DEAD_PAGE)
+    older = None
+    if next_cursor is not None:
+        older = {"after": dead_cursor_text(next_cursor), **({"job": job} if job else {})}
+    return {
+        "job": job,
+        "letters": letters,
+        "older": older,
+        "first_page": after is None,
+        "job_names": sorted(runner.registry.jobs),
+    }
+
+
+def locks(runner: JobRunner) -> dict[str, Any]:
+    return {"locks": runner.admin.locks_in_flight()}
+
+
+def dedup(runner: JobRunner, query: Query) -> dict[str, Any]:
+    job = parse_job(runner, query)
+    key = _text(query, "key", 512)
+    context: dict[str, Any] = {
+        "job": job,
+        "key": key,
+        "job_names": sorted(runner.registry.jobs),
+        "lookup": None,
+        "records": [],
+        "next_cursor": 0,
+        "cursor": 0,
+    }
+    admin = runner.admin
+    if key is not None:
+        if job is None:
+            raise BadInput("key needs a job: a dedup key belongs to one job")
+        context["lookup"] = admin.dedup_record(runner.job(job), key)
+        return context
+    cursor_text = _text(query, "cursor", 20) or "0"
+    if not cursor_text.isdigit():
+        raise BadInput(f"cursor must be a number, got {cursor_text!r}")
+    records, next_cursor = admin.walk_dedup_keys(job, cursor=int(cursor_text))
+    context.update(records=records, next_cursor=next_cursor, cursor=int(cursor_text))
+    return context
+
+
+def schedules(runner: JobRunner, now: datetime) -> dict[str, Any]:
+    infos = {info.name: info for info in runner.jobs()}
+    rows = []
+    for job in runner.registry.jobs.values():
+        trigger = job.options.trigger
+        if not isinstance(trigger, Cron):
+            continue
+        fires, after = [], now
+        for _ in range(NEXT_FIRES):
+            after = trigger.next_fire_time(after)
+            fires.append(after)
+        rows.append({"job": infos[job.qualified_name], "cron": trigger, "fires": fires})
+    processes = live_processes(runner.broker.client, runner.queue_prefix)
+    return {
+        "rows": rows,
+        "schedulers": [p for p in processes if p.role == "scheduler"],
+    }
+
+
+def boot(runner: JobRunner) -> dict[str, Any]:
+    gates = [job for job in runner.registry.jobs.values() if job.options.boot_gate]
+    return {
+        "markers": runner.admin.boot_markers(),
+        "gates": [
+            {"job": gate, "latest": next(iter(runner.runs(gate.qualified_name, limit=1)), None)}
+            for gate in gates
+        ],
+    }
