@@ -47,6 +47,9 @@ from dramatiq.middleware.threading import raise_thread_exception
 from dramatiq.middleware.time_limit import TimeLimitExceeded
 
 from . import keys
+from .acl import check_server
+from .connection import client as redis_client
+from .connection import describe
 from .context import JobContext, JobMeta
 from .errors import BootGateError, JobConfigError, RedisUnavailableError
 from .history import RunHistory, RunStatus, error_fields, record_write
@@ -233,9 +236,7 @@ def reset_boot_marker(
             None, "job_name", "must be a qualified job name 'feature:job:name'", job_name
         )
     if isinstance(redis_client_or_url, str):
-        client = redis.Redis.from_url(
-            redis_client_or_url, socket_connect_timeout=5, socket_timeout=10
-        )
+        client = redis_client(redis_client_or_url, timeout_s=10)
         try:
             return _delete_boot_records(client, redis_client_or_url, queue_prefix, job_name)
         finally:
@@ -260,10 +261,7 @@ def _delete_boot_records(client: redis.Redis, url: str, queue_prefix: str, job_n
 
 def describe_client(client: redis.Redis) -> str:
     """A ``redis://host:port/db`` description of ``client`` for error messages."""
-    kwargs = client.connection_pool.connection_kwargs
-    if "path" in kwargs:
-        return f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
-    return f"redis://{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"
+    return describe(client)
 
 
 # -- the middleware ---------------------------------------------------------
@@ -315,7 +313,7 @@ class Boot(Middleware):
         if self.driven_by_runner:
             return
         try:
-            self.runtime.broker.check_access(self.runtime.settings.redis_url)
+            check_server(self.runtime.broker, self.runtime.settings.redis_url)
             self.run(broker)
         except Exception as exc:
             logger.critical("kumiko worker for %s did not start: %s", self.runtime.queue_name, exc)

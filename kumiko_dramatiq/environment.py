@@ -29,6 +29,7 @@ VARIABLES: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
     "KUMIKO_MAX_DELIVERIES": ("max_deliveries", int),
     "KUMIKO_MAX_PAYLOAD_BYTES": ("max_payload_bytes", int),
     "KUMIKO_HISTORY_CAP": ("history_cap", int),
+    "KUMIKO_METRICS_PORT": ("metrics_port", int),
 }
 
 
@@ -80,3 +81,61 @@ def variable_for(setting: str) -> str | None:
 def raw_value(variable: str, environ: Mapping[str, str] | None = None) -> str:
     """The text of ``variable`` as set, stripped."""
     return _environ(environ).get(variable, "").strip()
+
+
+#: The dashboard's token: not a runner setting (so not in :data:`VARIABLES`, which feed
+#: ``Settings`` and must agree with a ``KUMIKO_APP`` runner's own), read by the dashboard.
+DASHBOARD_TOKEN: Final = "KUMIKO_DASHBOARD_TOKEN"
+
+
+#: The shortest dashboard token accepted.
+MIN_DASHBOARD_TOKEN_CHARS: Final = 16
+
+
+def dashboard_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """``KUMIKO_DASHBOARD_TOKEN``, stripped; ``None`` when unset or empty; a
+    ``JobConfigError`` naming the variable when it is too short (:func:`check_dashboard_token`).
+    """
+    return check_dashboard_token(raw_value(DASHBOARD_TOKEN, environ), DASHBOARD_TOKEN)
+
+
+def check_dashboard_token(token: object, source: str = "token") -> str | None:
+    """``token`` if it can guard the dashboard, ``None`` for none (``None`` or ""); else a
+    ``JobConfigError`` naming ``source`` that never shows the token itself."""
+    if token is None or token == "":
+        return None
+    if not isinstance(token, str):
+        raise JobConfigError(None, source, "must be a string", type(token).__name__)
+    if len(token) < MIN_DASHBOARD_TOKEN_CHARS:
+        raise JobConfigError(
+            None,
+            source,
+            f"must be at least {MIN_DASHBOARD_TOKEN_CHARS} characters (make one with: python -c "
+            "'import secrets; print(secrets.token_urlsafe(24))')",
+            f"{len(token)} characters",
+        )
+    return token
+
+
+#: prometheus_client's multiprocess directory (see :mod:`kumiko_dramatiq.exposition`).
+PROMETHEUS_MULTIPROC_DIR: Final = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def multiproc_dir() -> str:
+    """``PROMETHEUS_MULTIPROC_DIR`` as set in this process, stripped ("" when unset)."""
+    return os.environ.get(PROMETHEUS_MULTIPROC_DIR, "").strip()
+
+
+def set_multiproc_dir(path: str) -> None:
+    """Set ``PROMETHEUS_MULTIPROC_DIR`` in this process, where prometheus_client reads it."""
+    os.environ[PROMETHEUS_MULTIPROC_DIR] = path
+
+
+#: The Redis that the fixtures of :mod:`kumiko_dramatiq.pytest_plugin` use: not a runner
+#: setting (tests name it; runners get it from the fixture).
+TEST_REDIS_URL: Final = "KUMIKO_TEST_REDIS_URL"
+
+
+def redis_url_for_tests(environ: Mapping[str, str] | None = None) -> str | None:
+    """``KUMIKO_TEST_REDIS_URL``, stripped; ``None`` when unset or empty."""
+    return raw_value(TEST_REDIS_URL, environ) or None

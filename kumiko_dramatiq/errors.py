@@ -9,6 +9,7 @@ the field and the bad value the same way::
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from dramatiq.middleware import MiddlewareError
@@ -115,15 +116,21 @@ def _short_repr(value: Any, limit: int = 80) -> str:
 
 
 def redact_url(url: Any) -> Any:
-    """``url`` with any password replaced by ``***``."""
+    """``url`` with any password (the user's, and query options named ``*password``, such as
+    ``sentinel_password``) replaced by ``***``."""
     if not isinstance(url, str):
         return url
+    url = _QUERY_PASSWORD.sub(r"\1***", url)
     scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
+    if not sep or "@" not in rest.partition("?")[0]:
         return url
+    rest, query_sep, query = rest.partition("?")
     credentials, _, host = rest.rpartition("@")
     user = credentials.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}"
+    return f"{scheme}://{user}:***@{host}{query_sep}{query}"
+
+
+_QUERY_PASSWORD = re.compile(r"([?&][A-Za-z_]*password=)[^&#]*")
 
 
 class AppLoadError(KumikoError):
@@ -156,3 +163,24 @@ class RedisAccessError(KumikoError):
 
 class NotFoundError(KumikoError, LookupError):
     """An admin action found nothing to act on (a message that is not a dead letter, ...)."""
+
+
+class DrainTimeoutError(KumikoError, TimeoutError):
+    """``JobRunner.drain(timeout_s)`` ran out of time with work still pending in its dataset.
+
+    ``counts`` says how much is pending where (per lane: queued, delayed; running);
+    ``pending`` names some of it, each ``"<job> <message id> (<state>)"``.
+    """
+
+    def __init__(
+        self, queue_prefix: str, timeout_s: float, counts: str, pending: list[str]
+    ) -> None:
+        self.queue_prefix = queue_prefix
+        self.timeout_s = timeout_s
+        self.counts = counts
+        self.pending = pending
+        named = f": {', '.join(pending)}" if pending else ""
+        super().__init__(
+            f"drain of queue prefix {queue_prefix!r} timed out after {timeout_s:g} s with work "
+            f"still pending ({counts}){named}"
+        )

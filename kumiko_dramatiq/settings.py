@@ -20,6 +20,7 @@ setting                          variable                       default
 ``log_payloads``                                                ``False``
 ``history_cap``                  ``KUMIKO_HISTORY_CAP``         100 000 run records
 ``record_payloads``                                             ``False``
+``metrics_port``                 ``KUMIKO_METRICS_PORT``        ``None`` (no metrics)
 ``worker_threads``                                              8
 ``boot_redis_timeout_ms``                                       5 000
 ``sequential_retry_delay_ms``                                   1 000
@@ -35,8 +36,8 @@ import enum
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Final, Literal
-from urllib.parse import parse_qs, urlsplit
 
+from .connection import url_problem
 from .errors import JobConfigError, redact_url
 from .limits import DEFAULT_MAX_PAYLOAD_BYTES, MAX_DURATION_MS, TOO_LARGE
 from .options import Retention
@@ -91,6 +92,9 @@ class Settings:
     history_cap: int = 100_000
     #: Whether run records keep the payload of their message.
     record_payloads: bool = False
+    #: The port every worker process (and the scheduler) serves Prometheus metrics on
+    #: (:mod:`kumiko_dramatiq.metrics`; needs ``kumiko_dramatiq[metrics]``); ``None``: none.
+    metrics_port: int | None = None
     worker_threads: int = 8
     boot_redis_timeout_ms: int = 5_000
     sequential_retry_delay_ms: int = 1_000
@@ -144,6 +148,13 @@ class Settings:
             self.retention,
         )
         _check(
+            self.metrics_port is None
+            or (_is_int(self.metrics_port) and 0 < self.metrics_port < 65536),
+            "metrics_port",
+            "must be a port number from 1 to 65535, or None",
+            self.metrics_port,
+        )
+        _check(
             isinstance(self.run_scheduler, bool),
             "run_scheduler",
             "must be a bool",
@@ -165,37 +176,11 @@ def lane_queue(queue_prefix: str, lane: str) -> str:
     return f"{queue_prefix}-{lane}"
 
 
-_URL_SCHEMES: Final = ("redis", "rediss", "unix")
-
-
 def redis_url_problem(url: Any) -> str | None:
-    """Why ``url`` is not a usable Redis URL, or ``None``: a ``redis://``, ``rediss://`` or
-    ``unix://`` URL with a host (or a socket path), a valid port and database number."""
-    expected = "must be a redis://, rediss:// or unix:// URL"
-    if not isinstance(url, str):
-        return expected
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        return f"{expected} with a valid port"
-    if parts.scheme not in _URL_SCHEMES:
-        return expected
-    if parts.scheme == "unix":
-        if not parts.path:
-            return "must name a socket path: unix:///path/to/redis.sock"
-    elif not parts.hostname:
-        return f"{expected} with a host: redis://host:6379/0"
-    if port is not None and not 0 < port < 65536:
-        return f"{expected} with a valid port"
-    databases = parse_qs(parts.query).get("db", [])
-    path_db = parts.path.strip("/") if parts.scheme != "unix" else ""
-    if path_db:
-        databases.append(path_db)
-    for database in databases:
-        if not database.isdigit() or not database.isascii():
-            return "must name its database by number: redis://host:6379/0"
-    return None
+    """Why ``url`` is not a usable Redis URL, or ``None``: the forms and options of
+    :mod:`kumiko_dramatiq.connection` (``redis://``, ``rediss://``, ``unix://``,
+    ``redis+sentinel://``), with a host (or a socket path), a valid port and database number."""
+    return url_problem(url)
 
 
 def _is_int(value: Any) -> bool:

@@ -1,0 +1,118 @@
+"""The documented ACL rule set (kumiko_dramatiq.acl) against a real Redis: a fresh user with
+exactly those rules runs every main path without one refusal, and a user lacking any one of
+its commands (or its keys) fails at start, in one line naming what is missing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from kumiko_dramatiq import JobRunner, acl
+from kumiko_dramatiq.errors import RedisAccessError
+from tests.deployment import (
+    BOOT,
+    DIES,
+    FAN,
+    GATE,
+    SEQ,
+    TICK,
+    WORK,
+    cli_env,
+    kumiko,
+    main_paths_registry,
+    run_main_paths,
+)
+
+
+@pytest.fixture
+def acl_user(redis_client: redis.Redis, prefix: str) -> Iterator[str]:
+    """A user name for this test (the user is deleted after it)."""
+    name = f"kumiko-acl-{prefix}"
+    yield name
+    redis_client.acl_deluser(name)
+
+
+def set_user(client: redis.Redis, name: str, rules: list[str]) -> None:
+    client.execute_command(  # type: ignore[no-untyped-call]
+        "ACL", "SETUSER", name, "reset", "on", ">pw", *rules
+    )
+
+
+def as_user(redis_url: str, name: str) -> str:
+    scheme, _, rest = redis_url.partition("://")
+    return f"{scheme}://{name}:pw@{rest}"
+
+
+def runner_as(redis_url: str, name: str, prefix: str) -> JobRunner:
+    return JobRunner(
+        main_paths_registry(),
+        redis_url=as_user(redis_url, name),
+        queue_prefix=prefix,
+        boot_redis_timeout_ms=2_000,
+        get_active_tenant_ids=lambda: ["t1"],
+    )
+
+
+def refusals(client: redis.Redis, name: str) -> list[dict[str, Any]]:
+    return [entry for entry in client.acl_log(count=1000) if entry.get("username") == name]
+
+
+def test_a_user_with_exactly_the_rule_set_runs_every_main_path(
+    redis_client: redis.Redis, redis_url: str, prefix: str, acl_user: str
+) -> None:
+    # Given a fresh user with the documented rules for this dataset, and nothing else
+    set_user(redis_client, acl_user, acl.rules(prefix))
+    url = as_user(redis_url, acl_user)
+
+    # When a worker with a scheduler walks every main path, and `kumiko status` runs
+    seen = run_main_paths(url, prefix)
+    done = kumiko(cli_env(url, prefix), "status", "--json")
+
+    # Then each path ended as it should, and Redis refused this user nothing
+    assert seen.completed == {GATE: 1, BOOT: 1, WORK: 4, SEQ: 2, TICK: seen.completed[TICK], FAN: 3}
+    assert seen.failed == {WORK: 1, DIES: 2}
+    assert done.returncode == 0, done.stderr
+    assert {lane["lane"] for lane in json.loads(done.stdout)["lanes"]} == {"worker", "api"}
+    assert refusals(redis_client, acl_user) == []
+
+
+@pytest.mark.parametrize("command", acl.commands())
+def test_a_user_lacking_one_command_of_the_rule_set_fails_at_start_naming_it(
+    command: str, redis_client: redis.Redis, redis_url: str, prefix: str, acl_user: str
+) -> None:
+    set_user(redis_client, acl_user, acl.rules(prefix, without=command))
+    runner = runner_as(redis_url, acl_user, prefix)
+    with pytest.raises(RedisAccessError) as caught:
+        runner.start()
+    runner.stop()
+    message = str(caught.value)
+    assert "\n" not in message
+    assert command.replace("|", " ").upper() in message.upper().replace("|", " ")
+    assert ":pw@" not in message
+
+
+def test_a_user_without_the_datasets_keys_fails_at_start_naming_them(
+    redis_client: redis.Redis, redis_url: str, prefix: str, acl_user: str
+) -> None:
+    set_user(redis_client, acl_user, acl.rules("some_other_dataset"))
+    runner = runner_as(redis_url, acl_user, prefix)
+    with pytest.raises(RedisAccessError, match="access the key") as caught:
+        runner.start()
+    runner.stop()
+    assert "\n" not in str(caught.value)
+
+
+def test_a_user_without_the_namespace_key_fails_at_start_naming_it(
+    redis_client: redis.Redis, redis_url: str, prefix: str, acl_user: str
+) -> None:
+    rules = [rule for rule in acl.rules(prefix) if rule != "~dramatiq"]
+    set_user(redis_client, acl_user, rules)
+    runner = runner_as(redis_url, acl_user, prefix)
+    with pytest.raises(RedisAccessError, match="~dramatiq") as caught:
+        runner.start()
+    runner.stop()
+    assert "\n" not in str(caught.value)
