@@ -34,6 +34,7 @@ from dramatiq.brokers.redis import RedisBroker
 from dramatiq.worker import Worker
 
 from kumiko_dramatiq import Feature, JobContext, JobRunner, Registry
+from kumiko_dramatiq.history import RunHistory
 
 from .harness import (
     Comparison,
@@ -45,6 +46,9 @@ from .harness import (
     stats_delta,
     timed,
 )
+from .latency import LatencyBench
+from .memory import MemoryBench
+from .metrics import MetricsBench
 
 WORKER_THREADS = 8
 WORKER_TIMEOUT_MS = 200
@@ -360,54 +364,8 @@ class HistoryBench:
         client = self.bench.client
         client.config_set("maxmemory", 0)
         before = int(client.info("memory")["used_memory"])
-        now_ms = int(time.time() * 1000) - self.records
-        completed_ttl, failed_ttl = 86_400_000, 604_800_000
         started = time.perf_counter()
-        pipe = client.pipeline(transaction=False)
-        for n in range(self.records):
-            job = jobs[n % len(jobs)]
-            status = "failed" if n % 10 == 3 else "completed"
-            message_id = str(uuid.uuid4())
-            tenant = f"tenant-{n % 500}" if n % 3 == 0 else ""
-            record = {
-                "j": job,
-                "m": message_id,
-                "o": message_id,
-                "t": tenant or None,
-                "tr": "manual",
-                "a": 1,
-                "ma": 3,
-                "s": status,
-                "q": now_ms + n - 5,
-                "st": now_ms + n - 3,
-                "en": now_ms + n,
-                "d": 3,
-                "w": "bench-host:12345",
-            }
-            if status == "failed":
-                record |= {"et": "RuntimeError", "em": "gateway down", "tb": "Traceback ...\n"}
-            history.lua.run_put(
-                keys=[f"{history.root}run:{message_id}"],
-                args=[
-                    history.root,
-                    message_id,
-                    1,
-                    job,
-                    status,
-                    tenant,
-                    message_id,
-                    now_ms + n,
-                    json.dumps({k: v for k, v in record.items() if v is not None}),
-                    completed_ttl,
-                    failed_ttl,
-                    self.records * 2,
-                    0,
-                ],
-                client=pipe,
-            )
-            if n % 5_000 == 4_999:
-                pipe.execute()
-        pipe.execute()
+        fill_history(client, history, jobs, self.records)
         write_s = time.perf_counter() - started
         after = int(client.info("memory")["used_memory"])
         queries: dict[str, Callable[[], Any]] = {
@@ -438,6 +396,60 @@ class HistoryBench:
         self.bench.flush(prefix)
 
 
+def fill_history(client: redis.Redis, history: RunHistory, jobs: list[str], records: int) -> None:
+    """Write ``records`` run records of ``jobs`` straight through the history's Lua call, one
+    a millisecond up to now, 5,000 to a pipeline: every tenth failed (with an error), every
+    third of one of 500 tenants. The data of the history suite and ``benchmarks/dashboard.py``.
+    """
+    now_ms = int(time.time() * 1000) - records
+    completed_ttl, failed_ttl = 86_400_000, 604_800_000
+    pipe = client.pipeline(transaction=False)
+    for n in range(records):
+        job = jobs[n % len(jobs)]
+        status = "failed" if n % 10 == 3 else "completed"
+        message_id = str(uuid.uuid4())
+        tenant = f"tenant-{n % 500}" if n % 3 == 0 else ""
+        record = {
+            "j": job,
+            "m": message_id,
+            "o": message_id,
+            "t": tenant or None,
+            "tr": "manual",
+            "a": 1,
+            "ma": 3,
+            "s": status,
+            "q": now_ms + n - 5,
+            "st": now_ms + n - 3,
+            "en": now_ms + n,
+            "d": 3,
+            "w": "bench-host:12345",
+        }
+        if status == "failed":
+            record |= {"et": "RuntimeError", "em": "gateway down", "tb": "Traceback ...\n"}
+        history.lua.run_put(
+            keys=[f"{history.root}run:{message_id}"],
+            args=[
+                history.root,
+                message_id,
+                1,
+                job,
+                status,
+                tenant,
+                message_id,
+                now_ms + n,
+                json.dumps({k: v for k, v in record.items() if v is not None}),
+                completed_ttl,
+                failed_ttl,
+                records * 2,
+                0,
+            ],
+            client=pipe,
+        )
+        if n % 5_000 == 4_999:
+            pipe.execute()
+    pipe.execute()
+
+
 def _noop(payload: dict[str, Any], ctx: JobContext) -> None:
     return None
 
@@ -461,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=3000)
     parser.add_argument("--only", default="")
     parser.add_argument("--history-records", type=int, default=1_000_000)
+    parser.add_argument("--latency-samples", type=int, default=200)
+    parser.add_argument("--memory-jobs", type=int, default=1_000_000)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("kumiko_dramatiq").setLevel(logging.WARNING)
@@ -476,6 +490,9 @@ def main(argv: list[str] | None = None) -> int:
             "dedup": bench.dedup,
             "cron": bench.cron,
             "history": HistoryBench(bench, args.history_records),
+            "latency": LatencyBench(bench, args.latency_samples),
+            "memory": MemoryBench(bench, args.memory_jobs),
+            "metrics": MetricsBench(bench),
         }
         chosen = [s for s in args.only.split(",") if s] or list(suites)
         for name in chosen:

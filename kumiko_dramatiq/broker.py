@@ -31,6 +31,8 @@ What kumiko adds on top of that layout, each in the same Lua call as the command
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import logging
 import os
 import random
@@ -46,7 +48,7 @@ from uuid import UUID, uuid4, uuid5
 import redis
 from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.brokers.redis import RedisBroker
-from dramatiq.common import compute_backoff, current_millis, dq_name, q_name
+from dramatiq.common import current_millis, dq_name, q_name
 from dramatiq.errors import ConnectionClosed
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware
@@ -55,7 +57,9 @@ from redis.commands.core import Script
 from redis.retry import Retry
 
 from . import keys
+from .connection import connection_pool
 from .errors import RedisAccessError
+from .guests import emit_after_handoff, emit_before_process, handed_off
 from .lua import LuaScripts
 from .lua import commands as lua_commands
 from .lua import source as lua_source
@@ -67,12 +71,19 @@ logger = logging.getLogger("kumiko_dramatiq")
 NAMESPACE = "dramatiq"
 
 #: How long the "sent" marker of a freshly enqueued message lives: the window in which a
-#: re-sent write is recognised (redis-py re-sends within a second).
+#: re-sent write is recognised (redis-py re-sends within a second). The "already completed"
+#: markers live as long by default: the one window in which a second copy of a completed
+#: message could still be written (see :mod:`kumiko_dramatiq.completed`).
 RESEND_WINDOW_MS = 60_000
 
 #: One settle call in this many also trims the run history (ages and cap), dropping at most
 #: this many records beyond the cap: the trimming keeps pace with the writes at a shared cost.
 TRIM_BUDGET = 32
+
+#: Redis ends a blocked command's timeout on its clock tick (``hz``, 10 a second by default),
+#: so a ``BLPOP`` may return up to this much after its timeout: a wait for a due time leaves
+#: its last tick to a local sleep.
+REDIS_TICK_MS = 100
 
 _MOVED_NAMESPACE = UUID("9d4b7e0c-2f5a-5c8e-b1d3-7a6f4c2e9b01")
 
@@ -96,6 +107,12 @@ def consumer_acks(worker_id: str, queue_name: str, namespace: str = NAMESPACE) -
 def heartbeats(namespace: str = NAMESPACE) -> str:
     """The sorted set of worker ids by last heartbeat (ms)."""
     return f"{namespace}:__heartbeats__"
+
+
+def queue_bell(queue_name: str, namespace: str = NAMESPACE) -> str:
+    """The doorbell of a queue (kumiko's, beside Dramatiq's layout): a list holding at most
+    one token, pushed by every write onto the queue, that idle consumers wait on."""
+    return f"{queue_list(queue_name, namespace)}:bell"
 
 
 def dead_letters(queue_name: str, namespace: str = NAMESPACE) -> str:
@@ -129,11 +146,13 @@ class Settlement:
     """What the ack of one delivery writes besides the ack itself (one Lua call in all).
 
     ``retry``: the prepared retry of a failed attempt and its delay, enqueued with the ack;
+    ``handoff``: likewise, a sequential job's hand-off (a new message) when its lock is held;
     ``completed``: the message completed, so the ack also writes its "already completed"
-    marker (at most one of the two is set); ``run``: the run record to write.
+    marker (at most one of the three is set); ``run``: the run record to write.
     """
 
     retry: tuple[Message[Any], int | None] | None = None
+    handoff: tuple[Message[Any], int | None] | None = None
     completed: bool = False
     run: RunWrite | None = None
 
@@ -190,7 +209,15 @@ class KumikoBroker(RedisBroker):
     """Dramatiq's ``RedisBroker`` with kumiko's consumer, commands and enqueue steps.
 
     ``lua`` holds every kumiko script, registered on the broker's client. ``queue_prefix``
-    names the dataset; ``completed_ttl_ms`` is the lifetime of the "already completed" markers.
+    names the dataset; ``resend_window_ms`` is the lifetime of the "sent" markers and
+    ``completed_ttl_ms`` that of the "already completed" markers (both
+    :data:`RESEND_WINDOW_MS` unless given; public attributes, so a test can shorten them).
+    Dramatiq's maintenance (a dead worker's messages back to their queue) runs on a broker
+    call with chance ``maintenance_chance`` per million and, whatever the chance, on a queue
+    whose last maintenance by this broker is older than :attr:`maintenance_interval_ms`
+    (a quarter of ``heartbeat_timeout``): a consumer calls at least once per idle wait, so a
+    dead worker's messages are back within ``heartbeat_timeout`` + that interval + one
+    idle wait of its last heartbeat, as long as some worker consumes the queue.
     """
 
     def __init__(
@@ -202,7 +229,8 @@ class KumikoBroker(RedisBroker):
         maintenance_chance: int,
         dead_message_ttl: int,
         queue_prefix: str,
-        completed_ttl_ms: int,
+        completed_ttl_ms: int = RESEND_WINDOW_MS,
+        resend_window_ms: int = RESEND_WINDOW_MS,
         max_deliveries: int = 5,
         message_policy: MessagePolicy | None = None,
         run_ttls_ms: tuple[int, int] = (86_400_000, 604_800_000),
@@ -217,6 +245,10 @@ class KumikoBroker(RedisBroker):
         )
         self.queue_prefix = queue_prefix
         self.completed_ttl_ms = completed_ttl_ms
+        self.resend_window_ms = resend_window_ms
+        self.maintenance_interval_ms = max(1, heartbeat_timeout // 4)
+        #: when this broker last ran maintenance on each queue (ms)
+        self._maintained: dict[str, int] = {}
         self.max_deliveries = max_deliveries
         self.message_policy = message_policy
         #: (TTL of completed records, TTL of failed ones) in ms
@@ -227,7 +259,21 @@ class KumikoBroker(RedisBroker):
         self._identity = (0, "")
         self._held_delayed: set[str] = set()
         self._moved: set[str] = set()
+        #: Redis client ids of this broker's consumers blocked on a doorbell, by consumer
+        self._blocked: dict[int, int] = {}
+        #: per delay queue, redis ids a closed consumer held and could not put back
+        self._abandoned: dict[str, set[str]] = {}
+        #: called with (queue name, reason) for each message a consumer dead-letters at fetch,
+        #: before any middleware sees it: reason "worker_died" (the poison bound) or
+        #: "malformed" (it does not decode into what kumiko or Dramatiq writes)
+        self.fetch_dead_letter_listeners: list[Callable[[str, str], None]] = []
+        self._bells_lock = threading.Lock()
+        self._stopping = False
         self.lua = LuaScripts.register(client)
+        #: kumiko's chain (``id()`` of the middleware built with); later ones are guests
+        self._chain = frozenset(id(each) for each in self.middleware)
+        #: whether ``process_boot`` was emitted (:meth:`add_middleware` boots late ones)
+        self.booted = False
 
     def __getattr__(self, name: str) -> Any:
         # RedisBroker maps unknown ``do_*`` names onto its own dispatch script; every
@@ -241,6 +287,56 @@ class KumikoBroker(RedisBroker):
     def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> KumikoConsumer:
         return KumikoConsumer(self, queue_name, prefetch, timeout)
 
+    def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
+        if signal == "worker_boot":
+            self._stopping = False
+        elif signal == "worker_shutdown":
+            self.wake_consumers()
+        elif signal == "process_message":  # guests see no hand-off (kumiko_dramatiq.guests)
+            emit_before_process(self, self._chain, *args)
+            return
+        super().emit_before(signal, *args, **kwargs)
+
+    def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
+        if signal == "process_boot":
+            self.booted = True
+        elif signal == "process_message" and handed_off(args[0]):
+            emit_after_handoff(self, self._chain, *args, **kwargs)
+            return
+        super().emit_after(signal, *args, **kwargs)
+
+    def add_middleware(
+        self,
+        middleware: Middleware,
+        *,
+        before: type[Middleware] | None = None,
+        after: type[Middleware] | None = None,
+    ) -> None:
+        """Dramatiq's ``add_middleware``. Added after the broker was built, a middleware is a
+        guest (:mod:`kumiko_dramatiq.guests`): appended after kumiko's chain unless placed,
+        it sees no sequential hand-off; added after the process booted, it is booted at once."""
+        super().add_middleware(middleware, before=before, after=after)
+        if getattr(self, "booted", False):
+            middleware.after_process_boot(self)
+
+    def wake_consumers(self) -> None:
+        """Unblock every consumer of this broker waiting on a doorbell (``CLIENT UNBLOCK``)
+        and keep them from blocking again until a worker boots: a worker that shuts down
+        does not wait out an idle wait."""
+        with self._bells_lock:
+            self._stopping = True
+            client_ids = list(self._blocked.values())
+        for client_id in client_ids:
+            self.unblock(client_id)
+
+    def unblock(self, client_id: int) -> None:
+        """End the blocking wait of Redis client ``client_id`` now (a no-op if it is not
+        blocked; a Redis error is logged: the wait ends by its timeout)."""
+        try:
+            self.client.client_unblock(client_id)
+        except redis.RedisError as exc:
+            logger.debug("could not unblock a consumer's wait (%s)", exc)
+
     def is_lane(self, queue_name: str) -> bool:
         """Whether ``queue_name`` is one of this dataset's lane queues (not a delay queue)."""
         return queue_name.startswith(f"{self.queue_prefix}-") and not queue_name.endswith(".DQ")
@@ -248,11 +344,17 @@ class KumikoBroker(RedisBroker):
     # -- broker commands (Dramatiq's semantics, kumiko's Lua) --------------------------------
     def _head(self, queue_name: str, *, maintenance: bool = True) -> list[Any]:
         """The two arguments every broker command starts with (``lua/_dispatch.lua``)."""
-        chance = maintenance and random.randint(1, MAINTENANCE_SCALE) <= self.maintenance_chance
+        now = current_millis()
+        due = maintenance and (
+            random.randint(1, MAINTENANCE_SCALE) <= self.maintenance_chance
+            or now - self._maintained.setdefault(queue_name, now) >= self.maintenance_interval_ms
+        )
+        if due:
+            self._maintained[queue_name] = now
         return [
             queue_name,
-            f"{current_millis()} {self.broker_id} {self.heartbeat_timeout} "
-            f"{self.dead_message_ttl} {1 if chance else 0}",
+            f"{now} {self.broker_id} {self.heartbeat_timeout} "
+            f"{self.dead_message_ttl} {1 if due else 0}",
         ]
 
     def do_enqueue(self, queue_name: str, redis_message_id: str | bytes, data: bytes) -> None:
@@ -336,8 +438,9 @@ class KumikoBroker(RedisBroker):
         run: RunWrite | None = None,
     ) -> bool:
         """The outcome of one delivery from a lane queue, in one Lua call
-        (``lua/settle.lua``); ``False`` if the delivery was no longer this worker's (then
-        nothing but its in-flight entry, marker and run record was written)."""
+        (``lua/settle.lua``); ``False`` if the delivery was no longer this worker's and its
+        recovered copy was taken by another worker already (then nothing but its in-flight
+        entry, marker and run record was written)."""
         header, record, note = "", "", ""
         if run is not None:
             trim = TRIM_BUDGET if random.random() < 1 / TRIM_BUDGET else 0
@@ -372,6 +475,7 @@ class KumikoBroker(RedisBroker):
                 self.namespace,
                 keys.inflight(self.queue_prefix),
                 keys.completed(self.queue_prefix, message_id),
+                keys.suspects(self.queue_prefix, queue_name),
             ],
             args=args,
         )
@@ -413,7 +517,7 @@ class KumikoBroker(RedisBroker):
         self.emit_before("enqueue", prepared, delay)
         self.lua.guarded_enqueue(
             keys=[*self._queue_keys(prepared), keys.sent(self.queue_prefix, rid)],
-            args=[rid, prepared.encode(), RESEND_WINDOW_MS, "1"],
+            args=[rid, prepared.encode(), self.resend_window_ms, "1"],
         )
         self.emit_after("enqueue", prepared, delay)
         return prepared
@@ -467,35 +571,74 @@ class KumikoBroker(RedisBroker):
             self.emit_after("enqueue", prepared, delay)
         return prepared, reply
 
+    def enqueue_batch(
+        self,
+        messages: Sequence[Message[Any]],
+        script: Script,
+        *,
+        args: Sequence[Any],
+        leads: Sequence[Any] | Callable[[Message[Any]], Any],
+        tails: Sequence[Sequence[Any]] | None = None,
+        delay: int | None = None,
+    ) -> list[Any]:
+        """Run batch enqueue step ``script`` for ``messages`` (all on ONE queue): one Lua call
+        with ``KEYS`` = the queue's hash and list, ``ARGV`` = ``args``, then per message its
+        ``leads[i]`` (or ``leads(prepared message)``), redis message id, encoded message and
+        ``tails[i]``. The script returns
+        the same number of items per message, the first 1 iff it enqueued the message. Every
+        message passes ``before_enqueue``; those enqueued pass ``after_enqueue``. Returns the
+        script's reply."""
+        if not messages:
+            return []
+        prepared = [self.prepare(message, delay) for message in messages]
+        queue_names = {message.queue_name for message in prepared}
+        if len(queue_names) != 1:
+            raise ValueError(f"a batch targets one queue, got {sorted(queue_names)}")
+        argv: list[Any] = list(args)
+        for i, message in enumerate(prepared):
+            self.emit_before("enqueue", message, delay)
+            lead = leads(message) if callable(leads) else leads[i]
+            argv += (lead, message.options["redis_message_id"], message.encode())
+            if tails is not None:
+                argv += tails[i]
+        reply = _as_list(script(keys=list(self._queue_keys(prepared[0])), args=argv))
+        step = len(reply) // len(prepared)
+        for i, message in enumerate(prepared):
+            if reply[i * step] == 1:
+                self.emit_after("enqueue", message, delay)
+        return reply
+
     def enqueue_guarded_batch(
         self,
         messages: Sequence[Message[Any]],
-        guard_keys: Sequence[str],
+        guard_keys: Sequence[str] | Callable[[Message[Any]], str],
         *,
         guard_ttl_ms: int,
         guard_value: str,
         delay: int | None = None,
     ) -> list[bool]:
         """Enqueue each message (all on ONE queue) unless its guard exists, writing guard and
-        message together: one Lua call for the whole batch. Every message passes
-        ``before_enqueue``; those enqueued pass ``after_enqueue``. Returns, per message,
-        whether it was enqueued."""
-        if not messages:
-            return []
-        prepared = [self.prepare(message, delay) for message in messages]
-        queue_names = {message.queue_name for message in prepared}
-        if len(queue_names) != 1:
-            raise ValueError(f"a guarded batch targets one queue, got {sorted(queue_names)}")
-        args: list[Any] = [guard_ttl_ms, guard_value]
-        for message, guard in zip(prepared, guard_keys, strict=True):
-            self.emit_before("enqueue", message, delay)
-            args += (guard, message.options["redis_message_id"], message.encode())
-        reply = self.lua.guarded_enqueue_batch(keys=list(self._queue_keys(prepared[0])), args=args)
-        enqueued = [flag == 1 for flag in reply]
-        for message, fresh in zip(prepared, enqueued, strict=True):
-            if fresh:
-                self.emit_after("enqueue", message, delay)
-        return enqueued
+        message together: one Lua call for the whole batch. Returns, per message, whether it
+        was enqueued."""
+        reply = self.enqueue_batch(
+            messages,
+            self.lua.guarded_enqueue_batch,
+            args=[guard_ttl_ms, guard_value],
+            leads=guard_keys,
+            delay=delay,
+        )
+        return [flag == 1 for flag in reply]
+
+    def enqueue_many(self, messages: Sequence[Message[Any]], *, delay: int | None = None) -> None:
+        """:meth:`enqueue` for many new messages of ONE queue: one Lua call, each message
+        behind its own "sent" marker as :meth:`enqueue` writes it."""
+        self.enqueue_guarded_batch(
+            messages,
+            lambda message: keys.sent(self.queue_prefix, message.options["redis_message_id"]),
+            guard_ttl_ms=self.resend_window_ms,
+            guard_value="1",
+            delay=delay,
+        )
 
     def _queue_keys(self, message: Message[Any]) -> tuple[str, str]:
         return (
@@ -562,9 +705,16 @@ class KumikoBroker(RedisBroker):
 class KumikoConsumer(Consumer):
     """What Dramatiq's worker pulls the messages of one queue from.
 
-    Fetches in one Lua call per batch, waits with Dramatiq's progressive backoff (up to
-    ``timeout`` ms) when there is nothing to fetch, and acks each delivery together with its
-    :class:`Settlement`.
+    Fetches in one Lua call per batch and acks each delivery together with its
+    :class:`Settlement`. With nothing to fetch it does not poll: it blocks on the queue's
+    doorbell (:func:`queue_bell`, ``BLPOP`` on a connection of its own), which every write
+    onto the queue rings in the same Lua call, so a message enqueued into an idle system
+    starts within a round trip or two. The wait is bounded by ``2 * timeout`` (a lost
+    wake-up, say a connection killed while blocked, costs at most that; an idle consumer
+    sends two commands per bound, fewer than Dramatiq's polling) and, on a delay queue, by
+    the due time of the earliest delayed message it holds (its last Redis clock tick,
+    :data:`REDIS_TICK_MS`, is slept locally, so a due message moves on time). A worker
+    shutting down unblocks its consumers (:meth:`KumikoBroker.wake_consumers`).
 
     On a kumiko lane queue a fetched message is a running one: Dramatiq's worker asks for
     twice its threads (``prefetch``), but the consumer holds at most ``prefetch // 2``
@@ -605,6 +755,13 @@ class KumikoConsumer(Consumer):
         #: the suspect this consumer runs alone, if any
         self._alone: str | None = None
         self._suspects_waiting = 0
+        #: (eta, redis id) of the delayed messages held (delay queues; stale entries are
+        #: dropped when they reach the top)
+        self._etas: list[tuple[int, str]] = []
+        #: the doorbell, the connection that waits on it and that connection's client id
+        self._bell_key = queue_bell(queue_name, broker.namespace)
+        self._bell: redis.Redis | None = None
+        self._bell_id = 0
 
     @property
     def outstanding_message_count(self) -> int:
@@ -613,6 +770,8 @@ class KumikoConsumer(Consumer):
 
     def __next__(self) -> Delivery | None:
         try:
+            if self._delayed and self.queue_name in self.broker._abandoned:
+                self._requeue_abandoned()
             while True:
                 if self._cache:
                     delivery = self._deliver(*self._cache.popleft())
@@ -622,17 +781,95 @@ class KumikoConsumer(Consumer):
                     continue
                 if self._fill():
                     continue
-                if self.outstanding_message_count >= self._batch and self._lane:
+                if self._lane and self.outstanding_message_count > self._slots - self._batch:
                     # Busy: wait for an ack to free room (bounded, so Dramatiq's loop goes
-                    # round to move due delayed messages and to notice a shutdown).
+                    # round to notice a shutdown).
                     with self._settled:
                         self._settled.wait(self.timeout / 1000)
                     return None
-                self.misses, backoff_ms = compute_backoff(self.misses, max_backoff=self.timeout)
-                time.sleep(backoff_ms / 1000)
+                self._idle()
                 return None
         except redis.ConnectionError as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+
+    def _idle(self) -> None:
+        """Wait until a message may be there: the doorbell rings, the earliest held delayed
+        message comes due, or ``2 * timeout`` ms pass."""
+        wait_ms = 2 * self.timeout
+        due = self._next_due()
+        if due is not None:
+            wait_ms = min(wait_ms, due - current_millis())
+            if wait_ms <= REDIS_TICK_MS:
+                time.sleep(max(wait_ms, 0) / 1000)
+                return
+            wait_ms -= REDIS_TICK_MS
+        limit_s = self.broker.client.connection_pool.connection_kwargs.get("socket_timeout")
+        if limit_s:  # the wait must end before the socket's read timeout
+            wait_ms = min(wait_ms, int(limit_s * 1000) - 2 * REDIS_TICK_MS)
+        broker = self.broker
+        try:
+            bell = self._bell_client()
+            with broker._bells_lock:
+                blocking = not broker._stopping and wait_ms > 0
+                if blocking:
+                    broker._blocked[id(self)] = self._bell_id
+            if blocking:
+                bell.blpop([self._bell_key], timeout=wait_ms / 1000)
+                return
+        except redis.RedisError as exc:
+            logger.debug("waiting on the doorbell of %s failed (%s)", self.queue_name, exc)
+            self._close_bell()
+        finally:
+            with broker._bells_lock:
+                broker._blocked.pop(id(self), None)
+        # shutting down (or the wait failed): poll briefly, so Dramatiq's loop sees the stop
+        time.sleep(min(max(wait_ms, 0), self.timeout, REDIS_TICK_MS) / 1000)
+
+    def _bell_client(self) -> redis.Redis:
+        if self._bell is None:
+            self._bell = redis.Redis(
+                connection_pool=self.broker.client.connection_pool, single_connection_client=True
+            )
+            # named, so that CLIENT LIST shows which connections are consumers' waits
+            self._bell.client_setname(f"kumiko-bell:{self.queue_name}")
+            self._bell_id = int(self._bell.client_id())
+        return self._bell
+
+    def _close_bell(self) -> None:
+        if self._bell is not None:
+            bell, self._bell = self._bell, None
+            with contextlib.suppress(redis.RedisError):
+                bell.close()
+
+    def _next_due(self) -> int | None:
+        """The eta of the earliest delayed message held, if any."""
+        while self._etas and self._etas[0][1] not in self._outstanding:
+            heapq.heappop(self._etas)
+        return self._etas[0][0] if self._etas else None
+
+    def close(self) -> None:
+        """Give the doorbell's connection back to the pool. A delay-queue consumer closed
+        while it still holds delayed messages (Dramatiq drops its in-memory delay queue on a
+        connection error, then closes the consumer) puts them back on the delay queue, or,
+        if Redis does not answer, leaves them to the next consumer of the queue in this
+        process: a held message is never stranded in a live worker's ack set."""
+        self._close_bell()
+        if self._delayed and self._outstanding:
+            held = set(self._outstanding)
+            try:
+                self.broker.do_requeue(self.queue_name, *held)
+            except redis.RedisError:
+                self.broker._abandoned.setdefault(self.queue_name, set()).update(held)
+            for rid in held:
+                self._done(rid)
+
+    def _requeue_abandoned(self) -> None:
+        held = self.broker._abandoned.pop(self.queue_name, set())
+        try:
+            self.broker.do_requeue(self.queue_name, *held)
+        except redis.RedisError:
+            self.broker._abandoned.setdefault(self.queue_name, set()).update(held)
+            raise
 
     def _fill(self) -> bool:
         """Fetch what there is room for; ``False`` if nothing was (or could be) fetched."""
@@ -661,6 +898,7 @@ class KumikoConsumer(Consumer):
                 self.queue_name,
                 deliveries,
             )
+            self._tell_dead_lettered("worker_died")
         if result.alone:
             self._alone = result.fetched[0][0]
             logger.warning(
@@ -694,15 +932,26 @@ class KumikoConsumer(Consumer):
                 problem,
             )
             self._settle_unrun(rid, "dead", reason=str(problem))
+            self._tell_dead_lettered("malformed")
             if message is not None and policy is not None:
                 policy.rejected(message)
             return None
         self._outstanding.add(rid)
         if self._delayed:
             self.broker._held_delayed.add(rid)
+            eta = message.options.get("eta")
+            if isinstance(eta, int | float):
+                heapq.heappush(self._etas, (int(eta), rid))
         delivery = Delivery(message, fetched_from=self.queue_name, redis_message_id=rid)
         delivery.decoded = decoded
         return delivery
+
+    def _tell_dead_lettered(self, reason: str) -> None:
+        for listener in self.broker.fetch_dead_letter_listeners:
+            try:
+                listener(self.queue_name, reason)
+            except Exception:
+                logger.exception("a dead-letter listener failed")
 
     def _settle_unrun(self, rid: str, outcome: Outcome, *, reason: str = "") -> None:
         """Settle a fetched message that never reaches Dramatiq's worker; a dead-lettered
@@ -722,6 +971,9 @@ class KumikoConsumer(Consumer):
         self._outstanding.discard(rid)
         if rid == self._alone:
             self._alone = None
+        if self._suspects_waiting and not self._outstanding and self._bell is not None:
+            # a suspect waits for this consumer to hold nothing: end its wait now
+            self.broker.unblock(self._bell_id)
         if self._delayed:
             self.broker._held_delayed.discard(rid)
             self.broker._moved.discard(rid)
@@ -738,7 +990,8 @@ class KumikoConsumer(Consumer):
                 return
             settlement = message.settlement
             outcome: Outcome = "ack"
-            if settlement.retry is not None:
+            follow_up = settlement.retry or settlement.handoff
+            if follow_up is not None:
                 outcome = "retry"
             elif settlement.completed:
                 outcome = "completed"
@@ -747,7 +1000,7 @@ class KumikoConsumer(Consumer):
                 rid,
                 outcome,
                 message_id=str(message.message_id),
-                retry=settlement.retry,
+                retry=follow_up,
                 run=settlement.run,
             )
             if not owned:
@@ -756,7 +1009,9 @@ class KumikoConsumer(Consumer):
                     "its outcome is left to that delivery",
                     message.message_id,
                 )
-        except redis.ConnectionError as exc:
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # Dramatiq retries the ack until Redis takes it; settling twice is safe (the
+            # second finds the delivery settled and writes no follow-up again)
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         finally:
             self._done(rid)
@@ -771,7 +1026,9 @@ class KumikoConsumer(Consumer):
                 )
             else:
                 self.broker.do_nack(self.queue_name, rid)
-        except redis.ConnectionError as exc:
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # Dramatiq retries the ack until Redis takes it; settling twice is safe (the
+            # second finds the delivery settled and writes no follow-up again)
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         finally:
             self._done(rid)
@@ -820,11 +1077,11 @@ def _as_list(reply: Any) -> list[Any]:
 def make_connection_pool(redis_url: str, timeout_s: float) -> redis.ConnectionPool:
     """A runner's pool: connect and read timeouts of ``timeout_s``, and one quick reconnect
     on a dropped connection, never on a timeout (redis-py's default retries ten times,
-    timeouts included, which turns an unreachable Redis into a minute-long hang)."""
-    return redis.ConnectionPool.from_url(
+    timeouts included, which turns an unreachable Redis into a minute-long hang). Any URL
+    form of :mod:`kumiko_dramatiq.connection` (TLS, Sentinel, ...)."""
+    return connection_pool(
         redis_url,
-        socket_connect_timeout=timeout_s,
-        socket_timeout=timeout_s,
+        timeout_s=timeout_s,
         retry=Retry(
             ExponentialBackoff(cap=0.5, base=0.05), 1, supported_errors=(redis.ConnectionError,)
         ),

@@ -16,6 +16,8 @@ kumiko_dramatiq.scheduler``).
     locks                        held sequential locks and the runs holding them
     dedup [--job J]              live dedup keys
     reset-boot JOB | --all       the next worker start enqueues a boot-once job again
+    dashboard [--host H] [--port P]   serve the web dashboard (needs the dashboard extra;
+                                 a non-loopback host needs KUMIKO_DASHBOARD_TOKEN)
 
 The app and its dataset come from ``KUMIKO_APP``, ``KUMIKO_REDIS_URL`` and
 ``KUMIKO_QUEUE_PREFIX`` (:mod:`kumiko_dramatiq.apps`). Exit status: 0 on success; 1 when Redis
@@ -33,6 +35,8 @@ is one line and status 1.
 from __future__ import annotations
 
 import argparse
+import importlib
+import ipaddress
 import json
 import logging
 import signal
@@ -45,6 +49,7 @@ from typing import Any, NoReturn
 
 from .apps import load_runner
 from .boot import reset_boot_marker
+from .environment import DASHBOARD_TOKEN, dashboard_token
 from .errors import (
     AppLoadError,
     KumikoError,
@@ -54,6 +59,7 @@ from .errors import (
     UnknownJobError,
 )
 from .history import STATUSES
+from .metrics import serving
 from .runner import JobRunner
 from .scheduler import Scheduler
 
@@ -119,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     reset.add_argument("job_name", nargs="?", metavar="JOB_NAME", help="qualified job name")
     reset.add_argument("--all", action="store_true", help="every run_on_boot job of the app")
+    dashboard = commands.add_parser(
+        "dashboard",
+        help="serve the web dashboard",
+        description="Serve the web dashboard (pip install 'kumiko_dramatiq[dashboard]'). "
+        "Actions need KUMIKO_DASHBOARD_TOKEN; without it the dashboard is read-only and "
+        "binds only a loopback address.",
+    )
+    dashboard.add_argument("--host", default="127.0.0.1")
+    dashboard.add_argument("--port", type=int, default=8787)
     return parser
 
 
@@ -126,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command is None:
         _fail("kumiko: give a command (see --help)")
+    if args.command == "dashboard":
+        return _dashboard(args)
     handler = _COMMANDS[args.command]
     prog = f"kumiko {args.command}"
     try:
@@ -351,6 +368,53 @@ def _reset_boot(runner: JobRunner, args: argparse.Namespace) -> Result:
     return {"reset": reset}, "\n".join(lines), EXIT_OK
 
 
+def _dashboard(args: argparse.Namespace) -> int:
+    """``kumiko dashboard``: serve until SIGINT or SIGTERM. Refuses (status 2, one line) a
+    non-loopback host without a token, and a missing ``dashboard`` extra."""
+    prog = "kumiko dashboard"
+    try:
+        token = dashboard_token()
+    except KumikoError as exc:
+        _fail(f"{prog}: {exc}")
+    if token is None and not is_loopback(args.host):
+        _fail(
+            f"{prog}: refusing to serve on {args.host} without a token: set "
+            f"{DASHBOARD_TOKEN}, or bind a loopback address such as 127.0.0.1"
+        )
+    if not 0 < args.port < 65536:
+        _fail(f"{prog}: --port must be from 1 to 65535, got {args.port}")
+    try:
+        server = importlib.import_module("kumiko_dramatiq.dashboard.server")
+    except ModuleNotFoundError as exc:
+        _fail(
+            f"{prog}: the dashboard needs its extra: pip install 'kumiko_dramatiq[dashboard]' "
+            f"(missing module {(exc.name or '?').split('.')[0]})"
+        )
+    try:
+        runner = load_runner()
+    except KumikoError as exc:
+        _fail(f"{prog}: {exc}")
+    try:
+        try:
+            runner.check_redis()
+        except (RedisUnavailableError, RedisAccessError) as exc:
+            _fail(f"{prog}: {exc}", EXIT_REDIS)
+        server.serve(runner, host=args.host, port=args.port, token=token)
+    finally:
+        runner.stop()
+    return EXIT_OK
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names only this machine: ``localhost`` or a loopback address."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 _COMMANDS: dict[str, Callable[[JobRunner, argparse.Namespace], Result]] = {
     "status": _status,
     "jobs": _jobs,
@@ -434,12 +498,13 @@ def scheduler_main() -> int:
             print(f"kumiko-scheduler: {_one_line(exc)}", file=sys.stderr)
             return EXIT_REDIS
         scheduler = Scheduler(runner.broker, runner.registry, retention=runner.retention)
-        scheduler.start()
-        try:
-            while not stopping.wait(timeout=3600):
-                pass
-        finally:
-            scheduler.stop()
+        with serving(runner.broker, scheduler=True):  # KUMIKO_METRICS_PORT, if set
+            scheduler.start()
+            try:
+                while not stopping.wait(timeout=3600):
+                    pass
+            finally:
+                scheduler.stop()
     finally:
         runner.stop()
         for sig, handler in previous.items():

@@ -1,22 +1,29 @@
-""" "Already completed" markers: a message id that completed never runs again.
+""" "Already completed": a message id that completed never runs again.
 
-A second copy of a finished message id can reach a worker: a message recovered by
-Dramatiq's maintenance from a worker presumed dead that in fact finished it, or a copy
-written twice. So:
+Every way a second copy of a completed message id could reach a worker is closed where the
+copy would be made, in the same Lua call as the step that could leave it behind:
 
-- **written by the ack**: when a kumiko run completes (not handed off, no exception), the
-  ``History`` middleware calls :func:`mark_completed` on the delivery's settlement, and the
-  consumer's ack writes ``keys.completed(prefix, message id)`` with a TTL of
-  ``Retention.completed_age_s`` in the same Lua call as the ack (``lua/settle.lua``): no round
-  trip of its own;
-- **checked by the fetch**: fetching from a lane queue checks each fetched message's marker
-  inside the fetch's own Lua call (``lua/fetch_lane.lua``) and acks, without running it, a message
-  whose id carries one (logged at WARNING by the consumer). Delay queues are not checked:
-  their messages are checked when they come due.
+- a due delayed message moves from its delay queue to its queue in one step
+  (``lua/move.lua``), not Dramatiq's enqueue-then-ack (a kill in between left a copy);
+- a retry and a sequential hand-off are written by the ack of the delivery they follow
+  (``lua/settle.lua``), so a redelivered message never finds its own follow-up already out;
+- a delivery recovered by maintenance from a worker presumed dead that then finished it
+  takes its recovered copy back at its ack if no other worker took it yet (``settle.lua``);
+- every other write of a new message sits behind a "sent" marker for the resend window
+  (:data:`~kumiko_dramatiq.broker.RESEND_WINDOW_MS`), so a command re-sent after a dropped
+  connection writes nothing twice.
 
-A worker killed after a handler returned but before its ack still re-runs that message
-once (delivery is at least once): the marker is written by the ack. Reset: ``DEL`` the key
-(``kumiko reset-boot`` does it for a boot job's fixed id).
+What remains is at-least-once delivery itself: a worker killed after a handler returned but
+before its ack re-runs that message once, and a copy recovered from a worker presumed dead
+(``heartbeat_timeout_ms`` of silence) and taken by another worker before the first one's ack
+runs on both. No marker can stop those (the second run starts before the first ends).
+
+As a safety net for copies written within the resend window, the ack of a completed run
+also writes ``keys.completed(prefix, message id)`` (:func:`mark_completed`, same Lua call, no
+round trip of its own), kept ``KumikoBroker.completed_ttl_ms`` (the resend window, one
+minute), and every fetch from a lane queue acks unrun a message whose id carries one (logged
+at WARNING). So Redis holds about a minute of markers, not a day: memory follows the backlog,
+not the throughput. Reset: ``DEL`` the key.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from .errors import PayloadError
 from .execution import Execution, execution_of
 from .limits import check_dedup_key
 from .messages import build_message
+from .metrics import count_dedup, dedup_outcome
 from .options import Event
 from .registry import JobDefinition
 from .retries import retry_window_ms
@@ -190,7 +191,53 @@ def dispatch_with_key(
         args=[ttl_ms, str(message.message_id), json.dumps(payload), trigger],
         delay=delay_ms,
     )
+    own_id = str(message.message_id)
+    outcome = dedup_outcome(enqueued=reply[0] == 1, returned_id=str(reply[1]), own_id=own_id)
+    count_dedup(broker, job.qualified_name, [outcome])
     return str(reply[1])
+
+
+def dispatch_many_with_keys(
+    runtime: Runtime,
+    job: JobDefinition,
+    payloads: Sequence[dict[str, Any]],
+    dedup_keys: Sequence[str],
+    *,
+    trigger: Trigger,
+    delay_ms: int | None,
+) -> list[str]:
+    """:func:`dispatch_with_key` for many payloads of ``job``, in order, in ONE Lua call
+    (``lua/dedup_dispatch_batch.lua``); a key given twice stands for its first message."""
+    broker = runtime.broker
+    messages = [
+        build_message(
+            job, payload, queue_prefix=runtime.queue_prefix, trigger=trigger, dedup_key=key
+        )
+        for payload, key in zip(payloads, dedup_keys, strict=True)
+    ]
+    ttl_ms = job_record_ttl_ms(
+        job,
+        heartbeat_timeout_ms=broker.heartbeat_timeout,
+        delay_ms=0 if delay_ms is None else delay_ms,
+    )
+    reply = broker.enqueue_batch(
+        messages,
+        broker.lua.dedup_dispatch_batch,
+        args=[ttl_ms, trigger],
+        leads=[keys.dedup(runtime.queue_prefix, job.qualified_name, key) for key in dedup_keys],
+        tails=[
+            (str(message.message_id), json.dumps(payload))
+            for message, payload in zip(messages, payloads, strict=True)
+        ],
+        delay=delay_ms,
+    )
+    ids = [str(reply[i]) for i in range(1, len(reply), 2)]
+    outcomes = [
+        dedup_outcome(enqueued=reply[2 * n] == 1, returned_id=ids[n], own_id=str(m.message_id))
+        for n, m in enumerate(messages)
+    ]
+    count_dedup(broker, job.qualified_name, outcomes)
+    return ids
 
 
 # -- worker ----------------------------------------------------------------------

@@ -12,25 +12,35 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-import dramatiq
 import redis
-from dramatiq.middleware import Middleware
+from dramatiq.middleware import (
+    AgeLimit,
+    Callbacks,
+    Middleware,
+    Pipelines,
+    ShutdownNotifications,
+)
 from dramatiq.worker import Worker
 
+from .acl import check_server
 from .actors import declare_actors
 from .admin import Admin, DeadLetter, DedupInfo, JobInfo, LockInfo, Status
 from .boot import Boot
 from .broker import KumikoBroker, make_connection_pool
-from .dedup import Dedup, dispatch_with_key, event_dedup_keys
+from .connection import client as redis_client
+from .connection import tls_problem
+from .dedup import Dedup, dispatch_many_with_keys, dispatch_with_key, event_dedup_keys
+from .draining import Drain
 from .environment import resolve_settings
 from .errors import (
     JobConfigError,
     NotFoundError,
+    PayloadError,
     RedisAccessError,
     RedisUnavailableError,
     UnknownJobError,
@@ -42,44 +52,71 @@ from .lanes import Lane
 from .limits import check_dedup_key, check_delay_ms, check_payload
 from .logs import install_log_filter
 from .messages import build_message
+from .metrics import metrics_middleware
 from .options import Retention
 from .presence import Presence
 from .registry import JobDefinition, Registry
-from .retries import Retries, retry_window_ms
+from .retries import Retries, check_no_dramatiq_retries, retry_window_ms
 from .runtime import FailedHook, HookSet, Runtime, StartHook, TenantResolver
 from .scheduler import Scheduler
 from .sequential import Sequential
 from .settings import UNSET, Unset
 from .timeouts import Timeouts
+from .tracing import tracing_middleware
 
 logger = logging.getLogger("kumiko_dramatiq")
+
+#: How many messages ``dispatch_many`` writes per Lua call.
+DISPATCH_BATCH = 500
 
 
 def build_middleware(runtime: Runtime, dedup: Dedup, presence: Presence) -> list[Middleware]:
     """The one middleware chain of a kumiko broker, in ``before_*`` order (``after_*`` hooks
-    run in reverse)::
+    run in reverse). It holds Dramatiq's default middleware (AgeLimit, TimeLimit,
+    ShutdownNotifications, Callbacks, Pipelines, Retries), so a plain ``@dramatiq.actor`` on
+    a kumiko broker behaves as on Dramatiq's ``RedisBroker``; none of them changes a kumiko
+    job (kumiko's actors and messages carry none of their options, but ``time_limit``)::
 
-        Lane        consume only the runner's lane
+        AgeLimit    Dramatiq's: skips a message older than its actor's max_age (first, as in
+                    Dramatiq's order, so add_middleware(m, before=AgeLimit) puts m first)
+        Lane        a worker consumes its lane and every non-lane queue, no other lane
         Boot        boot gates and boot-once jobs on process boot
         Executions  open each delivery's Execution; dead-letter malformed messages
+        Metrics     only with metrics_port: counts runs, hand-offs, ... (kumiko_dramatiq.metrics)
+        Tracing     only with opentelemetry-api installed: a span per attempt (.tracing)
         History     the end record of each attempt and the "already completed" marker of a
                     completed run, for the ack to write
-        Retries     retry failed attempts on the same message id (after: runs late)
+        Callbacks   Dramatiq's: on_success / on_failure (after: once Retries decided)
+        Pipelines   Dramatiq's: the next step of a pipeline, unless the message failed
+        Retries     kumiko's jobs: retried on the same message id (after: runs late); any
+                    other actor: Dramatiq's Retries and its options (kumiko_dramatiq.retries)
         Sequential  the lease of sequential jobs (before: acquire or hand off; after: release)
         Dedup       the life of dedup keys
         Hooks       on_job_start / on_job_complete / on_job_failed
-        Timeouts    Dramatiq's TimeLimit, last of the message hooks: its clock covers the handler
+        ShutdownNotifications  Dramatiq's: interrupts actors with notify_shutdown on shutdown
+        Timeouts    Dramatiq's TimeLimit, last of the message hooks: its clock covers the
+                    handler; timeout_ms for kumiko's jobs, Dramatiq's 10 minutes by default
+                    for any other actor
         Presence    registers the worker process as alive while it runs
+
+    Middleware added later (``runner.broker.add_middleware``) come after the chain; they
+    never see a sequential hand-off (see ``KumikoBroker.add_middleware``).
     """
     return [
-        Lane(runtime.queue_name),
+        AgeLimit(),
+        Lane(runtime.settings.queue_prefix, runtime.settings.lane),
         Boot(runtime),
         Executions(runtime),
+        *metrics_middleware(runtime),
+        *tracing_middleware(runtime),
         History(runtime.settings),
-        Retries(log_payloads=runtime.settings.log_payloads),
+        Callbacks(),
+        Pipelines(),
+        Retries(runtime.registry, log_payloads=runtime.settings.log_payloads),
         Sequential(runtime),
         dedup,
         Hooks(runtime),
+        ShutdownNotifications(),
         Timeouts(interval=runtime.settings.timeout_check_ms),
         presence,
     ]
@@ -119,6 +156,7 @@ class JobRunner:
         log_payloads: bool | Unset = UNSET,
         history_cap: int | Unset = UNSET,
         record_payloads: bool | Unset = UNSET,
+        metrics_port: int | Unset | None = UNSET,
     ) -> None:
         if not isinstance(registry, Registry):
             raise JobConfigError(None, "registry", "must be a Registry", registry)
@@ -142,6 +180,7 @@ class JobRunner:
                 "log_payloads": log_payloads,
                 "history_cap": history_cap,
                 "record_payloads": record_payloads,
+                "metrics_port": metrics_port,
             }
         )
         for name, hook in (
@@ -164,7 +203,6 @@ class JobRunner:
             hooks=HookSet(on_job_start, on_job_complete, on_job_failed),
             get_active_tenant_ids=get_active_tenant_ids,
         )
-        retention_ms = settings.retention.completed_age_s * 1000
         dedup = Dedup(self.runtime)
         client = redis.Redis(
             connection_pool=make_connection_pool(
@@ -181,7 +219,6 @@ class JobRunner:
             maintenance_chance=settings.maintenance_chance,
             dead_message_ttl=settings.retention.failed_age_s * 1000,
             queue_prefix=settings.queue_prefix,
-            completed_ttl_ms=retention_ms,
             max_deliveries=settings.max_deliveries,
             run_ttls_ms=run_ttls_ms(settings),
             history_cap=settings.history_cap,
@@ -193,6 +230,7 @@ class JobRunner:
         self._scheduler: Scheduler | None = None
         self._started = False
         self._stopped = False
+        self._drain = Drain(self.broker, registry, settings.queue_prefix)
 
     # -- settings, as attributes --------------------------------------------
     @property
@@ -252,6 +290,64 @@ class JobRunner:
         with self._redis("dispatching " + job.qualified_name):
             self.broker.enqueue(message, delay=delay_ms)
         return str(message.message_id)
+
+    def dispatch_many(
+        self,
+        job_name: str,
+        payloads: Iterable[dict[str, Any] | None],
+        *,
+        dedup_keys: Iterable[str] | None = None,
+        delay_ms: int | None = None,
+    ) -> list[str]:
+        """Enqueue one run of ``job_name`` per payload, in order; return their message ids.
+
+        Every payload (and dedup key: ``dedup_keys`` gives one per payload) is checked before
+        anything is enqueued: a bad one raises ``PayloadError`` naming its index
+        (``payloads[3]``, ``dedup_keys[3]``), and nothing is enqueued. Then the messages go
+        in batches of :data:`DISPATCH_BATCH`, one Lua call each (each batch all or nothing),
+        with everything ``dispatch`` gives a message: options, retries, per-tenant wrapper,
+        delay, and dedup keys decided exactly as ``dispatch`` decides them (a key given twice
+        stands for its first message; a live key's id comes back as in ``dispatch``).
+        """
+        job = self._job(job_name)
+        name = job.qualified_name
+        bodies = [
+            check_payload(
+                name, payload, max_bytes=self.settings.max_payload_bytes, path=f"payloads[{i}]"
+            )
+            for i, payload in enumerate(payloads)
+        ]
+        delay_ms = check_delay_ms(name, delay_ms)
+        keyed: list[str] | None = None
+        if dedup_keys is not None:
+            keyed = [
+                check_dedup_key(name, f"dedup_keys[{i}]", key) for i, key in enumerate(dedup_keys)
+            ]
+            if len(keyed) != len(bodies):
+                raise PayloadError(
+                    name, "dedup_keys", f"must give one key per payload ({len(bodies)})", keyed
+                )
+        ids: list[str] = []
+        with self._redis("dispatching " + name):
+            for start in range(0, len(bodies), DISPATCH_BATCH):
+                batch = bodies[start : start + DISPATCH_BATCH]
+                if keyed is not None:
+                    ids += dispatch_many_with_keys(
+                        self.runtime,
+                        job,
+                        batch,
+                        keyed[start : start + DISPATCH_BATCH],
+                        trigger="manual",
+                        delay_ms=delay_ms,
+                    )
+                    continue
+                messages = [
+                    build_message(job, body, queue_prefix=self.queue_prefix, trigger="manual")
+                    for body in batch
+                ]
+                self.broker.enqueue_many(messages, delay=delay_ms)
+                ids += [str(message.message_id) for message in messages]
+        return ids
 
     def handle_event(self, event_name: str, payload: dict[str, Any] | None = None) -> list[str]:
         """Dispatch every job whose trigger is ``Event(event_name)``; return their ids.
@@ -329,6 +425,14 @@ class JobRunner:
         """Every recorded attempt of ``message_id``, oldest first."""
         with self._redis("reading the run history"):
             return self.history.run_record(message_id)
+
+    def drain(self, timeout_s: float = 30) -> list[JobRun]:
+        """Wait until nothing of this dataset is queued, delayed, backing off or running (both
+        lanes, any worker), then return the runs that ended since the previous ``drain`` (the
+        first: since this runner was built), oldest first. Raises ``DrainTimeoutError``
+        naming what is still pending after ``timeout_s``. See :mod:`kumiko_dramatiq.draining`."""
+        with self._redis("draining"):
+            return self._drain(timeout_s)
 
     # -- operating (see kumiko_dramatiq.admin) ----------------------------
     @property
@@ -454,27 +558,24 @@ class JobRunner:
 
     def check_redis(self) -> None:
         """Wait for Redis (:meth:`wait_for_redis`), then check that it lets this runner do
-        everything kumiko needs (``RedisAccessError``, one line naming what is refused)."""
+        everything kumiko needs (``RedisAccessError``, one line naming what is refused:
+        :func:`kumiko_dramatiq.acl.check_server`)."""
         self.wait_for_redis()
         with self._redis("checking its permissions"):
-            self.broker.check_access(self.redis_url)
+            check_server(self.broker, self.redis_url)
 
     def wait_for_redis(self) -> None:
         """Ping Redis until it answers; ``RedisUnavailableError`` after
         ``boot_redis_timeout_ms``, ``RedisAccessError`` at once when it refuses the
-        credentials or the database number."""
+        credentials or the database number, or TLS fails for good (a certificate that does
+        not verify: :func:`~kumiko_dramatiq.connection.tls_problem`)."""
         deadline = time.monotonic() + self.boot_redis_timeout_ms / 1000
         last_error: BaseException | None = None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RedisUnavailableError(self.redis_url, "starting the runner", last_error)
-            probe = redis.Redis.from_url(
-                self.redis_url,
-                socket_connect_timeout=remaining,
-                socket_timeout=remaining,
-                retry=None,
-            )
+            probe = redis_client(self.redis_url, timeout_s=remaining)
             try:
                 probe.ping()
                 return
@@ -483,6 +584,8 @@ class JobRunner:
             except redis.ResponseError as exc:
                 raise RedisAccessError(self.redis_url, f"refuses the connection: {exc}") from None
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                if (tls := tls_problem(exc)) is not None:
+                    raise RedisAccessError(self.redis_url, tls) from None
                 last_error = exc
                 time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
             finally:
@@ -513,13 +616,7 @@ class JobRunner:
         raise LookupError(kind.__name__)
 
     def _check_can_consume(self) -> None:
-        for middleware in self.broker.middleware:
-            if isinstance(middleware, dramatiq.middleware.Retries):
-                raise JobConfigError(
-                    None,
-                    "broker middleware",
-                    "must not include dramatiq's Retries: kumiko retries its own messages",
-                )
+        check_no_dramatiq_retries(self.broker.middleware)
         check_lane_can_run(self.runtime)
 
     def _close(self) -> None:

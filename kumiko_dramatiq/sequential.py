@@ -11,17 +11,17 @@ after the terminal hooks and BEFORE ``Retries`` enqueues a retry: a retry
 waiting out its backoff holds no lock and takes it again when it runs.
 
 ``before_process_message``
-    One Lua call (``lua/lock_acquire.lua``): if this message id already handed off
-    (its hand-off guard exists: a redelivery after a crash, or a retry after a
-    hand-off whose reply was lost), the delivery is a no-op; else
-    ``SET lock token NX PX ttl``. Acquired: the lease is kept in
-    ``execution.lease`` and renewed by this middleware's renewer thread.
-    Held: a NEW message (``trigger="requeue"``, same payload, tenant, dedup key
-    and cron tick, ``build_message_options(job)`` and the failed attempts
-    already spent) is enqueued after
-    ``sequential_retry_delay_ms`` (+0..20 % jitter), its id noted in
-    ``execution.handoff_id``, so the actor body, the hooks and ``Retries`` do
-    nothing and the original is acked. Logged at INFO. Any error (Redis down) raises
+    One Lua call (``lua/lock_acquire.lua``): ``SET lock token NX PX ttl``.
+    Acquired: the lease is kept in ``execution.lease`` and renewed by this
+    middleware's renewer thread. Held: a NEW message (``trigger="requeue"``,
+    same payload, tenant, dedup key and cron tick, ``build_message_options(job)``
+    and the failed attempts already spent), due after
+    ``sequential_retry_delay_ms`` (+0..20 % jitter), goes into the delivery's
+    settlement: the ack writes it in the same Lua call that acks the original
+    (``lua/settle.lua``, as it writes a retry), so a crash can neither lose the
+    hand-off nor write it twice, and a message redelivered after a crash simply
+    checks the lock again. Its id is noted in ``execution.handoff_id``, so the
+    actor body, the hooks and ``Retries`` do nothing. Logged at INFO. Any error (Redis down) raises
     :class:`~kumiko_dramatiq.errors.SequentialLockError`, a ``MiddlewareError``:
     the handler never runs without the lock, the attempt counts as failed.
 ``after_process_message`` / ``after_skip_message``
@@ -42,12 +42,8 @@ Messages of other jobs return before any Redis call.
 
 Redis keys: :func:`keys.sequential_lock` (the lease: value = owner token
 ``"<message id>:<uuid4 hex>"``, TTL ``lock_ttl_ms``, default 30 000 ms,
-renewed every TTL/3 by one multi-key Lua call for all leases of the process);
-:func:`keys.enqueue_guard` of the hand-off id (value = the original message
-id, TTL ``retention.completed_age_s``), written in the same Lua call as the
-hand-off message (``lua/guarded_enqueue.lua``), so a crash can neither
-lose the hand-off nor enqueue it twice; the lock script checks it, so a message redelivered
-after its hand-off does nothing.
+renewed every TTL/3 by one multi-key Lua call for all leases of the process).
+A hand-off leaves no key of its own: it is enqueued by the ack.
 
 Bounds: a worker killed with ``kill -9`` leaves its lock for at most
 ``lock_ttl_ms`` (the last renewal was at most TTL/3 earlier). A
@@ -82,7 +78,7 @@ logger = logging.getLogger("kumiko_dramatiq")
 JITTER_FRACTION = 0.2
 
 #: Reply codes of ``lua/lock_acquire.lua``.
-HELD, ACQUIRED, ALREADY_HANDED_OFF = 0, 1, 2
+HELD, ACQUIRED = 0, 1
 
 
 # -- pure decisions ------------------------------------------------------
@@ -139,28 +135,17 @@ class Sequential(Middleware):
         lock_key = keys.sequential_lock(
             prefix, job.qualified_name, lock_tenant(job, execution.meta.tenant_id)
         )
-        handoff_id = handoff_message_id(execution.message_id)
-        guard_key = keys.enqueue_guard(prefix, handoff_id)
         token = new_token(execution.message_id)
         lua = self.runtime.broker.lua
         try:
-            state = lua.lock_acquire(keys=[lock_key, guard_key], args=[token, self.lock_ttl_ms])
+            state = lua.lock_acquire(keys=[lock_key], args=[token, self.lock_ttl_ms])
         except Exception as exc:
             raise SequentialLockError(job.qualified_name, "taking the lock", lock_key, exc) from exc
         if state == ACQUIRED:
             execution.lease = Lease(lock_key, token)
             self._renewer.hold(token, lock_key)
             return
-        if state == ALREADY_HANDED_OFF:
-            execution.handoff_id = handoff_id
-            logger.info(
-                "%s %s was already handed off to %s (a redelivery); nothing to do",
-                job.qualified_name,
-                execution.message_id,
-                handoff_id,
-            )
-            return
-        self._hand_off(execution, lock_key, handoff_id, guard_key)
+        self._hand_off(execution, lock_key)
 
     def after_process_message(
         self,
@@ -179,10 +164,9 @@ class Sequential(Middleware):
         self._renewer.stop()
 
     # -- internals ---------------------------------------------------------
-    def _hand_off(
-        self, execution: Execution, lock_key: str, handoff_id: str, guard_key: str
-    ) -> None:
+    def _hand_off(self, execution: Execution, lock_key: str) -> None:
         job, meta, options = execution.job, execution.meta, execution.options
+        handoff_id = handoff_message_id(execution.message_id)
         delay_ms = handoff_delay_ms(
             self.runtime.settings.sequential_retry_delay_ms, random.random()
         )
@@ -199,20 +183,10 @@ class Sequential(Middleware):
             origin_id=execution.origin_id,
         )
         broker = self.runtime.broker
-        try:
-            broker.enqueue_step(
-                handoff,
-                broker.lua.guarded_enqueue,
-                keys=[guard_key],
-                args=[self.runtime.settings.retention.completed_age_s * 1000, execution.message_id],
-                delay=delay_ms,
-            )
-        except Exception as exc:
-            raise SequentialLockError(
-                job.qualified_name, f"handing off to {handoff_id}", lock_key, exc
-            ) from exc
-        # Enqueued now, or by an earlier delivery of this message: either way
-        # the work lives on in ``handoff_id``.
+        prepared = broker.prepare(handoff, delay_ms)
+        broker.emit_before("enqueue", prepared, delay_ms)
+        # the ack writes it (and acks the original) in one Lua call
+        execution.delivery.settlement.handoff = (prepared, delay_ms)
         execution.handoff_id = handoff_id
         logger.info(
             "%s %s: lock %s is held; handed off to %s (trigger requeue, attempt %d of %d), "

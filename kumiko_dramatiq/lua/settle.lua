@@ -1,9 +1,10 @@
 -- settle: the outcome of one delivery from a kumiko lane queue, in one step.
 -- KEYS[1] namespace   KEYS[2] in-flight hash (see fetch_lane)   KEYS[3] "already completed"
--- marker of the message id (written only for outcome "completed")
+-- marker of the message id (written only for outcome "completed")   KEYS[4] the queue's
+-- suspects list (see fetch_lane)
 -- ARGV[1..2] dispatch head (see _dispatch.lua)
 -- ARGV[3] redis message id   ARGV[4] "<outcome> <marker TTL ms>", outcome "ack" |
---         "completed" | "retry" | "dead"
+--         "completed" | "retry" (a failed attempt's retry, or a sequential hand-off) | "dead"
 -- ARGV[5] the run record's header, tab-separated, or "" for none: kumiko root
 --         "kumiko:<prefix>:", message id, attempt, job, status, tenant ("" = none), origin id,
 --         TTL ms of completed and cancelled records, TTL ms of failed ones, record cap, trim
@@ -15,14 +16,18 @@
 --         none), kept as long as dead letters
 -- ARGV[8] retry queue (a delay queue if delayed)   ARGV[9] retry redis id   ARGV[10] the
 --         encoded retry (outcome "retry" only)
--- Removes the delivery's in-flight entry and writes the run record (with the deliveries
--- count when more than one); then, iff the id is still in this worker's ack set: "ack" and
--- "completed" forget the message, "retry" forgets it and enqueues its retry (so a crash can
--- neither lose the retry nor enqueue it twice), "dead" moves it to the dead letters with its
--- note. A delivery no longer this worker's (recovered by maintenance while the worker was
--- presumed dead) changes nothing but the entry, the marker and the record: it runs again
--- where it was recovered to.
--- Returns 1 if the delivery was this worker's, else 0.
+-- Writes the run record (with the deliveries count when more than one); then, iff the
+-- delivery is this worker's: removes its in-flight entry; "ack" and "completed" forget the
+-- message, "retry" forgets it and enqueues its retry or hand-off (so a crash can neither
+-- lose it nor enqueue it twice; it is written first, so a write that fails leaves the
+-- delivery untouched), "dead" moves it to the dead letters with its note. A delivery no
+-- longer in this worker's ack set was recovered by maintenance while the worker was presumed
+-- dead: if its recovered copy still waits (in the queue or the suspects list), the copy is
+-- taken back and the delivery settled as if it had stayed this worker's, so no second copy
+-- of a settled message is left to run; if another worker took the copy already, only the
+-- marker and the record are written (the in-flight entry is that worker's now): it runs
+-- there too (at least once).
+-- Returns 1 if the delivery was (or became again) this worker's, else 0.
 -- @include dispatch
 -- @include enqueue
 -- @include dead_letter
@@ -42,17 +47,39 @@ if ARGV[5] ~= "" then
     ttl_ms(failed_ttl, "failed run record")
     completed_ttl, failed_ttl = tonumber(completed_ttl), tonumber(failed_ttl)
 end
-local entry = redis.call("hget", KEYS[2], rid)
-redis.call("hdel", KEYS[2], rid)
+-- Whose delivery is it? Read first: nothing is written before the follow-up, the one write
+-- that can fail on a key it does not own (a failed settle then leaves the delivery as it was).
+local owned = redis.call("sismember", queue_acks, rid) == 1
+local recovered = nil
+if not owned then
+    if redis.call("lpos", queue_list, rid) then
+        recovered = queue_list
+    elseif redis.call("lpos", KEYS[4], rid) then
+        recovered = KEYS[4]
+    end
+end
+local mine = owned or recovered ~= nil
+if mine and outcome == "retry" then
+    local retry_list = namespace .. ":" .. ARGV[8]
+    enqueue_message(retry_list .. ".msgs", retry_list, ARGV[9], ARGV[10])
+end
+local entry = nil
+if mine then
+    entry = redis.call("hget", KEYS[2], rid)
+    redis.call("hdel", KEYS[2], rid)
+end
 if outcome == "completed" then
     redis.call("set", KEYS[3], "1", "PX", marker_ttl)
 end
 if root then
     if status == "malformed" then
-        local run = run_of(root, redis.call("hget", queue_messages, rid), worker)
+        local claimed_by = entry and string.match(entry, "^%d+|%d+|(.+)$")
+        local run = run_of(root, redis.call("hget", queue_messages, rid), claimed_by or worker)
         if run then
             run.s, run.en, run.et, run.em = "dead", now, "MalformedMessage", ARGV[6]
-            run.n = inflight_count(entry)
+            if inflight_count(entry) > 1 then
+                run.n = inflight_count(entry)
+            end
             put_run(root, run.m, run.a, run.j, "dead", run.t or "", run.o, now,
                 cjson.encode(run), completed_ttl, failed_ttl)
         end
@@ -74,8 +101,13 @@ if root then
             indexed_job)
     end
 end
-if redis.call("srem", queue_acks, rid) == 0 then
+if not mine then
     return 0
+end
+if owned then
+    redis.call("srem", queue_acks, rid)
+else
+    redis.call("lrem", recovered, 0, rid)
 end
 if outcome == "dead" then
     dead_letter(rid)
@@ -85,8 +117,4 @@ if outcome == "dead" then
     return 1
 end
 redis.call("hdel", queue_messages, rid)
-if outcome == "retry" then
-    local retry_list = namespace .. ":" .. ARGV[8]
-    enqueue_message(retry_list .. ".msgs", retry_list, ARGV[9], ARGV[10])
-end
 return 1

@@ -146,6 +146,22 @@ class Poison:
 
 
 @dataclass(frozen=True)
+class DelayedBurst:
+    """Delayed messages the driver dispatched together, due at ``due``, and the SIGKILL
+    of worker process group ``pgid`` a few ms after ``due``: the worker that held most
+    of them (``held``, in its delay queue's ack set shortly before they came due), while
+    its delay-queue consumer was moving them to the queue; ``unmoved``: how many of them
+    were still in that ack set right after the kill (maintenance gives those back to
+    the delay queue once the worker's heartbeat is old; another worker moves them)."""
+
+    message_ids: tuple[str, ...]
+    due: float
+    pgid: int
+    held: int
+    unmoved: int
+
+
+@dataclass(frozen=True)
 class DeadLetter:
     """A message in the dead-letter set: its redis id and when it was put there."""
 
@@ -373,10 +389,20 @@ def check_reruns(
     kills: KillLog,
     *,
     marked: Collection[str] | None = None,
+    bursts: Sequence[DelayedBurst] = (),
+    dropped: Mapping[str, int] | None = None,
 ) -> tuple[CheckResult, frozenset[str]]:
     """2. No message id started after it had completed, no attempt ran twice, no two
     deliveries of one id at once; and, if ``marked`` (the ids whose completed
     marker exists at the end) is given, every id that completed has its marker.
+
+    ``bursts``: the delayed bursts whose holder was SIGKILLed as they came due
+    (:class:`DelayedBurst`); each of their messages must have run (a message the kill
+    lost is a violation), and none may have had a second copy. ``dropped``: message id ->
+    how many copies of it a fetch acked unrun because the id had completed (the
+    workers' log): a copy of a burst's message is a violation (its move from the delay
+    queue left a copy behind, the gap Dramatiq's enqueue-then-ack leaves); any other is
+    a note (the safety net caught a copy).
 
     Returns the result and the tokens of the *explained* re-runs (see the module
     docstring), which the other checks do not count as a second completion.
@@ -445,7 +471,50 @@ def check_reruns(
             "handler's end or failure and before the ack (at-least-once redelivery)"
         )
     result.notes.append(f"{len(done_at)} completed markers observed")
+    _check_bursts(result, index, bursts, dropped or {})
     return result, frozenset(explained)
+
+
+def _check_bursts(
+    result: CheckResult,
+    index: RunIndex,
+    bursts: Sequence[DelayedBurst],
+    dropped: Mapping[str, int],
+) -> None:
+    delayed = {message_id for burst in bursts for message_id in burst.message_ids}
+    for burst in bursts:
+        never = [
+            message_id for message_id in burst.message_ids if message_id not in index.by_message
+        ]
+        if never:
+            result.violations.append(
+                f"delayed burst due at {burst.due:.3f}: {len(never)} message(s) never ran "
+                f"(lost by the kill of {burst.pgid}?), e.g. {never[0]}"
+            )
+    for message_id, copies in sorted(dropped.items()):
+        if message_id in delayed:
+            result.violations.append(
+                f"delayed message {message_id} had a second copy ({copies} acked unrun as "
+                "already completed): its move from the delay queue left a copy behind"
+            )
+    others = {mid: copies for mid, copies in dropped.items() if mid not in delayed}
+    if others:
+        result.notes.append(
+            f"{sum(others.values())} copies of {len(others)} completed message id(s) acked "
+            f"unrun by a fetch (the safety net caught them), e.g. {sorted(others)[:3]}"
+        )
+    if bursts:
+        runs = [run for message_id in delayed for run in index.by_message.get(message_id, [])]
+        first_attempts = [run for run in runs if run.attempt == 1]
+        again = len(first_attempts) - len({run.message_id for run in first_attempts})
+        result.notes.append(
+            f"{len(bursts)} delayed burst(s) of {len(delayed)} message(s) SIGKILLed as they "
+            "came due (held by the killed worker / still unmoved at the kill: "
+            + ", ".join(f"{burst.held}/{burst.unmoved}" for burst in bursts)
+            + "); "
+            f"{sum(1 for run in runs if run.outcome == 'cut')} run(s) cut, "
+            f"{again} first attempt(s) ran again"
+        )
 
 
 # -- 3. per-tenant -----------------------------------------------------------------------------
@@ -585,10 +654,19 @@ def check_boot(job: str, index: RunIndex, explained: frozenset[str]) -> CheckRes
 
 # -- 7. leftovers ------------------------------------------------------------------------------
 
-#: Record kinds (the segment after ``kumiko:{prefix}:``) that must carry a TTL.
-TTL_BOUND = frozenset({"enqueued", "done", "cron", "sent"})
-#: Kinds that must be gone once the run is over and the lock TTL has passed.
-MUST_BE_GONE = frozenset({"lock", "dedup"})
+#: Record kinds (the segment after ``kumiko:{prefix}:``) kept ``Retention.completed_age_s``:
+#: the enqueue guards of deterministic ids (``enqueued:{id}``: fan-out children, cron
+#: ticks, the boot job; a sequential hand-off writes none, its ack enqueues it) and the
+#: cron jobs' last ticks (``cron:last:{job}``).
+TTL_BOUND = frozenset({"enqueued", "cron"})
+#: Per-message markers that only guard against a second copy, each kept the window in which
+#: such a copy can appear (``done``: ``KumikoBroker.completed_ttl_ms``; ``sent``:
+#: ``KumikoBroker.resend_window_ms``; both a minute), not ``completed_age_s``.
+MARKERS = frozenset({"done", "sent"})
+#: Kinds that must be gone once the run is over and the lock TTL has passed: the locks, the
+#: dedup records, the in-flight hash (an entry per message out with a worker) and the
+#: suspects lists.
+MUST_BE_GONE = frozenset({"lock", "dedup", "inflight", "suspects"})
 #: Documented persistent records.
 PERSISTENT = frozenset({"boot"})
 #: The soak's own records.
@@ -601,6 +679,8 @@ HISTORY = frozenset({"run", "dead"})
 HISTORY_INDEXES = frozenset({"runs"})
 #: Liveness entries (:mod:`kumiko_dramatiq.presence`): each with a TTL of its own.
 PRESENCE = frozenset({"proc", "procs"})
+#: The TTL of a queue's doorbell token (``dramatiq:{queue}:bell``, ``lua/_bell.lua``).
+BELL_TTL_MS = 60_000
 
 
 def check_leftovers(
@@ -611,19 +691,33 @@ def check_leftovers(
     stuck: Sequence[str] = (),
     history_ttl_ms: int | None = None,
     running: Sequence[str] = (),
+    marker_ttls_ms: Mapping[str, int] | None = None,
+    guarded: Collection[str] | None = None,
+    queue_keys: Sequence[tuple[str, int]] = (),
 ) -> CheckResult:
-    """7. No lock, dedup record or marker left behind but the documented TTL-bound ones.
+    """7. No lock, dedup record, in-flight entry or marker left behind but the documented
+    TTL-bound ones.
 
     ``keys``: every ``kumiko:{queue_prefix}:*`` key with its ``PTTL`` (-1: none,
-    -2: gone meanwhile). ``stuck``: messages left in queues, delay queues or ack
-    sets, and processes that did not stop (each a violation). ``history_ttl_ms``: the
-    longest TTL of a run-history record (``None``: history keys are unknown keys).
-    ``running``: run-history records still "running" once every message has settled
-    (each a violation: a cut run's record must be superseded by its redelivery's or
-    turned "dead" with its dead letter).
+    -2: gone meanwhile). ``ttl_bound_ms``: the longest TTL of a :data:`TTL_BOUND` record
+    (``completed_age_s``). ``marker_ttls_ms``: the longest TTL of each kind of
+    :data:`MARKERS` (a kind not given: ``ttl_bound_ms``). ``guarded``: the message ids that
+    may carry an enqueue guard (fan-out children, cron ticks, the boot job; ``None``: any
+    id): a guard of any other id (a sequential hand-off's, say) is a violation. ``stuck``:
+    messages left in queues, delay queues or ack sets, and processes that did not stop
+    (each a violation). ``history_ttl_ms``: the longest TTL of a run-history record
+    (``None``: history keys are unknown keys). ``running``: run-history records still
+    "running" once every message has settled (each a violation: a cut run's record must be
+    superseded by its redelivery's or turned "dead" with its dead letter). ``queue_keys``:
+    every ``dramatiq:{queue}*`` key of the prefix's queues with its ``PTTL``: a doorbell
+    (``...:bell``) must expire within :data:`BELL_TTL_MS`, dead letters (``.XQ``,
+    ``.XQ.msgs``) may stay (maintenance expires them), any other queue key is a violation.
     """
-    result = CheckResult(7, "nothing left behind but TTL-bound records", len(keys))
+    result = CheckResult(
+        7, "nothing left behind but TTL-bound records", len(keys) + len(queue_keys)
+    )
     root = f"kumiko:{queue_prefix}:"
+    marker_ttls = marker_ttls_ms or {}
     counts: dict[str, int] = defaultdict(int)
     for key, pttl in keys:
         if pttl == -2:
@@ -639,21 +733,34 @@ def check_leftovers(
                 result.violations.append(f"liveness entry without a TTL: {key}")
             continue
         if history_ttl_ms is not None and kind in HISTORY:
-            if pttl < 0 or pttl > history_ttl_ms:
-                result.violations.append(
-                    f"{key}: pttl {pttl} ms, expected a TTL of at most {history_ttl_ms} ms"
-                )
+            _bound(result, key, pttl, history_ttl_ms)
         elif kind in MUST_BE_GONE:
             result.violations.append(f"{kind} record left behind: {key} (pttl {pttl} ms)")
+        elif kind in MARKERS:
+            _bound(result, key, pttl, marker_ttls.get(kind, ttl_bound_ms))
         elif kind in TTL_BOUND:
-            if pttl < 0 or pttl > ttl_bound_ms:
+            message_id = key[len(root) + len(kind) + 1 :]
+            if kind == "enqueued" and guarded is not None and message_id not in guarded:
                 result.violations.append(
-                    f"{key}: pttl {pttl} ms, expected a TTL of at most {ttl_bound_ms} ms"
+                    f"enqueue guard of {message_id}, which is no fan-out child, cron tick or "
+                    f"boot job (a sequential hand-off's?): {key} (pttl {pttl} ms)"
                 )
+            _bound(result, key, pttl, ttl_bound_ms)
         elif pttl < 0:
             result.violations.append(f"unknown record without a TTL: {key}")
         else:
             result.notes.append(f"unknown TTL-bound record: {key} (pttl {pttl} ms)")
+    for key, pttl in queue_keys:
+        if pttl == -2:
+            continue
+        if key.endswith(":bell"):
+            counts["(queue) bell"] += 1
+            _bound(result, key, pttl, BELL_TTL_MS)
+        elif key.endswith((".XQ", ".XQ.msgs")):
+            counts["(queue) dead letters"] += 1
+        else:
+            counts["(queue) other"] += 1
+            result.violations.append(f"queue key left behind: {key} (pttl {pttl} ms)")
     result.violations += [f"stuck: {item}" for item in stuck]
     result.violations += [
         f"history record still running after every message settled: {item}" for item in running
@@ -662,6 +769,12 @@ def check_leftovers(
         0, "keys by kind: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
     )
     return result
+
+
+def _bound(result: CheckResult, key: str, pttl: int, bound_ms: int) -> None:
+    """A violation unless ``key`` expires within ``bound_ms``."""
+    if pttl < 0 or pttl > bound_ms:
+        result.violations.append(f"{key}: pttl {pttl} ms, expected a TTL of at most {bound_ms} ms")
 
 
 # -- 8. malformed messages ---------------------------------------------------------------------

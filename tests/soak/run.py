@@ -13,12 +13,14 @@ SIGKILL of a worker (a new one starts at once), ``CLIENT KILL TYPE normal SKIPME
 SIGTERM and restart of one scheduler (never both), malformed messages pushed
 straight onto the queue (garbage bytes, an unknown actor, a kumiko actor with wrong
 arguments, a kumiko message with forged options), and poison messages (a job whose
-handler kills its own worker process: ``os._exit`` or a segfault). A supervisor
-restarts at once any worker that exits on its own, as a real one would, and notes the
-death. Then it stops the load and the schedulers, waits until the queues, delay queues,
+handler kills its own worker process: ``os._exit`` or a segfault), and a burst of
+delayed jobs all due at one instant whose holder is SIGKILLed a few ms after that
+instant, while it moves them from the delay queue to the queue. A supervisor restarts
+at once any worker that exits on its own, as a real one would, and notes the death.
+Then it stops the load and the schedulers, waits until the queues, delay queues,
 suspect lists and ack sets are empty and every job is final, stops the workers
-gracefully, waits out the lock TTL, and checks the handlers' records
-(:mod:`tests.soak.check`).
+gracefully, waits out the lock TTL, and checks the handlers' records and what is left
+in Redis (:mod:`tests.soak.check`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from dramatiq.message import Message
 
 from examples.redis_server import private_redis
 from kumiko_dramatiq import JobRunner, KumikoError, keys
+from kumiko_dramatiq.ids import boot_message_id, child_message_id
 from kumiko_dramatiq.messages import build_message
 
 from . import check
@@ -89,6 +92,7 @@ FAULT_ROUND = (
     "malformed_unknown_actor",
     "malformed_wrong_args",
     "malformed_forged_options",
+    "delayed_kill",
 )
 #: Poison messages: each round holds one, the kinds taking turns (each poison message
 #: costs MAX_DELIVERIES worker deaths, each a heartbeat timeout before its redelivery).
@@ -105,6 +109,11 @@ FORGERIES = (
     "options not an object",
     "another queue",
 )
+#: ``delayed_kill``: this many parallel jobs dispatched in one call, all due this long after
+#: it; the worker holding most of them is SIGKILLed this many ms (uniform) after they are due.
+BURST_SIZE = 40
+BURST_DELAY_MS = 1_500
+KILL_AFTER_DUE_MS = (1.0, 15.0)
 #: Deaths that dead-letter a poison message (the default of ``KUMIKO_MAX_DELIVERIES``).
 MAX_DELIVERIES = 5
 #: How often the supervisor looks at the worker processes.
@@ -237,13 +246,22 @@ class Fleet:
             return proc
 
     def kill_worker(self, slot: int) -> None:
-        """SIGKILL worker ``slot`` (its whole process group) and start a new one."""
+        """SIGKILL worker ``slot`` (its whole process group) and start a new one.
+
+        A worker whose worker process had exited on its own already (the supervisor saw it
+        gone and was waiting for the main process to follow) died then: that is noted as
+        its death, at that time, not as a kill now."""
         with self.lock:
             proc = self.workers[slot]
             proc.by_soak = True
             _signal_group(proc.pgid, signal.SIGKILL)
             proc.popen.wait()
-            if proc.died_at is None:  # else it had died on its own: that death is noted
+            if proc.died_at is not None:
+                pass  # it had died on its own: that death is noted
+            elif proc.child_gone_at is not None:
+                proc.died_at = proc.child_gone_at
+                self.deaths.append(check.Kill(proc.pgid, proc.died_at))
+            else:
                 self.kills.append(check.Kill(proc.pgid, time.time()))
             self.start("worker", slot)
 
@@ -539,6 +557,11 @@ class Faults(threading.Thread):
         self.counts: Counter[str] = Counter()
         self.malformed: list[check.Malformed] = []
         self.poisons: list[check.Poison] = []
+        #: the delayed bursts of ``delayed_kill``, and how their jobs must end
+        self.bursts: list[check.DelayedBurst] = []
+        self.expected: list[check.Expected] = []
+        #: what ``delayed_kill`` could not do as planned
+        self.burst_notes: list[str] = []
         self.rounds = 0
         self.clients_killed = 0
         self.client_kills_at: list[float] = []
@@ -564,6 +587,69 @@ class Faults(threading.Thread):
 
     def worker_kill(self) -> None:
         self.fleet.kill_worker(self.rng.choice(sorted(self.fleet.workers)))
+
+    def delayed_kill(self) -> None:
+        """:data:`BURST_SIZE` parallel jobs (a quarter failing once: their retries are
+        delayed messages too) due :data:`BURST_DELAY_MS` after one ``dispatch_many``, and a
+        SIGKILL of the worker that holds most of them, 1-15 ms after they are due: while
+        its delay-queue consumer moves them to the queue (one ``lua/move.lua`` call
+        each), before or after each move. Their ids go to check 2 (:class:`DelayedBurst`)."""
+        number = len(self.bursts) + len(self.burst_notes) + 1
+        payloads = [
+            {"n": -(number * 1_000 + index), "fail_first": self.rng.choice([0, 0, 0, 1])}
+            for index in range(BURST_SIZE)
+        ]
+        message_ids = self.producer.dispatch_many(PARALLEL, payloads, delay_ms=BURST_DELAY_MS)
+        due = time.time() + BURST_DELAY_MS / 1000  # every eta is at or before this
+        for payload, message_id in zip(payloads, message_ids, strict=True):
+            self.expected.append(
+                check.Expected(
+                    f"delayed n={payload['n']}",
+                    PARALLEL,
+                    payload["fail_first"],
+                    MAX_ATTEMPTS,
+                    n=payload["n"],
+                    message_id=message_id,
+                )
+            )
+        time.sleep(max(0.0, due - 0.3 - time.time()))  # the burst is fetched by now
+        holder = self._delay_holder()
+        if holder is None:
+            self.burst_notes.append(f"burst {number}: no worker held it 0.3 s before it was due")
+            return
+        slot, pgid, acks, held = holder
+        time.sleep(max(0.0, due + self.rng.uniform(*KILL_AFTER_DUE_MS) / 1000 - time.time()))
+        with self.fleet.lock:
+            if self.fleet.workers[slot].pgid != pgid:
+                self.burst_notes.append(f"burst {number}: its holder {pgid} died before the kill")
+                return
+            self.fleet.kill_worker(slot)
+        unmoved = int(retry_once(lambda: self.client.scard(acks)))
+        self.bursts.append(check.DelayedBurst(tuple(message_ids), due, pgid, held, unmoved))
+
+    def _delay_holder(self) -> tuple[int, int, str, int] | None:
+        """The worker (slot, process group) whose delay-queue consumer holds the most delayed
+        messages, its ack set of the delay queue and how many it holds; ``None`` if no
+        worker's can be told (its liveness entry names its pid)."""
+        best: tuple[int, str] | None = None
+        for raw in self.client.scan_iter(match=f"dramatiq:__acks__.*.{self.queue}.DQ"):
+            acks = _text(raw)
+            count = int(self.client.scard(acks))
+            if best is None or count > best[0]:
+                best = (count, acks)
+        if best is None:
+            return None
+        held, acks = best
+        broker_id = acks.removeprefix("dramatiq:__acks__.").removesuffix(f".{self.queue}.DQ")
+        entry = self.client.get(keys.process(self.prefix, broker_id))
+        try:
+            pgid = os.getpgid(int(json.loads(entry or b"null")["pid"]))
+        except (TypeError, KeyError, ValueError, ProcessLookupError):
+            return None
+        for slot, proc in self.fleet.workers.items():
+            if proc.pgid == pgid and proc.popen.poll() is None:
+                return slot, pgid, acks, held
+        return None
 
     def poison_exit(self) -> None:
         self._poison("exit")
@@ -864,6 +950,48 @@ def scan_keys(client: redis.Redis, prefix: str) -> list[tuple[str, int]]:
     return found
 
 
+def scan_queue_keys(client: redis.Redis, prefix: str) -> list[tuple[str, int]]:
+    """Every key of the prefix's queues in Dramatiq's layout (``dramatiq:{prefix}-...``:
+    lists, message hashes, delay and dead-letter queues, doorbells) with its ``PTTL``."""
+    found = []
+    for key in client.scan_iter(match=f"dramatiq:{prefix}-*", count=1000):
+        found.append((key.decode(), int(client.pttl(key))))
+    return found
+
+
+def inflight_entries(client: redis.Redis, prefix: str, limit: int = 5) -> list[str]:
+    """The in-flight hash's entries (redis id -> deliveries|claimed ms|worker), described."""
+    entries = client.hgetall(keys.inflight(prefix))
+    described = [f"{_text(rid)}={_text(value)}" for rid, value in list(entries.items())[:limit]]
+    return [f"{len(entries)} in-flight entries left: {described}"] if entries else []
+
+
+def guarded_ids(
+    prefix: str, ledger: Ledger, index: check.RunIndex, scheduler_logs: str
+) -> set[str]:
+    """The message ids that may carry an enqueue guard: the boot job's, every fan-out child's
+    (of each wrapper dispatched, and each child that ran) and every cron tick's (each one a
+    scheduler logged as enqueued, and each that ran)."""
+    ids = {boot_message_id(BOOT, prefix)}
+    for _, kind, _, message_id in ledger.log:
+        if kind == "per_tenant":
+            ids.update(child_message_id(message_id, tenant) for tenant in TENANTS)
+    ids.update(run.message_id for run in index.of_job(PER_TENANT) if run.tenant is not None)
+    ids.update(run.message_id for run in index.of_job(TICK))
+    ids.update(match["id"] for match in _TICK_ENQUEUED.finditer(scheduler_logs))
+    return ids
+
+
+_TICK_ENQUEUED = re.compile(r"cron tick enqueued: job=\S+ tick=\S+ message_id=(?P<id>[0-9a-f-]+)")
+_DROPPED = re.compile(r"message (?P<id>\S+) on \S+ already completed: acked without running it")
+
+
+def completed_drops(log_text: str) -> dict[str, int]:
+    """Message id -> how many copies of it a fetch acked unrun as already completed (the
+    workers' WARNING lines)."""
+    return dict(Counter(match["id"] for match in _DROPPED.finditer(log_text)))
+
+
 # -- main ----------------------------------------------------------------------------------------
 
 
@@ -961,6 +1089,7 @@ def soak(url: str, prefix: str, workdir: Path, seconds: float, seed: int, skip: 
         Load(producer, random.Random(seed), ledger).run_for(seconds)
         faults.stopping.set()
         faults.join()
+        ledger.expected += faults.expected
         load_ended = time.time()
         say(f"load over after {load_ended - load_started:.0f} s; stopping the schedulers")
         dead_processes = fleet.exited(["scheduler"])  # the supervisor watches the workers
@@ -994,6 +1123,10 @@ def soak(url: str, prefix: str, workdir: Path, seconds: float, seed: int, skip: 
             stuck=stuck,
             cron_window=(load_started + 2, load_ended - 2),
             ttl_bound_ms=producer.retention.completed_age_s * 1000,
+            marker_ttls_ms={
+                "done": producer.broker.completed_ttl_ms,
+                "sent": producer.broker.resend_window_ms,
+            },
             history_ttl_ms=producer.retention.failed_age_s * 1000,
         )
     finally:
@@ -1023,6 +1156,7 @@ def verdicts(
     stuck: list[str],
     cron_window: tuple[float, float],
     ttl_bound_ms: int,
+    marker_ttls_ms: dict[str, int],
     history_ttl_ms: int,
 ) -> int:
     raw = records.refresh()
@@ -1042,7 +1176,14 @@ def verdicts(
     marked = set(done_at) | {
         key.rsplit(":done:", 1)[1] for key, pttl in keys if ":done:" in key and pttl != -2
     }
-    rerun_result, explained = check.check_reruns(index, done_at, kills, marked=marked)
+    rerun_result, explained = check.check_reruns(
+        index,
+        done_at,
+        kills,
+        marked=marked,
+        bursts=faults.bursts,
+        dropped=completed_drops(worker_logs),
+    )
     results = [
         check.check_terminal(
             ledger.expected,
@@ -1061,16 +1202,19 @@ def verdicts(
         check.check_cron(TICK, index, cron_window, explained, misfired_ranges(scheduler_logs, TICK))
     )
     results.append(check.check_boot(BOOT, index, explained))
-    results.append(
-        check.check_leftovers(
-            keys,
-            prefix,
-            ttl_bound_ms,
-            stuck=stuck,
-            history_ttl_ms=history_ttl_ms,
-            running=still_running(admin, prefix),
-        )
+    leftover = check.check_leftovers(
+        keys,
+        prefix,
+        ttl_bound_ms,
+        stuck=stuck,
+        history_ttl_ms=history_ttl_ms,
+        running=still_running(admin, prefix),
+        marker_ttls_ms=marker_ttls_ms,
+        guarded=guarded_ids(prefix, ledger, index, scheduler_logs),
+        queue_keys=scan_queue_keys(admin, prefix),
     )
+    leftover.notes += inflight_entries(admin, prefix)
+    results.append(leftover)
     results.append(check.check_malformed(faults.malformed, xq_rids, worker_logs, index))
     results.append(
         check.check_poison(
@@ -1092,6 +1236,8 @@ def verdicts(
         )
     if faults.errors:
         results[0].notes.append(f"faults that could not be injected: {faults.errors[:3]}")
+    if faults.burst_notes:
+        results[1].notes.append(f"delayed bursts without a kill: {faults.burst_notes[:3]}")
 
     for result in results:
         print(result.render(), flush=True)
@@ -1111,6 +1257,7 @@ def verdicts(
                 "kills": [asdict(k) for k in fleet.kills],
                 "deaths": [asdict(k) for k in fleet.deaths],
                 "poisons": [asdict(p) for p in faults.poisons],
+                "delayed_bursts": [asdict(b) for b in faults.bursts],
                 "client_kills_at": faults.client_kills_at,
                 "dispatches": ledger.log,
                 "malformed": [asdict(m) for m in faults.malformed],

@@ -8,6 +8,7 @@ from typing import Any
 from tests.soak import check
 from tests.soak.check import (
     DeadLetter,
+    DelayedBurst,
     Expected,
     KeyedDispatch,
     Kill,
@@ -16,7 +17,7 @@ from tests.soak.check import (
     Poison,
     RunIndex,
 )
-from tests.soak.run import FAULT_ROUND, deal, log_digest, misfired_ranges
+from tests.soak.run import FAULT_ROUND, completed_drops, deal, log_digest, misfired_ranges
 
 JOB = "soak:job:parallel"
 SEQ = "soak:job:sequential"
@@ -227,6 +228,39 @@ def test_a_retry_after_a_failed_attempt_is_no_rerun() -> None:
     assert result.passed
 
 
+BURST = DelayedBurst(("m1", "m2"), due=3.0, pgid=7, held=2, unmoved=1)
+
+
+def test_a_delayed_burst_that_ran_once_each_passes() -> None:
+    runs = index(run("a", 3.1, end=3.2, pgid=8), run("b", 3.1, end=3.2, mid="m2", pgid=8))
+    result, _ = check.check_reruns(runs, {"m1": 3.3, "m2": 3.3}, no_kills(), bursts=[BURST])
+    assert result.passed
+    assert "1 delayed burst(s) of 2 message(s)" in result.notes[-1]
+
+
+def test_a_second_copy_of_a_delayed_message_is_reported_even_unrun() -> None:
+    runs = index(run("a", 3.1, end=3.2, pgid=8), run("b", 3.1, end=3.2, mid="m2", pgid=8))
+    dropped = {"m2": 1, "m9": 2}
+    result, _ = check.check_reruns(runs, {}, no_kills(), bursts=[BURST], dropped=dropped)
+    assert result.violations == [
+        "delayed message m2 had a second copy (1 acked unrun as already completed): its move "
+        "from the delay queue left a copy behind"
+    ]
+    assert any("2 copies of 1 completed message id(s)" in note for note in result.notes)
+
+
+def test_a_delayed_message_the_kill_lost_is_reported() -> None:
+    runs = index(run("a", 3.1, end=3.2, pgid=8))
+    result, _ = check.check_reruns(runs, {}, no_kills(), bursts=[BURST])
+    assert "1 message(s) never ran" in result.violations[0]
+
+
+def test_completed_drops_are_counted_from_the_worker_logs() -> None:
+    line = "[t] [WARNING] message {} on p-worker already completed: acked without running it again"
+    log = "\n".join([line.format("m1"), "other", line.format("m1"), line.format("m2")])
+    assert completed_drops(log) == {"m1": 2, "m2": 1}
+
+
 # -- 3. per-tenant --------------------------------------------------------------------------------
 
 
@@ -339,16 +373,75 @@ def test_the_boot_job_completing_twice_is_reported() -> None:
 # -- 7. leftovers ---------------------------------------------------------------------------------
 
 
+MARKER_TTLS = {"done": 1_000, "sent": 1_000}
+
+
 def test_documented_records_pass() -> None:
     keys = [
         ("kumiko:p:boot:soak:job:boot", -1),
-        ("kumiko:p:done:m1", 5_000),
+        ("kumiko:p:done:m1", 900),
+        ("kumiko:p:sent:r1", 900),
         ("kumiko:p:enqueued:m2", 5_000),
         ("kumiko:p:cron:last:soak:job:tick", 5_000),
         ("kumiko:p:soak:runs", -1),
         ("kumiko:p:lock:gone", -2),
     ]
+    queue_keys = [
+        ("dramatiq:p-worker:bell", 59_000),
+        ("dramatiq:p-worker.DQ:bell", 1_000),
+        ("dramatiq:p-worker.XQ", -1),
+        ("dramatiq:p-worker.XQ.msgs", -1),
+    ]
+    result = check.check_leftovers(
+        keys,
+        "p",
+        10_000,
+        marker_ttls_ms=MARKER_TTLS,
+        guarded={"m2"},
+        queue_keys=queue_keys,
+    )
+    assert result.passed
+    assert result.checked == 11
+
+
+def test_markers_are_bound_by_their_window_not_by_the_completed_age() -> None:
+    keys = [("kumiko:p:done:m1", 5_000), ("kumiko:p:sent:r1", 5_000)]
     assert check.check_leftovers(keys, "p", 10_000).passed
+    result = check.check_leftovers(keys, "p", 10_000, marker_ttls_ms=MARKER_TTLS)
+    assert result.violations == [
+        "kumiko:p:done:m1: pttl 5000 ms, expected a TTL of at most 1000 ms",
+        "kumiko:p:sent:r1: pttl 5000 ms, expected a TTL of at most 1000 ms",
+    ]
+
+
+def test_a_guard_of_an_id_that_is_no_child_tick_or_boot_job_is_reported() -> None:
+    keys = [("kumiko:p:enqueued:child", 5_000), ("kumiko:p:enqueued:handoff", 5_000)]
+    result = check.check_leftovers(keys, "p", 10_000, guarded={"child"})
+    assert len(result.violations) == 1
+    assert result.violations[0].startswith("enqueue guard of handoff, which is no fan-out child")
+
+
+def test_in_flight_entries_and_suspects_left_behind_are_reported() -> None:
+    keys = [("kumiko:p:inflight", -1), ("kumiko:p:suspects:p-worker", -1)]
+    result = check.check_leftovers(keys, "p", 10_000)
+    assert result.violations == [
+        "inflight record left behind: kumiko:p:inflight (pttl -1 ms)",
+        "suspects record left behind: kumiko:p:suspects:p-worker (pttl -1 ms)",
+    ]
+
+
+def test_a_doorbell_without_a_ttl_or_a_queue_key_left_behind_is_reported() -> None:
+    queue_keys = [
+        ("dramatiq:p-worker:bell", -1),
+        ("dramatiq:p-worker.DQ:bell", 120_000),
+        ("dramatiq:p-worker.msgs", -1),
+    ]
+    result = check.check_leftovers([], "p", 10_000, queue_keys=queue_keys)
+    assert result.violations == [
+        "dramatiq:p-worker:bell: pttl -1 ms, expected a TTL of at most 60000 ms",
+        "dramatiq:p-worker.DQ:bell: pttl 120000 ms, expected a TTL of at most 60000 ms",
+        "queue key left behind: dramatiq:p-worker.msgs (pttl -1 ms)",
+    ]
 
 
 def test_a_lock_or_dedup_record_left_behind_is_reported() -> None:
