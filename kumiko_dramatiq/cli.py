@@ -245,7 +245,9 @@ def _runs(runner: JobRunner, args: argparse.Namespace) -> Result:
         for r in runs
     ]
     text = table(
-        ["when", "job", "message", "tenant", "trigger", "att.", "status", "took", "error"], rows
+        ["when", "job", "message", "tenant", "trigger", "att.", "status", "took", "error"],
+        rows,
+        keep=("when", "message", "att.", "status", "took"),
     )
     return {"runs": [r.to_json() for r in runs]}, text or "no run matches", EXIT_OK
 
@@ -262,7 +264,11 @@ def _dead(runner: JobRunner, args: argparse.Namespace) -> Result:
         ]
         for d in letters
     ]
-    text = table(["dead since", "job", "message id", "att.", "error"], rows)
+    text = table(
+        ["dead since", "job", "message id", "att.", "error"],
+        rows,
+        keep=("dead since", "message id", "att."),
+    )
     return {"dead_letters": [d.to_json() for d in letters]}, text or "no dead letter", EXIT_OK
 
 
@@ -430,15 +436,24 @@ _COMMANDS: dict[str, Callable[[JobRunner, argparse.Namespace], Result]] = {
 }
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+def table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]], *, keep: Sequence[str] = ()
+) -> str:
     """Rows aligned under ``headers``, every line at most :data:`WIDTH` columns: the widest
-    columns are cut (with "...") until it fits. Empty without rows."""
+    columns not named in ``keep`` (times, ids an operator copies) are cut (with "...")
+    until it fits, and the kept ones only if that is not enough. A column empty in every row
+    is left out. Empty without rows."""
     if not rows:
         return ""
     cells = [[str(cell) for cell in row] for row in rows]
+    shown = [i for i in range(len(headers)) if any(row[i] for row in cells)]
+    headers = [headers[i] for i in shown]
+    cells = [[row[i] for i in shown] for row in cells]
     widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(headers)]
+    cuttable = [i for i, h in enumerate(headers) if h not in keep] or list(range(len(headers)))
     while sum(widths) + 2 * (len(widths) - 1) > WIDTH:
-        widest = widths.index(max(widths))
+        candidates = [i for i in cuttable if widths[i] > 3] or list(range(len(headers)))
+        widest = max(candidates, key=lambda i: widths[i])
         widths[widest] -= 1
 
     def line(values: Sequence[str]) -> str:

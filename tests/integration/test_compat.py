@@ -288,9 +288,12 @@ def sample(metric: Any, actor: str, suffix: str = "_total") -> float:
 def test_prometheus_counts_runs_not_handoffs_and_counts_retries(
     make_runner: RunnerFactory, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Dramatiq's Prometheus sets these in after_process_boot; put them back after the test
-    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
-    monkeypatch.delenv("prometheus_multiproc_dir", raising=False)
+    # Dramatiq's Prometheus sets these in after_process_boot: set then delete them through
+    # monkeypatch, so that the teardown removes whatever it left (a bare delenv of an unset
+    # variable records nothing, and the variables leaked into later tests' subprocesses)
+    for name in ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     release = threading.Event()
     feature = Feature("prom")
 
