@@ -438,20 +438,32 @@ class Admin:
             if token is None:
                 continue
             job_name, tenant = _parse_lock_key(key, keys.sequential_lock(self.prefix, "", None))
-            message_id = _text(token).split(":", 1)[0]
-            runs = self.history.run_record(message_id)
-            latest = runs[-1] if runs else None
-            found.append(
-                LockInfo(
-                    job_name=job_name,
-                    tenant_id=tenant,
-                    message_id=message_id,
-                    origin_id=None if latest is None else latest.origin_id,
-                    worker=None if latest is None else latest.worker,
-                    expires_in_ms=int(ttl),
-                )
-            )
+            found.append(self._lock_info(job_name, tenant, _text(token), int(ttl), {}))
         return sorted(found, key=lambda lock: (lock.job_name, lock.tenant_id or ""))
+
+    def _lock_info(
+        self,
+        job_name: str,
+        tenant: str | None,
+        token: str,
+        ttl_ms: int,
+        known: dict[str, JobRun],
+    ) -> LockInfo:
+        """A held lock, its owner run found in ``known`` or else in the run history (the
+        owner token is ``"<message id>:<random>"``)."""
+        message_id = token.split(":", 1)[0]
+        holder = known.get(message_id)
+        if holder is None:
+            runs = self.history.run_record(message_id)
+            holder = runs[-1] if runs else None
+        return LockInfo(
+            job_name=job_name,
+            tenant_id=tenant,
+            message_id=message_id,
+            origin_id=None if holder is None else holder.origin_id,
+            worker=None if holder is None else holder.worker,
+            expires_in_ms=ttl_ms,
+        )
 
     def locks_in_flight(self) -> list[LockInfo]:
         """Held sequential locks, read by their keys instead of by walking the keyspace as
@@ -490,21 +502,7 @@ class Admin:
             token, ttl = next(replies), next(replies)
             if token is None:
                 continue
-            message_id = _text(token).split(":", 1)[0]
-            holder: JobRun | None = by_message.get(message_id)
-            if holder is None:
-                runs = self.history.run_record(message_id)
-                holder = runs[-1] if runs else None
-            found.append(
-                LockInfo(
-                    job_name=job_name,
-                    tenant_id=tenant,
-                    message_id=message_id,
-                    origin_id=None if holder is None else holder.origin_id,
-                    worker=None if holder is None else holder.worker,
-                    expires_in_ms=int(ttl),
-                )
-            )
+            found.append(self._lock_info(job_name, tenant, _text(token), int(ttl), by_message))
         return sorted(found, key=lambda lock: (lock.job_name, lock.tenant_id or ""))
 
     def dedup_keys(self, job: str | None = None) -> list[DedupInfo]:
