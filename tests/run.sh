@@ -4,7 +4,9 @@
 # Uses KUMIKO_TEST_REDIS_URL (default redis://127.0.0.1:6379/15). When that is
 # the default and nothing answers on 127.0.0.1:6379, it installs redis-server
 # (apt-get, as root) if needed and starts one. If Redis still does not answer,
-# it fails: the tests never skip for a missing Redis.
+# it fails: the tests never skip for a missing Redis. The servers and the browser some tests
+# start themselves (redis-sentinel; Debian's chromium and its chromedriver) are installed the
+# same way when missing: those tests fail, never skip, without them.
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
 cd "$ROOT"
 
@@ -25,5 +27,9 @@ if ! redis_answers "$KUMIKO_TEST_REDIS_URL"; then
     done
     redis_answers "$KUMIKO_TEST_REDIS_URL" || { echo "kumiko: redis-server did not start" >&2; exit 1; }
 fi
+
+command -v redis-sentinel >/dev/null 2>&1 || apt_install redis-sentinel
+command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 \
+    || apt_install chromium chromium-driver
 
 "$PY" -m pytest "$@"
