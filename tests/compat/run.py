@@ -160,6 +160,10 @@ def run_suite(
             [
                 *(sys.executable, "-m", "pytest", "-q", "-p", "tests.compat.plugin"),
                 *("-p", "no:cacheprovider", "-c", str(suite / "pytest.ini")),
+                # native tracebacks: pytest's own parse the failing test's source, which
+                # CPython 3.11 can refuse after a deep recursion ("AST constructor recursion
+                # depth mismatch"), an INTERNALERROR that ends the whole run
+                "--tb=native",
                 "--continue-on-collection-errors",
                 *("--rootdir", str(suite), "--timeout", str(TEST_TIMEOUT_S)),
                 *(f"--deselect={PACKAGE}/{test}" for test in deselect),
