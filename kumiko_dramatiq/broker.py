@@ -59,7 +59,7 @@ from redis.retry import Retry
 from . import keys
 from .connection import connection_pool
 from .errors import RedisAccessError
-from .guests import emit_after_handoff, emit_before_process, handed_off
+from .guests import Hooks, emit_after, emit_before
 from .lua import LuaScripts
 from .lua import commands as lua_commands
 from .lua import source as lua_source
@@ -165,6 +165,15 @@ class Delivery(MessageProxy):
     def __init__(self, message: Message[Any], *, fetched_from: str, redis_message_id: str) -> None:
         super().__init__(message)
         self.message = message
+        # the fields every hook reads, kept here (Dramatiq's proxy looks each one up through
+        # ``__getattr__``, about 20 times per delivery); the message is frozen
+        self.queue_name = message.queue_name
+        self.actor_name = message.actor_name
+        self.args = message.args
+        self.kwargs = message.kwargs
+        self.options = message.options
+        self.message_id = message.message_id
+        self.message_timestamp = message.message_timestamp
         self.fetched_from = fetched_from
         self.redis_message_id = redis_message_id
         self.settlement = Settlement()
@@ -272,6 +281,7 @@ class KumikoBroker(RedisBroker):
         self.lua = LuaScripts.register(client)
         #: kumiko's chain (``id()`` of the middleware built with); later ones are guests
         self._chain = frozenset(id(each) for each in self.middleware)
+        self._hooks: Hooks | None = None
         #: whether ``process_boot`` was emitted (:meth:`add_middleware` boots late ones)
         self.booted = False
 
@@ -292,18 +302,19 @@ class KumikoBroker(RedisBroker):
             self._stopping = False
         elif signal == "worker_shutdown":
             self.wake_consumers()
-        elif signal == "process_message":  # guests see no hand-off (kumiko_dramatiq.guests)
-            emit_before_process(self, self._chain, *args)
-            return
-        super().emit_before(signal, *args, **kwargs)
+        emit_before(self, self._current_hooks(), "before_" + signal, *args, **kwargs)
 
     def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
         if signal == "process_boot":
             self.booted = True
-        elif signal == "process_message" and handed_off(args[0]):
-            emit_after_handoff(self, self._chain, *args, **kwargs)
-            return
-        super().emit_after(signal, *args, **kwargs)
+        emit_after(self, self._current_hooks(), "after_" + signal, *args, **kwargs)
+
+    def _current_hooks(self) -> Hooks:
+        """The hook table of ``self.middleware`` as it is now (:mod:`kumiko_dramatiq.guests`)."""
+        hooks = self._hooks
+        if hooks is None or hooks.middleware != self.middleware:
+            hooks = self._hooks = Hooks(self.middleware, self._chain)
+        return hooks
 
     def add_middleware(
         self,
