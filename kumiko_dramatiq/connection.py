@@ -60,10 +60,18 @@ from typing import Any, Final
 from urllib.parse import parse_qs, unquote
 
 import redis
+from redis._parsers.encoders import Encoder
 from redis.backoff import NoBackoff
-from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection, parse_url
+from redis.connection import (
+    Connection,
+    PythonRespSerializer,
+    SSLConnection,
+    UnixDomainSocketConnection,
+    parse_url,
+)
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+from redis.utils import HIREDIS_AVAILABLE
 
 from .errors import JobConfigError, redact_url
 
@@ -358,6 +366,41 @@ class _WritesRefusedAreUnavailable:
             raise redis.ConnectionError(f"Redis refuses writes for now: {exc}") from exc
 
 
+class RespPacker:
+    """Packs a command into the Redis protocol in one buffer, for kumiko's connections when
+    ``hiredis`` (whose packer is C) is not installed. redis-py's pure-Python packer encodes
+    argument by argument through a chain of type checks and rebuilds its buffer for each one:
+    on kumiko's Lua calls (10 to 13 arguments) that was a tenth of a worker's CPU per
+    message. Same output and errors: ``bytes``, ``str`` (in the connection's encoding) and
+    ``int`` are packed here; anything else (a command name of several words such as
+    ``"CLIENT SETNAME"``, a float, a memoryview, a bool or another type, which redis-py
+    refuses) goes to redis-py's packer."""
+
+    def __init__(self, encoding: str, errors: str, buffer_cutoff: int) -> None:
+        self._encoding = encoding
+        self._errors = errors
+        self._redis_py = PythonRespSerializer(
+            buffer_cutoff,
+            Encoder(encoding, errors, False).encode,  # type: ignore[no-untyped-call]
+        )
+
+    def pack(self, *args: Any) -> list[bytes]:
+        name = args[0]
+        if (b" " if type(name) is bytes else " ") in name:
+            return self._redis_py.pack(*args)  # type: ignore[no-any-return,no-untyped-call]
+        parts = [b"*%d\r\n" % len(args)]
+        for arg in args:
+            kind = type(arg)
+            if kind is str:
+                arg = arg.encode(self._encoding, self._errors)
+            elif kind is int:
+                arg = b"%d" % arg
+            elif kind is not bytes:
+                return self._redis_py.pack(*args)  # type: ignore[no-any-return,no-untyped-call]
+            parts.append(b"$%d\r\n%b\r\n" % (len(arg), arg))
+        return [b"".join(parts)]
+
+
 class KumikoConnection(_WritesRefusedAreUnavailable, Connection):
     """A TCP connection (see :class:`_WritesRefusedAreUnavailable`)."""
 
@@ -373,7 +416,15 @@ class KumikoUnixConnection(_WritesRefusedAreUnavailable, UnixDomainSocketConnect
 class KumikoSentinelConnection(_WritesRefusedAreUnavailable, SentinelManagedConnection):
     """A connection to the primary Sentinel names (see
     :class:`_WritesRefusedAreUnavailable`; redis-py's own class already drops a connection
-    that answers ``READONLY``)."""
+    that answers ``READONLY``). One that lost its socket asks the sentinels again before it
+    sends: redis-py does that only when the pool hands a connection out, and a connection a
+    thread keeps (``KumikoBroker.thread_client``) would otherwise reconnect to the address
+    it had, the old primary's."""
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if self._sock is None:
+            self.connect()  # type: ignore[no-untyped-call]
+        super().send_packed_command(command, check_health)  # type: ignore[no-untyped-call]
 
 
 _CONNECTION_CLASSES: Final[dict[type[Connection] | type[UnixDomainSocketConnection], type]] = {
@@ -404,15 +455,27 @@ def connection_pool(
     ``JobConfigError`` for a bad URL; opens no connection."""
     target = parse(redis_url)
     policy = Retry(NoBackoff(), 0) if retry is None else retry
-    settings = {
+    settings: dict[str, Any] = {
         "socket_connect_timeout": timeout_s,
         "socket_timeout": timeout_s,
         "retry": policy,
     }
+    packing: dict[str, Any] = {}
+    if not HIREDIS_AVAILABLE:
+        packing["command_packer"] = RespPacker(
+            target.connection.get("encoding", "utf-8"),
+            target.connection.get("encoding_errors", "strict"),
+            6000,  # redis-py's buffer cutoff
+        )
     if target.master is None:
         kind = target.connection.get("connection_class", Connection)
         return redis.ConnectionPool(
-            **{**target.connection, **settings, "connection_class": _CONNECTION_CLASSES[kind]}
+            **{
+                **target.connection,
+                **settings,
+                **packing,
+                "connection_class": _CONNECTION_CLASSES[kind],
+            }
         )
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
         list(target.sentinels),
@@ -422,7 +485,12 @@ def connection_pool(
     return SentinelPool(  # type: ignore[no-untyped-call]
         target.master,
         sentinel,
-        **{**target.connection, **settings, "connection_class": KumikoSentinelConnection},
+        **{
+            **target.connection,
+            **settings,
+            **packing,
+            "connection_class": KumikoSentinelConnection,
+        },
     )
 
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import ssl
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
-from redis.connection import SSLConnection
+from redis._parsers.encoders import Encoder
+from redis.connection import PythonRespSerializer, SSLConnection
+from redis.utils import HIREDIS_AVAILABLE
 
 from kumiko_dramatiq import JobConfigError, acl
 from kumiko_dramatiq.connection import (
+    RespPacker,
     SentinelPool,
     client,
     connection_pool,
@@ -206,3 +210,36 @@ def test_setuser_spells_one_acl_line() -> None:
     line = acl.setuser("kumiko", "orders", password="s3cret")
     assert line.startswith("ACL SETUSER kumiko on >s3cret resetkeys resetchannels -@all +")
     assert "\n" not in line
+
+
+# -- packing commands -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("EVALSHA", "f" * 40, 2, b"k1", "k\u00e9y", "x" * 20_000, 12345, -3, b""),
+        ("CLIENT SETNAME", "kumiko-bell:q"),
+        (b"GET", b"k"),
+        ("SET", "k", 1.5),
+        ("SET", "k", memoryview(b"view")),
+    ],
+)
+def test_kumikos_packer_writes_what_redis_pys_writes(command: tuple[Any, ...]) -> None:
+    # Given redis-py's own packer and kumiko's, for the same encoding
+    encoder = Encoder("utf-8", "strict", False)  # type: ignore[no-untyped-call]
+    theirs = PythonRespSerializer(6000, encoder.encode)
+    ours = RespPacker("utf-8", "strict", 6000)
+    # Then both put the same bytes on the wire
+    expected = b"".join(map(bytes, theirs.pack(*command)))  # type: ignore[no-untyped-call]
+    assert b"".join(map(bytes, ours.pack(*command))) == expected
+
+
+@pytest.mark.parametrize("value", [True, None, object()])
+def test_kumikos_packer_refuses_what_redis_py_refuses(value: object) -> None:
+    with pytest.raises(redis.DataError, match="Invalid input"):
+        RespPacker("utf-8", "strict", 6000).pack("SET", "k", value)
+
+
+def test_a_pool_packs_with_kumikos_packer_unless_hiredis_is_there() -> None:
+    pool = connection_pool("redis://127.0.0.1:6379/15", timeout_s=1)
+    packer = pool.connection_kwargs.get("command_packer")
+    assert isinstance(packer, RespPacker) != HIREDIS_AVAILABLE
