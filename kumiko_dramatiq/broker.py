@@ -276,7 +276,11 @@ class KumikoBroker(RedisBroker):
         #: before any middleware sees it: reason "worker_died" (the poison bound) or
         #: "malformed" (it does not decode into what kumiko or Dramatiq writes)
         self.fetch_dead_letter_listeners: list[Callable[[str, str], None]] = []
-        self._bells_lock = threading.Lock()
+        #: guards the blocked consumers, the stopping flag and the thread clients
+        self._lock = threading.Lock()
+        #: each thread's own client (:meth:`thread_client`), and all of them
+        self._threads = threading.local()
+        self._thread_clients: list[redis.Redis] = []
         self._stopping = False
         self.lua = LuaScripts.register(client)
         #: kumiko's chain (``id()`` of the middleware built with); later ones are guests
@@ -308,6 +312,8 @@ class KumikoBroker(RedisBroker):
         if signal == "process_boot":
             self.booted = True
         emit_after(self, self._current_hooks(), "after_" + signal, *args, **kwargs)
+        if signal == "worker_shutdown":  # its threads are gone
+            self.close_thread_clients()
 
     def _current_hooks(self) -> Hooks:
         """The hook table of ``self.middleware`` as it is now (:mod:`kumiko_dramatiq.guests`)."""
@@ -334,7 +340,7 @@ class KumikoBroker(RedisBroker):
         """Unblock every consumer of this broker waiting on a doorbell (``CLIENT UNBLOCK``)
         and keep them from blocking again until a worker boots: a worker that shuts down
         does not wait out an idle wait."""
-        with self._bells_lock:
+        with self._lock:
             self._stopping = True
             client_ids = list(self._blocked.values())
         for client_id in client_ids:
@@ -382,8 +388,11 @@ class KumikoBroker(RedisBroker):
         reply = self.lua.fetch(keys=[self.namespace], args=[*self._head(queue_name), count])
         return [(_text(reply[i]), reply[i + 1]) for i in range(0, len(reply), 2)]
 
-    def fetch_lane(self, queue_name: str, count: int, *, outstanding: int) -> LaneFetch:
-        """Claim up to ``count`` messages of a lane queue (``lua/fetch_lane.lua``)."""
+    def fetch_lane(
+        self, queue_name: str, count: int, *, outstanding: int, client: redis.Redis | None = None
+    ) -> LaneFetch:
+        """Claim up to ``count`` messages of a lane queue (``lua/fetch_lane.lua``), on
+        ``client`` (a consumer's own connection) or the broker's."""
         completed_ttl, failed_ttl = self.run_ttls_ms
         fetched, completed, buried, waiting, alone = self.lua.fetch_lane(
             keys=[
@@ -398,6 +407,7 @@ class KumikoBroker(RedisBroker):
                 keys.root(self.queue_prefix),
                 self.worker_identity(),
             ],
+            client=client,
         )
         return LaneFetch(
             fetched=[(_text(fetched[i]), fetched[i + 1]) for i in range(0, len(fetched), 2)],
@@ -447,9 +457,11 @@ class KumikoBroker(RedisBroker):
         message_id: str,
         retry: tuple[Message[Any], int | None] | None = None,
         run: RunWrite | None = None,
+        client: redis.Redis | None = None,
     ) -> bool:
         """The outcome of one delivery from a lane queue, in one Lua call
-        (``lua/settle.lua``); ``False`` if the delivery was no longer this worker's and its
+        (``lua/settle.lua``, on ``client``, a consumer's own connection, or the broker's);
+        ``False`` if the delivery was no longer this worker's and its
         recovered copy was taken by another worker already (then nothing but its in-flight
         entry, marker and run record was written)."""
         header, record, note = "", "", ""
@@ -489,6 +501,7 @@ class KumikoBroker(RedisBroker):
                 keys.suspects(self.queue_prefix, queue_name),
             ],
             args=args,
+            client=client,
         )
         if done == 1 and retry is not None:
             self.emit_after("enqueue", *retry)
@@ -707,8 +720,35 @@ class KumikoBroker(RedisBroker):
         Dramatiq's ``TimeLimit`` starts its timer thread there."""
         self.emit_after("process_boot")
 
+    def thread_client(self) -> redis.Redis:
+        """A client on one connection of the calling thread's own, from the broker's pool: what
+        a worker's hot path (its consumers' fetches, its threads' settles) talks on. A command
+        on it skips the pool's check-out and return, which in redis-py cost more CPU than the
+        command (each checked-out connection is probed for unread data, a system call, and
+        the pool's usage recorded). Given back to the pool when the worker shuts down (its
+        threads are gone then) or the broker closes; a thread that asks again gets a new one."""
+        client: redis.Redis | None = getattr(self._threads, "client", None)
+        if client is None:
+            client = redis.Redis(
+                connection_pool=self.client.connection_pool, single_connection_client=True
+            )
+            self._threads.client = client
+            with self._lock:
+                self._thread_clients.append(client)
+        return client
+
+    def close_thread_clients(self) -> None:
+        """Give every :meth:`thread_client` connection back to the pool."""
+        with self._lock:
+            clients, self._thread_clients = self._thread_clients, []
+            self._threads = threading.local()
+        for client in clients:
+            with contextlib.suppress(redis.RedisError):
+                client.close()
+
     def close(self) -> None:
         """Disconnect every connection of the broker's pool."""
+        self.close_thread_clients()
         self.client.connection_pool.disconnect()
 
 
@@ -820,7 +860,7 @@ class KumikoConsumer(Consumer):
         broker = self.broker
         try:
             bell = self._bell_client()
-            with broker._bells_lock:
+            with broker._lock:
                 blocking = not broker._stopping and wait_ms > 0
                 if blocking:
                     broker._blocked[id(self)] = self._bell_id
@@ -831,7 +871,7 @@ class KumikoConsumer(Consumer):
             logger.debug("waiting on the doorbell of %s failed (%s)", self.queue_name, exc)
             self._close_bell()
         finally:
-            with broker._bells_lock:
+            with broker._lock:
                 broker._blocked.pop(id(self), None)
         # shutting down (or the wait failed): poll briefly, so Dramatiq's loop sees the stop
         time.sleep(min(max(wait_ms, 0), self.timeout, REDIS_TICK_MS) / 1000)
@@ -894,7 +934,9 @@ class KumikoConsumer(Consumer):
             return bool(fetched)
         if self._alone is not None or (self._suspects_waiting and outstanding):
             return False  # a suspect runs alone, or waits for this consumer to drain
-        result = self.broker.fetch_lane(self.queue_name, room, outstanding=outstanding)
+        result = self.broker.fetch_lane(
+            self.queue_name, room, outstanding=outstanding, client=self.broker.thread_client()
+        )
         self._suspects_waiting = result.suspects_waiting
         for message_id in result.completed:
             logger.warning(
@@ -1013,6 +1055,7 @@ class KumikoConsumer(Consumer):
                 message_id=str(message.message_id),
                 retry=follow_up,
                 run=settlement.run,
+                client=self.broker.thread_client(),
             )
             if not owned:
                 logger.warning(

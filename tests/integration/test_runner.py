@@ -352,3 +352,28 @@ def test_an_enqueue_resent_after_a_dropped_connection_stores_the_message_once(
     redis_client.delete(f"dramatiq:{prefix}-worker", f"dramatiq:{prefix}-worker.msgs")
     assert enqueue(keys=keys, args=args) == [0]
     assert queued(redis_client, prefix) == 0
+
+
+def test_each_thread_keeps_its_own_connection_until_the_worker_shuts_down(
+    make_runner: RunnerFactory,
+) -> None:
+    # Given a runner's broker
+    broker = make_runner(billing_registry()).broker
+    # When two threads ask for their client
+    mine = broker.thread_client()
+    other: list[redis.Redis] = []
+    thread = threading.Thread(target=lambda: other.append(broker.thread_client()))
+    thread.start()
+    thread.join()
+    # Then each keeps one of its own, on one connection, that works
+    assert broker.thread_client() is mine
+    assert other[0] is not mine
+    assert mine.connection is not None
+    assert mine.connection is not other[0].connection
+    assert mine.ping()
+    # And once they are given back (a worker's shutdown does it), a thread gets a new one
+    broker.close_thread_clients()
+    assert mine.connection is None
+    fresh = broker.thread_client()
+    assert fresh is not mine
+    assert fresh.ping()
