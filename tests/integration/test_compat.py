@@ -432,3 +432,41 @@ def test_the_cli_refuses_a_broker_carrying_dramatiqs_retries_like_start_does(
     runner.broker.add_middleware(Retries())
     with pytest.raises(ValueError, match="must not include dramatiq's Retries"):
         runner.start()
+
+
+class AckCounter(Middleware):
+    """Counts the acks it sees."""
+
+    def __init__(self) -> None:
+        self.acks = 0
+
+    def after_ack(self, broker: Broker, message: Any) -> None:
+        self.acks += 1
+
+
+def test_a_middleware_put_into_or_taken_out_of_the_list_is_seen_at_the_next_message(
+    make_runner: RunnerFactory, recorder: Recorder
+) -> None:
+    # Given a running worker whose middleware list is changed in place (no add_middleware)
+    feature = Feature("inplace")
+
+    @feature.job("noop")
+    def noop(payload: dict[str, Any], ctx: JobContext) -> None:
+        pass
+
+    runner = make_runner(Registry([feature]), **recorder.hooks())
+    runner.start()
+    runner.dispatch("inplace:job:noop")
+    runner.drain(timeout_s=20)
+    counter = AckCounter()
+    runner.broker.middleware.insert(0, counter)
+    # When two messages run with it in the list, then one after it was taken out
+    for _ in range(2):
+        runner.dispatch("inplace:job:noop")
+    runner.drain(timeout_s=20)
+    runner.broker.middleware.remove(counter)
+    runner.dispatch("inplace:job:noop")
+    runner.drain(timeout_s=20)
+    # Then it saw exactly the acks of the two messages that ran while it was there
+    assert len(recorder.of("complete")) == 4
+    assert counter.acks == 2
