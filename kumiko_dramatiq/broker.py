@@ -280,7 +280,7 @@ class KumikoBroker(RedisBroker):
         self._lock = threading.Lock()
         #: each thread's own client (:meth:`thread_client`), and all of them
         self._threads = threading.local()
-        self._thread_clients: list[redis.Redis] = []
+        self._thread_clients: list[tuple[threading.Thread, redis.Redis]] = []
         self._stopping = False
         self.lua = LuaScripts.register(client)
         #: kumiko's chain (``id()`` of the middleware built with); later ones are guests
@@ -394,7 +394,9 @@ class KumikoBroker(RedisBroker):
         """Claim up to ``count`` messages of a lane queue (``lua/fetch_lane.lua``), on
         ``client`` (a consumer's own connection) or the broker's."""
         completed_ttl, failed_ttl = self.run_ttls_ms
-        fetched, completed, buried, waiting, alone = self.lua.fetch_lane(
+        fetched, completed, buried, waiting, alone = self._call(
+            self.lua.fetch_lane,
+            client,
             keys=[
                 self.namespace,
                 keys.inflight(self.queue_prefix),
@@ -407,7 +409,6 @@ class KumikoBroker(RedisBroker):
                 keys.root(self.queue_prefix),
                 self.worker_identity(),
             ],
-            client=client,
         )
         return LaneFetch(
             fetched=[(_text(fetched[i]), fetched[i + 1]) for i in range(0, len(fetched), 2)],
@@ -493,7 +494,9 @@ class KumikoBroker(RedisBroker):
         if retry is not None:
             message = retry[0]
             args += [message.queue_name, message.options["redis_message_id"], message.encode()]
-        done = self.lua.settle(
+        done = self._call(
+            self.lua.settle,
+            client,
             keys=[
                 self.namespace,
                 keys.inflight(self.queue_prefix),
@@ -501,11 +504,28 @@ class KumikoBroker(RedisBroker):
                 keys.suspects(self.queue_prefix, queue_name),
             ],
             args=args,
-            client=client,
         )
         if done == 1 and retry is not None:
             self.emit_after("enqueue", *retry)
         return bool(done == 1)
+
+    @staticmethod
+    def _call(
+        script: Script, client: redis.Redis | None, *, keys: list[str], args: list[Any]
+    ) -> Any:
+        """Run ``script`` on ``client`` (a :meth:`thread_client`) or the broker's pool. A kept
+        connection is dropped on any exception, an interruption included (Dramatiq raises
+        ``TimeLimitExceeded`` and ``Shutdown`` into worker threads): a reply left unread
+        would be read as the next command's. (The pool probes each connection it hands out
+        for that; a kept one is not handed out.) It reconnects on its next command."""
+        if client is None:
+            return script(keys=keys, args=args)
+        try:
+            return script(keys=keys, args=args, client=client)
+        except BaseException:
+            if client.connection is not None:
+                client.connection.disconnect()  # type: ignore[no-untyped-call]
+            raise
 
     # -- enqueueing --------------------------------------------------------------------------
     def prepare(
@@ -725,8 +745,8 @@ class KumikoBroker(RedisBroker):
         a worker's hot path (its consumers' fetches, its threads' settles) talks on. A command
         on it skips the pool's check-out and return, which in redis-py cost more CPU than the
         command (each checked-out connection is probed for unread data, a system call, and
-        the pool's usage recorded). Given back to the pool when the worker shuts down (its
-        threads are gone then) or the broker closes; a thread that asks again gets a new one."""
+        the pool's usage recorded). Given back to the pool once its thread has ended, when the
+        worker shuts down, or when the broker closes."""
         client: redis.Redis | None = getattr(self._threads, "client", None)
         if client is None:
             client = redis.Redis(
@@ -734,21 +754,32 @@ class KumikoBroker(RedisBroker):
             )
             self._threads.client = client
             with self._lock:
-                self._thread_clients.append(client)
+                self._thread_clients.append((threading.current_thread(), client))
         return client
 
-    def close_thread_clients(self) -> None:
-        """Give every :meth:`thread_client` connection back to the pool."""
+    def close_thread_clients(self, *, live_ones_too: bool = False) -> None:
+        """Give the :meth:`thread_client` connections of threads that have ended back to the
+        pool (a worker's threads, once it shut down); ``live_ones_too``: every one (a live
+        thread that asks again gets a new one). A live thread's is kept otherwise: it may be
+        in the middle of a command (a worker thread that outlived the worker's stop timeout)."""
+        done: list[redis.Redis] = []
+        kept: list[tuple[threading.Thread, redis.Redis]] = []
         with self._lock:
-            clients, self._thread_clients = self._thread_clients, []
-            self._threads = threading.local()
-        for client in clients:
+            for thread, client in self._thread_clients:
+                if live_ones_too or not thread.is_alive():
+                    done.append(client)
+                else:
+                    kept.append((thread, client))
+            self._thread_clients = kept
+            if live_ones_too:
+                self._threads = threading.local()
+        for client in done:
             with contextlib.suppress(redis.RedisError):
                 client.close()
 
     def close(self) -> None:
         """Disconnect every connection of the broker's pool."""
-        self.close_thread_clients()
+        self.close_thread_clients(live_ones_too=True)
         self.client.connection_pool.disconnect()
 
 

@@ -354,12 +354,10 @@ def test_an_enqueue_resent_after_a_dropped_connection_stores_the_message_once(
     assert queued(redis_client, prefix) == 0
 
 
-def test_each_thread_keeps_its_own_connection_until_the_worker_shuts_down(
-    make_runner: RunnerFactory,
-) -> None:
+def test_each_thread_keeps_its_own_connection_until_it_ends(make_runner: RunnerFactory) -> None:
     # Given a runner's broker
     broker = make_runner(billing_registry()).broker
-    # When two threads ask for their client
+    # When this thread and another one (that then ends) ask for their client
     mine = broker.thread_client()
     other: list[redis.Redis] = []
     thread = threading.Thread(target=lambda: other.append(broker.thread_client()))
@@ -371,8 +369,14 @@ def test_each_thread_keeps_its_own_connection_until_the_worker_shuts_down(
     assert mine.connection is not None
     assert mine.connection is not other[0].connection
     assert mine.ping()
-    # And once they are given back (a worker's shutdown does it), a thread gets a new one
+    # And when they are given back (a worker's shutdown does it), the ended thread's goes back
+    # to the pool, the live thread's stays with it
     broker.close_thread_clients()
+    assert other[0].connection is None
+    assert broker.thread_client() is mine
+    assert mine.ping()
+    # And closing the broker gives back every one: a thread that asks again gets a new one
+    broker.close()
     assert mine.connection is None
     fresh = broker.thread_client()
     assert fresh is not mine
