@@ -392,7 +392,7 @@ class KumikoBroker(RedisBroker):
         self, queue_name: str, count: int, *, outstanding: int, client: redis.Redis | None = None
     ) -> LaneFetch:
         """Claim up to ``count`` messages of a lane queue (``lua/fetch_lane.lua``), on
-        ``client`` (a consumer's own connection) or the broker's."""
+        ``client`` (the calling thread's :meth:`thread_client`) or the broker's pool."""
         completed_ttl, failed_ttl = self.run_ttls_ms
         fetched, completed, buried, waiting, alone = self._call(
             self.lua.fetch_lane,
@@ -461,8 +461,8 @@ class KumikoBroker(RedisBroker):
         client: redis.Redis | None = None,
     ) -> bool:
         """The outcome of one delivery from a lane queue, in one Lua call
-        (``lua/settle.lua``, on ``client``, a consumer's own connection, or the broker's);
-        ``False`` if the delivery was no longer this worker's and its
+        (``lua/settle.lua``, on ``client``, the calling thread's :meth:`thread_client`, or the
+        broker's pool); ``False`` if the delivery was no longer this worker's and its
         recovered copy was taken by another worker already (then nothing but its in-flight
         entry, marker and run record was written)."""
         header, record, note = "", "", ""
@@ -559,7 +559,9 @@ class KumikoBroker(RedisBroker):
         prepared = self.prepare(message, delay)
         rid = prepared.options["redis_message_id"]
         self.emit_before("enqueue", prepared, delay)
-        self.lua.guarded_enqueue(
+        self._call(
+            self.lua.guarded_enqueue,
+            self.thread_client(),
             keys=[*self._queue_keys(prepared), keys.sent(self.queue_prefix, rid)],
             args=[rid, prepared.encode(), self.resend_window_ms, "1"],
         )
@@ -570,7 +572,9 @@ class KumikoBroker(RedisBroker):
         rid = str(uuid5(_MOVED_NAMESPACE, f"{delayed_rid}>{message.queue_name}"))
         prepared = self.prepare(message, None, redis_message_id=rid)
         self.emit_before("enqueue", prepared, None)
-        moved = self.lua.move(
+        moved = self._call(
+            self.lua.move,
+            self.thread_client(),
             keys=[self.namespace, keys.cancelled(self.queue_prefix, str(message.message_id))],
             args=[
                 *self._head(dq_name(prepared.queue_name), maintenance=False),
@@ -606,7 +610,9 @@ class KumikoBroker(RedisBroker):
         prepared = self.prepare(message, delay)
         self.emit_before("enqueue", prepared, delay)
         reply = _as_list(
-            script(
+            self._call(
+                script,
+                self.thread_client(),
                 keys=[*self._queue_keys(prepared), *keys],
                 args=[prepared.options["redis_message_id"], prepared.encode(), *args],
             )
@@ -742,11 +748,12 @@ class KumikoBroker(RedisBroker):
 
     def thread_client(self) -> redis.Redis:
         """A client on one connection of the calling thread's own, from the broker's pool: what
-        a worker's hot path (its consumers' fetches, its threads' settles) talks on. A command
-        on it skips the pool's check-out and return, which in redis-py cost more CPU than the
-        command (each checked-out connection is probed for unread data, a system call, and
-        the pool's usage recorded). Given back to the pool once its thread has ended, when the
-        worker shuts down, or when the broker closes."""
+        the hot paths talk on (a consumer's fetches, a worker thread's settles, every single
+        enqueue). A command on it skips the pool's check-out and return, which in redis-py
+        cost more CPU than a settle (each checked-out connection is probed for unread data, a
+        system call, and the pool's usage recorded). Given back to the pool once its thread
+        has ended (checked whenever a thread takes its first one, and when a worker shuts
+        down) or when the broker closes: a process holds one per live thread that used it."""
         client: redis.Redis | None = getattr(self._threads, "client", None)
         if client is None:
             client = redis.Redis(
@@ -755,6 +762,7 @@ class KumikoBroker(RedisBroker):
             self._threads.client = client
             with self._lock:
                 self._thread_clients.append((threading.current_thread(), client))
+            self.close_thread_clients()  # a producer's threads come and go
         return client
 
     def close_thread_clients(self, *, live_ones_too: bool = False) -> None:
