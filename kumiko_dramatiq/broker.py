@@ -281,6 +281,7 @@ class KumikoBroker(RedisBroker):
         #: each thread's own client (:meth:`thread_client`), and all of them
         self._threads = threading.local()
         self._thread_clients: list[tuple[threading.Thread, redis.Redis]] = []
+        self._threads_pid = os.getpid()
         self._stopping = False
         self.lua = LuaScripts.register(client)
         #: kumiko's chain (``id()`` of the middleware built with); later ones are guests
@@ -753,7 +754,16 @@ class KumikoBroker(RedisBroker):
         cost more CPU than a settle (each checked-out connection is probed for unread data, a
         system call, and the pool's usage recorded). Given back to the pool once its thread
         has ended (checked whenever a thread takes its first one, and when a worker shuts
-        down) or when the broker closes: a process holds one per live thread that used it."""
+        down) or when the broker closes: a process holds one per live thread that used it.
+        A forked child never uses its parent's (it would talk on the parent's socket): the
+        first call after a fork forgets them, as redis-py's pool forgets its connections."""
+        if self._threads_pid != os.getpid():
+            # a forked child's first call: the parent's lock may be held by a thread that is
+            # not here, so nothing of the parent's is kept, the lock included
+            self._lock = threading.Lock()
+            self._threads = threading.local()
+            self._thread_clients = []
+            self._threads_pid = os.getpid()
         client: redis.Redis | None = getattr(self._threads, "client", None)
         if client is None:
             client = redis.Redis(

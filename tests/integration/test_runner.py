@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -381,3 +382,26 @@ def test_each_thread_keeps_its_own_connection_until_it_ends(make_runner: RunnerF
     fresh = broker.thread_client()
     assert fresh is not mine
     assert fresh.ping()
+
+
+def test_a_forked_child_never_talks_on_its_parents_connection(make_runner: RunnerFactory) -> None:
+    # Given a broker whose main thread took its own connection, then a fork
+    broker = make_runner(billing_registry()).broker
+    parent = broker.thread_client()
+    assert parent.ping()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report whether it got a connection of its own, and if it works
+        try:
+            child = broker.thread_client()
+            ok = child is not parent and child.connection is not parent.connection
+            os.write(write, b"1" if ok and child.ping() else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    # Then the child got one of its own that works, and the parent's still works
+    assert os.read(read, 1) == b"1"
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert broker.thread_client() is parent
+    assert parent.ping()
