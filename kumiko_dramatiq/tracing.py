@@ -20,7 +20,9 @@ Producer side (``before_enqueue``, on the thread that enqueues)
     moved to its queue. No active span and no attempt: nothing is written.
 
 Worker side (``before_process_message`` .. ``after_process_message``/``after_skip_message``)
-    Every delivery of a kumiko message runs in a span named after the job (kind ``CONSUMER``)
+    Every delivery of a kumiko message runs in a span named after the job (kind ``CONSUMER``;
+    none while no tracer provider is set and the message carries no trace: that span would
+    be invalid and propagate nothing, so the attempt skips it)
     whose parent is ``parent`` (none: a root span) and which links to ``link``, made current
     on the worker thread for the handler, the hooks and what they enqueue. Attributes:
     ``kumiko.job``, ``kumiko.message_id``, ``kumiko.origin_id``, ``kumiko.attempt``,
@@ -135,6 +137,10 @@ class Tracing(Middleware):
         if execution is None:
             return
         carried = execution.options.trace
+        if carried is None and self._no_sdk():
+            # nothing to carry on and no SDK to record: the span would be invalid, nothing
+            # would propagate from it (what the handler enqueues gets no trace either way)
+            return
         parent = None if carried is None else carried.parent
         link = None if carried is None else carried.link
         trace = self.api.trace
@@ -193,6 +199,12 @@ class Tracing(Middleware):
             span.end()
         finally:
             self.api.context.detach(attempt.token)
+
+    def _no_sdk(self) -> bool:
+        """Whether no tracer provider was set (the API's placeholder is the global one): asked
+        per message, so a provider set after the runner was built counts at once."""
+        trace = self.api.trace
+        return isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
 
     def _carrier(self, context: Context | None) -> dict[str, str]:
         carrier: dict[str, str] = {}

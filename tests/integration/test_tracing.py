@@ -312,3 +312,59 @@ def test_without_opentelemetry_nothing_is_imported_and_messages_are_unchanged(
     assert TRACE not in options
     assert modules == "[]"
     assert "Tracing" not in chain
+
+
+def test_without_a_tracer_provider_a_carried_trace_still_propagates_and_none_is_made_up(
+    redis_url: str, prefix: str
+) -> None:
+    # Given opentelemetry-api with no tracer provider set (a fresh process), a job that
+    # dispatches another from its handler, and a middleware noting what those carry
+    code = (
+        "import json\n"
+        "from dramatiq.middleware import Middleware\n"
+        "from opentelemetry import trace\n"
+        "from kumiko_dramatiq import Feature, JobRunner, Registry\n"
+        "feature = Feature('relay')\n"
+        "@feature.job('first')\n"
+        "def first(payload, ctx):\n"
+        "    r.dispatch('relay:job:leaf', {'of': payload['n']})\n"
+        "@feature.job('leaf')\n"
+        "def leaf(payload, ctx):\n"
+        "    pass\n"
+        "seen = {}\n"
+        "class Note(Middleware):\n"
+        "    def before_process_message(self, broker, message):\n"
+        "        if message.actor_name == 'relay:job:leaf':\n"
+        "            seen[message.args[0]['of']] = message.options.get('kumiko_trace')\n"
+        f"r = JobRunner(Registry([feature]), redis_url={redis_url!r}, queue_prefix={prefix!r})\n"
+        "r.broker.add_middleware(Note())\n"
+        "remote = trace.SpanContext(0x1234, 0x5678, is_remote=True,"
+        " trace_flags=trace.TraceFlags(1))\n"
+        # When one run is dispatched under a (remote) span and one outside any span
+        "with trace.use_span(trace.NonRecordingSpan(remote)):\n"
+        "    r.dispatch('relay:job:first', {'n': 'traced'})\n"
+        "r.dispatch('relay:job:first', {'n': 'plain'})\n"
+        "r.start()\n"
+        "r.drain(timeout_s=30)\n"
+        "r.stop()\n"
+        "print(json.dumps(seen, sort_keys=True))\n"
+        "print(isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    seen_line, proxy = done.stdout.splitlines()
+    seen = json.loads(seen_line)
+    # Then no provider was set, the traced run's child carries the same trace on, and the
+    # other run's child carries none
+    assert proxy == "True"
+    assert seen["plain"] is None
+    traceparent = seen["traced"]["parent"]["traceparent"]
+    assert traceparent.split("-")[1] == f"{0x1234:032x}"
