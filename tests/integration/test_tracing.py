@@ -67,6 +67,22 @@ def span_id(span: ReadableSpan) -> int:
     return context.span_id
 
 
+def python_prints(code: str) -> list[str]:
+    """The lines ``code`` prints, run by a fresh Python (its own OpenTelemetry globals) in the
+    project's root; it must exit 0."""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
 tracer = trace.get_tracer("tests")
 
 
@@ -297,17 +313,7 @@ def test_without_opentelemetry_nothing_is_imported_and_messages_are_unchanged(
         "print(sorted(m for m, v in sys.modules.items() if m.startswith('opentelemetry') and v))\n"
         "print([type(m).__name__ for m in r.broker.middleware])\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    options, modules, chain = done.stdout.splitlines()
+    options, modules, chain = python_prints(code)
     # Then the message has no trace key, nothing was imported, no Tracing middleware ran
     assert TRACE not in options
     assert modules == "[]"
@@ -350,17 +356,7 @@ def test_without_a_tracer_provider_a_carried_trace_still_propagates_and_none_is_
         "print(json.dumps(seen, sort_keys=True))\n"
         "print(isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    seen_line, proxy = done.stdout.splitlines()
+    seen_line, proxy = python_prints(code)
     seen = json.loads(seen_line)
     # Then no provider was set, the traced run's child carries the same trace on, and the
     # other run's child carries none
