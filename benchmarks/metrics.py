@@ -21,8 +21,6 @@ import urllib.request
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from dramatiq.worker import Worker
-
 from kumiko_dramatiq import Feature, JobContext, JobRunner, Registry
 from kumiko_dramatiq.broker import Delivery, RunWrite
 from kumiko_dramatiq.codec import KumikoOptions
@@ -132,23 +130,9 @@ class MetricsBench:
             self.bench.flush(prefix)
 
         def plain_round() -> None:
-            queue = f"bn{uuid.uuid4().hex[:6]}"
-            countdown = Countdown(n)
-            broker, actor = self.bench.plain_broker(queue, countdown)
-            for i in range(n):
-                actor.send({"i": i})
-            with timed() as t:
-                worker = Worker(
-                    broker, worker_threads=WORKER_THREADS, worker_timeout=WORKER_TIMEOUT_MS
-                )
-                broker.emit_after("process_boot")
-                worker.start()
-                countdown.wait()
-            worker.stop()
-            broker.client.connection_pool.disconnect()
-            on_vs_plain.plain.append(n / t[0].wall_s)
-            on_vs_plain.plain_cpu_us.append(t[0].cpu_s / n * 1e6)
-            self.bench.flush(queue)
+            rate, cpu_us = self.bench.plain_drain(n)
+            on_vs_plain.plain.append(rate)
+            on_vs_plain.plain_cpu_us.append(cpu_us)
 
         stacks = [lambda: kumiko_round(True), lambda: kumiko_round(False), plain_round]
         for index in range(self.rounds):

@@ -95,6 +95,23 @@ class Bench:
         )
         return broker, actor
 
+    def plain_drain(self, n: int) -> tuple[float, float]:
+        """Plain Dramatiq's drain of ``n`` pre-enqueued no-op messages: (msg/s, CPU µs/msg)."""
+        queue = f"bq{uuid.uuid4().hex[:6]}"
+        countdown = Countdown(n)
+        broker, actor = self.plain_broker(queue, countdown)
+        for i in range(n):
+            actor.send({"i": i})
+        with timed() as t:
+            worker = Worker(broker, worker_threads=WORKER_THREADS, worker_timeout=WORKER_TIMEOUT_MS)
+            broker.emit_after("process_boot")
+            worker.start()
+            countdown.wait()
+        worker.stop()
+        broker.client.connection_pool.disconnect()
+        self.flush(queue)
+        return n / t[0].wall_s, t[0].cpu_s / n * 1e6
+
     def flush(self, prefix: str) -> None:
         for pattern in (f"dramatiq:{prefix}*", f"kumiko:{prefix}:*"):
             keys = list(self.client.scan_iter(match=pattern, count=1000))
@@ -199,23 +216,9 @@ class Bench:
             self.flush(prefix)
 
         def plain_round() -> None:
-            queue = f"bq{uuid.uuid4().hex[:6]}"
-            countdown = Countdown(tenants)
-            broker, actor = self.plain_broker(queue, countdown)
-            for i in range(tenants):
-                actor.send({"i": i})
-            with timed() as t:
-                worker = Worker(
-                    broker, worker_threads=WORKER_THREADS, worker_timeout=WORKER_TIMEOUT_MS
-                )
-                broker.emit_after("process_boot")
-                worker.start()
-                countdown.wait()
-            worker.stop()
-            broker.client.connection_pool.disconnect()
-            comparison.plain.append(tenants / t[0].wall_s)
-            comparison.plain_cpu_us.append(t[0].cpu_s / tenants * 1e6)
-            self.flush(queue)
+            rate, cpu_us = self.plain_drain(tenants)
+            comparison.plain.append(rate)
+            comparison.plain_cpu_us.append(cpu_us)
 
         alternate(self.rounds, kumiko_round, plain_round)
         self.comparisons.append(comparison)
