@@ -16,7 +16,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from kumiko_dramatiq import Feature, JobContext, JobRunner, Registry
-from kumiko_dramatiq.broker import RESEND_WINDOW_MS
+from kumiko_dramatiq.broker.broker import RESEND_WINDOW_MS
 
 from .harness import Countdown
 

@@ -22,11 +22,11 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from kumiko_dramatiq import Feature, JobContext, JobRunner, Registry
-from kumiko_dramatiq.broker import Delivery, RunWrite
+from kumiko_dramatiq.broker.delivery import Delivery, RunWrite
 from kumiko_dramatiq.codec import KumikoOptions
-from kumiko_dramatiq.execution import Execution
 from kumiko_dramatiq.messages import build_message
-from kumiko_dramatiq.metrics import metrics_of
+from kumiko_dramatiq.middleware.metrics import metrics_of
+from kumiko_dramatiq.worker.execution import Execution
 
 from .harness import Comparison, Countdown, timed
 

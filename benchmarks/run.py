@@ -34,7 +34,7 @@ from dramatiq.brokers.redis import RedisBroker
 from dramatiq.worker import Worker
 
 from kumiko_dramatiq import Feature, JobContext, JobRunner, Registry
-from kumiko_dramatiq.history import RunHistory
+from kumiko_dramatiq.ops.history import RunHistory
 
 from .harness import (
     Comparison,

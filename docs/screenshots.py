@@ -31,7 +31,7 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from examples.redis_server import private_redis  # noqa: E402
 from kumiko_dramatiq import Cron, Feature, JobContext, JobMeta, JobRunner, Registry  # noqa: E402
 from kumiko_dramatiq.dashboard import create_app  # noqa: E402
-from kumiko_dramatiq.history import RunStatus, record_write  # noqa: E402
+from kumiko_dramatiq.ops.history import RunStatus, record_write  # noqa: E402
 
 TOKEN = "screenshot-token-0123456789"
 OUT = ROOT / "docs"

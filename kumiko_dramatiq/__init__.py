@@ -1,23 +1,51 @@
 """kumiko_dramatiq: jobs declared in features, run on Dramatiq and Redis.
 
-Public API only; see the README for the contract of every name exported here.
+Public API only; see the README and docs/ for the contract of every name exported here.
+Declaring jobs (``Feature``, ``Registry``, the options, ``Cron``, the errors) loads neither
+redis-py nor Dramatiq's brokers: an app module that only declares jobs imports fast.
+``JobRunner`` and the run-history types load the rest on first use.
 """
 
 from __future__ import annotations
 
-from .context import JobContext, JobMeta
-from .cron import Cron
-from .errors import (
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from kumiko_dramatiq.context import JobContext, JobMeta
+from kumiko_dramatiq.cron import Cron
+from kumiko_dramatiq.errors import (
     JobConfigError,
     KumikoError,
+    NotFoundError,
     PayloadError,
+    RedisAccessError,
     RedisUnavailableError,
     UnknownJobError,
 )
-from .options import Backoff, Event, Manual, Retention
-from .registry import Feature, JobDefinition, Registry
-from .retries import build_message_options
-from .runner import JobRunner
+from kumiko_dramatiq.options import Backoff, Event, Manual, Retention, build_message_options
+from kumiko_dramatiq.registry import Feature, JobDefinition, Registry
+
+if TYPE_CHECKING:
+    from kumiko_dramatiq.ops.history import JobRun
+    from kumiko_dramatiq.runner import JobRunner
+
+#: Public names whose modules load redis-py: imported on first use.
+_LAZY = {
+    "JobRunner": "kumiko_dramatiq.runner",
+    "JobRun": "kumiko_dramatiq.ops.history",
+}
+
+
+if not TYPE_CHECKING:  # type checkers see the imports above, and no catch-all
+
+    def __getattr__(name: str) -> Any:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module 'kumiko_dramatiq' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+
 
 __all__ = [
     "Backoff",
@@ -28,10 +56,13 @@ __all__ = [
     "JobContext",
     "JobDefinition",
     "JobMeta",
+    "JobRun",
     "JobRunner",
     "KumikoError",
     "Manual",
+    "NotFoundError",
     "PayloadError",
+    "RedisAccessError",
     "RedisUnavailableError",
     "Registry",
     "Retention",

@@ -15,7 +15,7 @@ these, all JSON-native so they survive the JSON round trip of delays and retries
 ``kumiko_scheduled_at``     ISO-8601 tick of a cron message, with its UTC offset (absent = none)
 ``kumiko_origin_id``        the id the caller got back for the work this message carries on (a
                             hand-off's, a per-tenant child's); absent = the message's own id
-``kumiko_trace``            OpenTelemetry context (:mod:`kumiko_dramatiq.tracing`): an object
+``kumiko_trace``            OpenTelemetry context (:mod:`~.middleware.tracing`): an object
                             with ``parent`` (the dispatching span) and/or ``link`` (the wrapper
                             or predecessor span), each a propagator carrier: at most
                             :data:`MAX_CARRIER_ENTRIES` strings by name (absent = none)
@@ -29,12 +29,12 @@ or range raises :class:`OptionsError`, never a default. Nothing else in the pack
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Final, Literal, TypeGuard, cast, get_args
+from typing import Any, Final, Literal, cast, get_args
 
-from .context import JobMeta, Trigger
-from .limits import dedup_key_problem, tenant_id_problem
+from kumiko_dramatiq.context import JobMeta, Trigger
+from kumiko_dramatiq.limits import dedup_key_problem, is_strict_int, tenant_id_problem
 
 BackoffType = Literal["fixed", "exponential"]
 
@@ -167,7 +167,7 @@ class KumikoOptions:
         if backoff is None:
             if delay is not None:
                 raise OptionsError(BACKOFF_DELAY_MS, "must be null without a backoff", delay)
-        elif not _is_int(delay) or delay <= 0:
+        elif not is_strict_int(delay) or delay <= 0:
             raise OptionsError(BACKOFF_DELAY_MS, "must be a positive integer", delay)
         trigger = options.get(TRIGGER, ...)
         if trigger not in _TRIGGERS:
@@ -207,13 +207,6 @@ class KumikoOptions:
             dedup_key=self.dedup_key,
         )
 
-    def with_failures(self, failures: int) -> KumikoOptions:
-        return replace(self, failures=failures)
-
-
-def _is_int(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
 
 def _count(options: Mapping[str, Any], key: str, *, required: bool) -> int:
     if key not in options:
@@ -221,7 +214,7 @@ def _count(options: Mapping[str, Any], key: str, *, required: bool) -> int:
             raise OptionsError(key, "is missing")
         return 0
     value = options[key]
-    if not _is_int(value) or value < 0:
+    if not is_strict_int(value) or value < 0:
         raise OptionsError(key, "must be an integer >= 0", value)
     return int(value)
 

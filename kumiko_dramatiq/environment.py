@@ -4,7 +4,7 @@
 :class:`~kumiko_dramatiq.settings.Settings` (see there for the table): an argument not
 given takes its ``KUMIKO_*`` variable when that is set, else its default. A variable that
 does not parse is a :class:`~kumiko_dramatiq.errors.JobConfigError` naming the variable.
-:mod:`kumiko_dramatiq.apps` loads ``KUMIKO_APP`` with what :func:`app_target` and
+:mod:`kumiko_dramatiq.loader` loads ``KUMIKO_APP`` with what :func:`app_target` and
 :func:`variable_values` read here.
 """
 
@@ -14,8 +14,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from .errors import JobConfigError
-from .settings import UNSET, Settings
+from kumiko_dramatiq.errors import JobConfigError
+from kumiko_dramatiq.settings import UNSET, Settings
 
 #: ``KUMIKO_*`` variable -> (setting, parser).
 VARIABLES: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
@@ -117,7 +117,7 @@ def check_dashboard_token(token: object, source: str = "token") -> str | None:
     return token
 
 
-#: prometheus_client's multiprocess directory (see :mod:`kumiko_dramatiq.exposition`).
+#: prometheus_client's multiprocess directory (see :mod:`kumiko_dramatiq.ops.exposition`).
 PROMETHEUS_MULTIPROC_DIR: Final = "PROMETHEUS_MULTIPROC_DIR"
 
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 import math
 import unicodedata
-from typing import Any, Final
+from typing import Any, Final, TypeGuard
 
-from .errors import PayloadError
+from kumiko_dramatiq.errors import PayloadError
 
 #: The longest duration anything may ask for: 366 days, in ms.
 MAX_DURATION_MS: Final = 366 * 86_400_000
@@ -150,3 +150,8 @@ def tenant_id_problem(tenant_id: Any) -> str | None:
     if any(unicodedata.category(char) == "Cc" for char in tenant_id):
         return "must not contain control characters"
     return None
+
+
+def is_strict_int(value: Any) -> TypeGuard[int]:
+    """Whether ``value`` is an ``int`` and not a ``bool`` (kumiko's integers are strict)."""
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,10 +1,11 @@
 """Building the Dramatiq message of a job: the one door every enqueue path uses.
 
-:func:`build_message` always merges :func:`~kumiko_dramatiq.retries.build_message_options`,
-so no enqueue path (dispatch, event, cron tick, boot-once, per-tenant wrapper and child,
-sequential hand-off, dedup follow-up) can forget the retry policy. The per-message options it
-writes (trigger, spent failures, tenant, dedup key, cron tick) are encoded by
-:mod:`kumiko_dramatiq.codec`. What a caller hands in is checked by :mod:`kumiko_dramatiq.limits`.
+:func:`build_message` always merges :func:`~kumiko_dramatiq.options.build_message_options`, so
+no enqueue path (dispatch, event, cron tick, boot-once, per-tenant wrapper and child, sequential
+hand-off, dedup follow-up) can forget the retry policy. The per-message options it writes
+(trigger, spent failures, tenant, dedup key, cron tick) are encoded by
+:mod:`kumiko_dramatiq.codec`. What a caller hands in is checked by
+:mod:`kumiko_dramatiq.limits`.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from typing import Any
 
 from dramatiq.message import Message, generate_unique_id
 
-from .codec import encode_run
-from .context import Trigger
-from .registry import JobDefinition
-from .retries import build_message_options
+from kumiko_dramatiq.codec import encode_run
+from kumiko_dramatiq.context import Trigger
+from kumiko_dramatiq.options import build_message_options
+from kumiko_dramatiq.registry import JobDefinition
 
 
 def build_message(

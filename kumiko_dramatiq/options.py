@@ -5,22 +5,36 @@
 rejected). Every validation failure becomes one :class:`JobConfigError` that
 names the job, the option and the bad value. Triggers (``Manual``, ``Event``;
 ``Cron`` lives in :mod:`kumiko_dramatiq.cron`), ``Backoff`` and ``Retention``
-are declared here too. What the retry options mean at run time (backoff maths,
-the message options every enqueue path attaches) is :mod:`kumiko_dramatiq.retries`.
+are declared here too, with the lanes, and the retry policy as message options
+(:func:`build_message_options`, the ONE function every enqueue path attaches) and its
+maths (:func:`retry_delay_ms`, :func:`retry_window_ms`), all pure. What a failed attempt
+does at run time is :mod:`kumiko_dramatiq.middleware.retries`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .codec import BackoffType
-from .cron import Cron
-from .errors import JobConfigError
-from .limits import MAX_DURATION_MS, MAX_RETRIES
+from kumiko_dramatiq.codec import BackoffType, encode_policy
+from kumiko_dramatiq.cron import Cron
+from kumiko_dramatiq.errors import JobConfigError
+from kumiko_dramatiq.limits import MAX_DURATION_MS, MAX_RETRIES, is_strict_int
+
+if TYPE_CHECKING:
+    from kumiko_dramatiq.registry import JobDefinition
+
+Lane = Literal["worker", "api"]
+LANES: Final[tuple[Lane, ...]] = ("worker", "api")
+
+
+def lane_queue(queue_prefix: str, lane: str) -> str:
+    """The queue of ``lane``: ``f"{queue_prefix}-{lane}"``."""
+    return f"{queue_prefix}-{lane}"
+
 
 #: Base delay of a backoff declared without ``delay_ms``.
 DEFAULT_BACKOFF_DELAY_MS = 1_000
@@ -70,7 +84,7 @@ class Retention:
 
     def __init__(self, completed_age_s: int = 86_400, failed_age_s: int = 604_800) -> None:
         for field, value in (("completed_age_s", completed_age_s), ("failed_age_s", failed_age_s)):
-            if not _is_strict_int(value) or value <= 0:
+            if not is_strict_int(value) or value <= 0:
                 raise JobConfigError(
                     None, f"retention.{field}", "must be a positive integer", value
                 )
@@ -214,5 +228,36 @@ def _config_error(job_name: str, exc: ValidationError) -> JobConfigError:
     return JobConfigError(job_name, field, _PROBLEMS.get(field, error["msg"]), error["input"])
 
 
-def _is_strict_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def build_message_options(job: JobDefinition) -> dict[str, Any]:
+    """The retry/backoff options every enqueue path attaches to a message of ``job``.
+
+    Pure and deterministic; JSON-native values only.
+    """
+    backoff = job.options.backoff
+    return encode_policy(
+        job.options.retries,
+        None if backoff is None else backoff.type,
+        None if backoff is None else backoff.delay_ms,
+    )
+
+
+def retry_delay_ms(
+    backoff: BackoffType | None, base_delay_ms: int | None, retry_number: int
+) -> int | None:
+    """Delay before retry ``retry_number`` (1-based) under a backoff of type ``backoff`` with
+    base delay ``base_delay_ms``; ``None`` (no backoff) means "retry at once"."""
+    if backoff is None or base_delay_ms is None:
+        return None
+    if backoff == "fixed":
+        return base_delay_ms
+    return int(base_delay_ms * 2 ** (retry_number - 1))
+
+
+def retry_window_ms(options: JobOptions) -> int:
+    """Worst-case time spent waiting out backoffs across all retries of a job."""
+    backoff = options.backoff
+    if backoff is None or options.retries == 0:
+        return 0
+    if backoff.type == "fixed":
+        return options.retries * backoff.delay_ms
+    return int(backoff.delay_ms * (2**options.retries - 1))

@@ -41,12 +41,17 @@ from typing import Any, Final
 import pytest
 import redis
 
-from .connection import client as redis_client
-from .environment import TEST_REDIS_URL, redis_url_for_tests
-from .errors import redact_url
-from .registry import Registry
-from .runner import JobRunner
-from .testing import RunnerFactory, delete_dataset, new_queue_prefix, private_redis_server
+from kumiko_dramatiq.broker.connection import client as redis_client
+from kumiko_dramatiq.environment import TEST_REDIS_URL, redis_url_for_tests
+from kumiko_dramatiq.errors import redact_url
+from kumiko_dramatiq.registry import Registry
+from kumiko_dramatiq.runner import JobRunner
+from kumiko_dramatiq.testing import (
+    RunnerFactory,
+    delete_dataset,
+    new_queue_prefix,
+    private_redis_server,
+)
 
 #: What ``kumiko_runner`` gives a runner unless the test says otherwise: few threads, a quick
 #: sequential hand-off, ``timeout_ms`` checked often, a short wait for Redis, and a short idle

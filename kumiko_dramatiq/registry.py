@@ -24,16 +24,22 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .errors import JobConfigError
-from .limits import MAX_DURATION_MS
-from .options import Event, JobOptions, parse_job_options
-from .retries import retry_window_ms
-from .settings import lane_queue
+from kumiko_dramatiq.errors import JobConfigError
+from kumiko_dramatiq.limits import MAX_DURATION_MS
+from kumiko_dramatiq.options import (
+    Event,
+    JobOptions,
+    lane_queue,
+    parse_job_options,
+    retry_window_ms,
+)
 
 if TYPE_CHECKING:
-    from .context import JobContext
+    from kumiko_dramatiq.context import JobContext
 
 _NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+#: What a qualified job name looks like (:func:`qualified_name`).
+QUALIFIED_NAME_RE = re.compile(rf"{_NAME_RE.pattern}:job:{_NAME_RE.pattern}")
 
 #: A per-tenant job's wrapper actor is named ``qualified_name + WRAPPER_SUFFIX``.
 WRAPPER_SUFFIX = ":fanout"

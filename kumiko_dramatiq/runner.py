@@ -1,7 +1,8 @@
 """``JobRunner``: builds a runner's broker, declares its actors, runs its worker.
 
 One runner = one ``KumikoBroker`` (never Dramatiq's global broker), one middleware chain
-(:func:`build_middleware`, shared with ``dramatiq kumiko_dramatiq.app``), one actor per job
+(:func:`kumiko_dramatiq.middleware.build_middleware`, shared with
+``dramatiq kumiko_dramatiq.app``), one actor per job
 named by its qualified name on the queue ``f"{queue_prefix}-{run_in}"``, plus a wrapper actor
 per per-tenant job. Every setting is a validated argument (:mod:`kumiko_dramatiq.settings`);
 an argument not given falls back to its ``KUMIKO_*`` variable, then to its default.
@@ -18,26 +19,14 @@ from datetime import datetime
 from typing import Any
 
 import redis
-from dramatiq.middleware import (
-    AgeLimit,
-    Callbacks,
-    Middleware,
-    Pipelines,
-    ShutdownNotifications,
-)
 from dramatiq.worker import Worker
 
-from .acl import check_server
-from .actors import declare_actors
-from .admin import Admin, DeadLetter, DedupInfo, JobInfo, LockInfo, Status
-from .boot import Boot
-from .broker import KumikoBroker, make_connection_pool
-from .connection import client as redis_client
-from .connection import tls_problem
-from .dedup import Dedup, dispatch_many_with_keys, dispatch_with_key, event_dedup_keys
-from .draining import Drain
-from .environment import resolve_settings
-from .errors import (
+from kumiko_dramatiq.broker.acl import check_server
+from kumiko_dramatiq.broker.broker import KumikoBroker, make_connection_pool
+from kumiko_dramatiq.broker.connection import client as redis_client
+from kumiko_dramatiq.broker.tls import tls_problem
+from kumiko_dramatiq.environment import resolve_settings
+from kumiko_dramatiq.errors import (
     JobConfigError,
     NotFoundError,
     PayloadError,
@@ -45,81 +34,34 @@ from .errors import (
     RedisUnavailableError,
     UnknownJobError,
 )
-from .executions import Executions, KumikoMessages
-from .history import STATUSES, History, JobRun, RunHistory, RunStatus, run_ttls_ms
-from .hooks import Hooks
-from .lanes import Lane
-from .limits import check_dedup_key, check_delay_ms, check_payload
-from .logs import install_log_filter
-from .messages import build_message
-from .metrics import metrics_middleware
-from .options import Retention
-from .presence import Presence
-from .registry import JobDefinition, Registry
-from .retries import Retries, check_no_dramatiq_retries, retry_window_ms
-from .runtime import FailedHook, HookSet, Runtime, StartHook, TenantResolver
-from .scheduler import Scheduler
-from .sequential import Sequential
-from .settings import UNSET, Unset
-from .timeouts import Timeouts
-from .tracing import tracing_middleware
+from kumiko_dramatiq.limits import check_dedup_key, check_delay_ms, check_payload
+from kumiko_dramatiq.messages import build_message
+from kumiko_dramatiq.middleware import build_middleware
+from kumiko_dramatiq.middleware.boot import Boot
+from kumiko_dramatiq.middleware.dedup import (
+    Dedup,
+    dispatch_many_with_keys,
+    dispatch_with_key,
+    event_dedup_keys,
+)
+from kumiko_dramatiq.middleware.presence import Presence
+from kumiko_dramatiq.middleware.retries import check_no_dramatiq_retries
+from kumiko_dramatiq.ops.admin import Admin, DeadLetter, DedupInfo, JobInfo, LockInfo, Status
+from kumiko_dramatiq.ops.draining import Drain
+from kumiko_dramatiq.ops.history import STATUSES, JobRun, RunHistory, RunStatus, run_ttls_ms
+from kumiko_dramatiq.options import Retention, retry_window_ms
+from kumiko_dramatiq.registry import JobDefinition, Registry
+from kumiko_dramatiq.scheduler import Scheduler
+from kumiko_dramatiq.settings import UNSET, Unset
+from kumiko_dramatiq.worker.actors import declare_actors
+from kumiko_dramatiq.worker.execution import KumikoMessages
+from kumiko_dramatiq.worker.logs import install_log_filter
+from kumiko_dramatiq.worker.runtime import FailedHook, HookSet, Runtime, StartHook, TenantResolver
 
 logger = logging.getLogger("kumiko_dramatiq")
 
 #: How many messages ``dispatch_many`` writes per Lua call.
 DISPATCH_BATCH = 500
-
-
-def build_middleware(runtime: Runtime, dedup: Dedup, presence: Presence) -> list[Middleware]:
-    """The one middleware chain of a kumiko broker, in ``before_*`` order (``after_*`` hooks
-    run in reverse). It holds Dramatiq's default middleware (AgeLimit, TimeLimit,
-    ShutdownNotifications, Callbacks, Pipelines, Retries), so a plain ``@dramatiq.actor`` on
-    a kumiko broker behaves as on Dramatiq's ``RedisBroker``; none of them changes a kumiko
-    job (kumiko's actors and messages carry none of their options, but ``time_limit``)::
-
-        AgeLimit    Dramatiq's: skips a message older than its actor's max_age (first, as in
-                    Dramatiq's order, so add_middleware(m, before=AgeLimit) puts m first)
-        Lane        a worker consumes its lane and every non-lane queue, no other lane
-        Boot        boot gates and boot-once jobs on process boot
-        Executions  open each delivery's Execution; dead-letter malformed messages
-        Metrics     only with metrics_port: counts runs, hand-offs, ... (kumiko_dramatiq.metrics)
-        Tracing     only with opentelemetry-api installed: a span per attempt (.tracing)
-        History     the end record of each attempt and the "already completed" marker of a
-                    completed run, for the ack to write
-        Callbacks   Dramatiq's: on_success / on_failure (after: once Retries decided)
-        Pipelines   Dramatiq's: the next step of a pipeline, unless the message failed
-        Retries     kumiko's jobs: retried on the same message id (after: runs late); any
-                    other actor: Dramatiq's Retries and its options (kumiko_dramatiq.retries)
-        Sequential  the lease of sequential jobs (before: acquire or hand off; after: release)
-        Dedup       the life of dedup keys
-        Hooks       on_job_start / on_job_complete / on_job_failed
-        ShutdownNotifications  Dramatiq's: interrupts actors with notify_shutdown on shutdown
-        Timeouts    Dramatiq's TimeLimit, last of the message hooks: its clock covers the
-                    handler; timeout_ms for kumiko's jobs, Dramatiq's 10 minutes by default
-                    for any other actor
-        Presence    registers the worker process as alive while it runs
-
-    Middleware added later (``runner.broker.add_middleware``) come after the chain; they
-    never see a sequential hand-off (see ``KumikoBroker.add_middleware``).
-    """
-    return [
-        AgeLimit(),
-        Lane(runtime.settings.queue_prefix, runtime.settings.lane),
-        Boot(runtime),
-        Executions(runtime),
-        *metrics_middleware(runtime),
-        *tracing_middleware(runtime),
-        History(runtime.settings),
-        Callbacks(),
-        Pipelines(),
-        Retries(runtime.registry, log_payloads=runtime.settings.log_payloads),
-        Sequential(runtime),
-        dedup,
-        Hooks(runtime),
-        ShutdownNotifications(),
-        Timeouts(interval=runtime.settings.timeout_check_ms),
-        presence,
-    ]
 
 
 class JobRunner:
@@ -219,6 +161,7 @@ class JobRunner:
             maintenance_chance=settings.maintenance_chance,
             dead_message_ttl=settings.retention.failed_age_s * 1000,
             queue_prefix=settings.queue_prefix,
+            lane=settings.lane,
             max_deliveries=settings.max_deliveries,
             run_ttls_ms=run_ttls_ms(settings),
             history_cap=settings.history_cap,
@@ -430,11 +373,11 @@ class JobRunner:
         """Wait until nothing of this dataset is queued, delayed, backing off or running (both
         lanes, any worker), then return the runs that ended since the previous ``drain`` (the
         first: since this runner was built), oldest first. Raises ``DrainTimeoutError``
-        naming what is still pending after ``timeout_s``. See :mod:`kumiko_dramatiq.draining`."""
+        naming what is still pending after ``timeout_s`` (:mod:`kumiko_dramatiq.ops.draining`)."""
         with self._redis("draining"):
             return self._drain(timeout_s)
 
-    # -- operating (see kumiko_dramatiq.admin) ----------------------------
+    # -- operating (see kumiko_dramatiq.ops.admin) ----------------------------
     @property
     def admin(self) -> Admin:
         """The admin API over this runner's dataset (no connection until used)."""
@@ -559,7 +502,7 @@ class JobRunner:
     def check_redis(self) -> None:
         """Wait for Redis (:meth:`wait_for_redis`), then check that it lets this runner do
         everything kumiko needs (``RedisAccessError``, one line naming what is refused:
-        :func:`kumiko_dramatiq.acl.check_server`)."""
+        :func:`kumiko_dramatiq.broker.acl.check_server`)."""
         self.wait_for_redis()
         with self._redis("checking its permissions"):
             check_server(self.broker, self.redis_url)
@@ -568,7 +511,7 @@ class JobRunner:
         """Ping Redis until it answers; ``RedisUnavailableError`` after
         ``boot_redis_timeout_ms``, ``RedisAccessError`` at once when it refuses the
         credentials or the database number, or TLS fails for good (a certificate that does
-        not verify: :func:`~kumiko_dramatiq.connection.tls_problem`)."""
+        not verify: :func:`~kumiko_dramatiq.broker.tls.tls_problem`)."""
         deadline = time.monotonic() + self.boot_redis_timeout_ms / 1000
         last_error: BaseException | None = None
         while True:

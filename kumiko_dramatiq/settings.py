@@ -35,23 +35,24 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Final, Literal
+from typing import Any, Final
 
-from .connection import url_problem
-from .errors import JobConfigError, redact_url
-from .limits import DEFAULT_MAX_PAYLOAD_BYTES, MAX_DURATION_MS, TOO_LARGE
-from .options import Retention
-
-Lane = Literal["worker", "api"]
-LANES: Final[tuple[Lane, ...]] = ("worker", "api")
+from kumiko_dramatiq.broker.broker import MAINTENANCE_SCALE
+from kumiko_dramatiq.broker.urls import url_problem
+from kumiko_dramatiq.errors import JobConfigError, redact_url
+from kumiko_dramatiq.limits import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    MAX_DURATION_MS,
+    TOO_LARGE,
+    is_strict_int,
+)
+from kumiko_dramatiq.options import LANES, Lane, Retention, lane_queue
 
 #: What a queue prefix must match (it becomes part of queue names and Redis keys).
 PREFIX_PATTERN: Final = re.compile(r"[A-Za-z_][A-Za-z0-9._-]*")
 
 #: Below this a lease renewer (every TTL/3) would approach a busy loop.
 MIN_LOCK_TTL_MS: Final = 100
-#: Dramatiq's maintenance chance is counted per this many broker calls.
-MAINTENANCE_SCALE: Final = 1_000_000
 
 
 class Unset(enum.Enum):
@@ -93,7 +94,8 @@ class Settings:
     #: Whether run records keep the payload of their message.
     record_payloads: bool = False
     #: The port every worker process (and the scheduler) serves Prometheus metrics on
-    #: (:mod:`kumiko_dramatiq.metrics`; needs ``kumiko_dramatiq[metrics]``); ``None``: none.
+    #: (:mod:`kumiko_dramatiq.middleware.metrics`; needs ``kumiko_dramatiq[metrics]``);
+    #: ``None``: none.
     metrics_port: int | None = None
     worker_threads: int = 8
     boot_redis_timeout_ms: int = 5_000
@@ -126,16 +128,17 @@ class Settings:
             "history_cap",
         ):
             value = getattr(self, name)
-            _check(_is_int(value) and value > 0, name, "must be a positive integer", value)
+            _check(is_strict_int(value) and value > 0, name, "must be a positive integer", value)
             _check(not name.endswith("_ms") or value <= MAX_DURATION_MS, name, TOO_LARGE, value)
         _check(
-            _is_int(self.maintenance_chance) and 0 <= self.maintenance_chance <= MAINTENANCE_SCALE,
+            is_strict_int(self.maintenance_chance)
+            and 0 <= self.maintenance_chance <= MAINTENANCE_SCALE,
             "maintenance_chance",
             f"must be an integer from 0 to {MAINTENANCE_SCALE}",
             self.maintenance_chance,
         )
         _check(
-            _is_int(self.lock_ttl_ms) and self.lock_ttl_ms >= MIN_LOCK_TTL_MS,
+            is_strict_int(self.lock_ttl_ms) and self.lock_ttl_ms >= MIN_LOCK_TTL_MS,
             "lock_ttl_ms",
             f"must be an integer >= {MIN_LOCK_TTL_MS}",
             self.lock_ttl_ms,
@@ -149,7 +152,7 @@ class Settings:
         )
         _check(
             self.metrics_port is None
-            or (_is_int(self.metrics_port) and 0 < self.metrics_port < 65536),
+            or (is_strict_int(self.metrics_port) and 0 < self.metrics_port < 65536),
             "metrics_port",
             "must be a port number from 1 to 65535, or None",
             self.metrics_port,
@@ -171,20 +174,11 @@ class Settings:
         return tuple(f.name for f in fields(cls))
 
 
-def lane_queue(queue_prefix: str, lane: str) -> str:
-    """The queue of ``lane``: ``f"{queue_prefix}-{lane}"``."""
-    return f"{queue_prefix}-{lane}"
-
-
 def redis_url_problem(url: Any) -> str | None:
     """Why ``url`` is not a usable Redis URL, or ``None``: the forms and options of
-    :mod:`kumiko_dramatiq.connection` (``redis://``, ``rediss://``, ``unix://``,
+    :mod:`kumiko_dramatiq.broker.connection` (``redis://``, ``rediss://``, ``unix://``,
     ``redis+sentinel://``), with a host (or a socket path), a valid port and database number."""
     return url_problem(url)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check(ok: Any, name: str, problem: str, value: Any) -> None:

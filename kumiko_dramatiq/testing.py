@@ -34,16 +34,21 @@ from typing import Any, Final
 import redis
 from dramatiq.message import generate_unique_id
 
-from . import keys
-from .broker import consumer_acks, queue_list
-from .context import JobContext, JobMeta, Trigger
-from .environment import resolve_settings
-from .errors import JobConfigError, PayloadError, RedisUnavailableError, UnknownJobError
-from .ids import child_message_id
-from .limits import check_payload, tenant_id_problem
-from .loop import EventLoopThread
-from .registry import JobDefinition, Registry
-from .runner import JobRunner
+from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.broker.keys import consumer_acks, queue_list
+from kumiko_dramatiq.context import JobContext, JobMeta, Trigger
+from kumiko_dramatiq.environment import resolve_settings
+from kumiko_dramatiq.errors import (
+    JobConfigError,
+    PayloadError,
+    RedisUnavailableError,
+    UnknownJobError,
+)
+from kumiko_dramatiq.ids import child_message_id
+from kumiko_dramatiq.limits import check_payload, tenant_id_problem
+from kumiko_dramatiq.registry import JobDefinition, Registry
+from kumiko_dramatiq.runner import JobRunner
+from kumiko_dramatiq.worker.loop import EventLoopThread
 
 __all__ = [
     "RunnerFactory",

@@ -33,7 +33,7 @@ from kumiko_dramatiq import (
     JobRunner,
     Registry,
 )
-from kumiko_dramatiq.boot import reset_boot_marker
+from kumiko_dramatiq.middleware.boot import reset_boot_marker
 from tests.conftest import Recorder
 
 #: How long a private server may take to answer its first PING.
@@ -564,9 +564,9 @@ def cli_env(redis_url: str, prefix: str, app: str = "tests.deployment:CLI_APP") 
 
 
 def kumiko(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    """Run the ``kumiko`` command (``python -m kumiko_dramatiq.cli``) to its end."""
+    """Run the ``kumiko`` command (``python -m kumiko_dramatiq.ops.cli``) to its end."""
     return subprocess.run(
-        [sys.executable, "-m", "kumiko_dramatiq.cli", *args],
+        [sys.executable, "-m", "kumiko_dramatiq.ops.cli", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

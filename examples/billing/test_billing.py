@@ -14,8 +14,8 @@ from freezegun import freeze_time
 
 from examples.billing.app import MailGatewayError, registry
 from kumiko_dramatiq import Cron, PayloadError
+from kumiko_dramatiq.scheduler.ticks import plan_ticks
 from kumiko_dramatiq.testing import RunnerFactory, run_job
-from kumiko_dramatiq.ticks import plan_ticks
 
 INVOICE = {"invoice": "INV-7", "email": "ada@example.com"}
 

@@ -8,6 +8,6 @@ it shows and who may act, :mod:`kumiko_dramatiq.dashboard.pages` how each page s
 
 from __future__ import annotations
 
-from .app import create_app
+from kumiko_dramatiq.dashboard.app import create_app
 
 __all__ = ["create_app"]

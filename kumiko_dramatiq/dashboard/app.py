@@ -39,20 +39,9 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..environment import dashboard_token
-from ..errors import (
-    JobConfigError,
-    NotFoundError,
-    PayloadError,
-    RedisAccessError,
-    RedisUnavailableError,
-    UnknownJobError,
-    redact_url,
-)
-from ..runner import JobRunner
-from . import pages
-from .pages import BadInput
-from .security import (
+from kumiko_dramatiq.dashboard import pages
+from kumiko_dramatiq.dashboard.pages import BadInput
+from kumiko_dramatiq.dashboard.security import (
     SESSION_S,
     check_token,
     csrf_token,
@@ -61,6 +50,17 @@ from .security import (
     session_valid,
     token_matches,
 )
+from kumiko_dramatiq.environment import dashboard_token
+from kumiko_dramatiq.errors import (
+    JobConfigError,
+    NotFoundError,
+    PayloadError,
+    RedisAccessError,
+    RedisUnavailableError,
+    UnknownJobError,
+    redact_url,
+)
+from kumiko_dramatiq.runner import JobRunner
 
 SESSION_COOKIE: Final = "kumiko-dashboard"
 FLASH_COOKIE: Final = "kumiko-dashboard-flash"

@@ -7,9 +7,9 @@ million run records and 10,000 queued messages", measured in ``benchmarks/dashbo
   ``ZCOUNT`` per minute and status on the run history's status indexes);
 - lists read sorted-set indexes newest first with ``LIMIT`` (runs, dead letters) and page on
   with a cursor, never an offset into everything;
-- locks are read by their keys (:meth:`~kumiko_dramatiq.admin.Admin.locks_in_flight`);
+- locks are read by their keys (:meth:`~kumiko_dramatiq.ops.admin.Admin.locks_in_flight`);
 - dedup records have no index: a page walks a bounded slice of the keyspace
-  (:meth:`~kumiko_dramatiq.admin.Admin.walk_dedup_keys`) and links to the next slice, and
+  (:meth:`~kumiko_dramatiq.ops.admin.Admin.walk_dedup_keys`) and links to the next slice, and
   one key is looked up directly.
 
 Bad input (an unknown job, a status, a time that does not parse) is a :class:`BadInput`
@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from ..admin import DeadCursor
-from ..cron import Cron
-from ..history import STATUSES, JobRun
-from ..presence import live_processes
-from ..runner import JobRunner
-from .chart import bar_chart, minute_edges
+from kumiko_dramatiq.cron import Cron
+from kumiko_dramatiq.dashboard.chart import bar_chart, minute_edges
+from kumiko_dramatiq.middleware.presence import live_processes
+from kumiko_dramatiq.ops.admin import DeadCursor
+from kumiko_dramatiq.ops.history import STATUSES, JobRun
+from kumiko_dramatiq.runner import JobRunner
 
 #: Message ids as the admin API accepts them.
 MESSAGE_ID: Final = re.compile(r"[A-Za-z0-9._:-]{1,200}")

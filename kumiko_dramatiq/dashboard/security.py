@@ -20,7 +20,7 @@ import hmac
 import secrets
 from typing import Final
 
-from ..environment import check_dashboard_token
+from kumiko_dramatiq.environment import check_dashboard_token
 
 #: How long a sign-in lasts.
 SESSION_S: Final = 12 * 3600

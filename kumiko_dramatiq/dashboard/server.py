@@ -8,8 +8,8 @@ from types import FrameType
 
 import uvicorn
 
-from ..runner import JobRunner
-from .app import create_app
+from kumiko_dramatiq.dashboard.app import create_app
+from kumiko_dramatiq.runner import JobRunner
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

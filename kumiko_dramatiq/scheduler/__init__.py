@@ -1,7 +1,7 @@
 """The cron scheduler: APScheduler 3 wakes it on every tick, kumiko enqueues each tick once.
 
 ``kumiko-scheduler`` (also ``python -m kumiko_dramatiq.scheduler``; the command line is
-:func:`kumiko_dramatiq.cli.scheduler_main`) runs it for the app ``KUMIKO_APP`` names;
+:func:`kumiko_dramatiq.ops.cli.scheduler_main`) runs it for the app ``KUMIKO_APP`` names;
 ``JobRunner(run_scheduler=True)`` runs the same :class:`Scheduler` inside a worker. It takes a
 broker, a registry and the retention, nothing more, and it only enqueues: workers run the jobs.
 
@@ -17,7 +17,7 @@ Triggers
     Redis I/O never runs in APScheduler's own thread or under its locks, and ticks of all jobs
     are handled one at a time. APScheduler's own ``coalesce``/``misfire_grace_time`` never
     decide anything: kumiko recomputes the due ticks from :meth:`Cron.next_fire_time` and
-    applies its own misfire policy (:func:`kumiko_dramatiq.ticks.plan_ticks`). A run that
+    applies its own misfire policy (:func:`kumiko_dramatiq.scheduler.ticks.plan_ticks`). A run that
     APScheduler refuses because the previous one still runs (a Redis stall) loses nothing:
     the next wake-up accounts for every tick since the last one handled.
 
@@ -37,7 +37,7 @@ The message
     tick starts its fan-out wrapper.
 
 Misfires
-    See :mod:`kumiko_dramatiq.ticks`. One log line per decision (INFO for coalesced ticks,
+    See :mod:`kumiko_dramatiq.scheduler.ticks`. One log line per decision (INFO for coalesced ticks,
     WARNING for skipped ones).
 
 Redis keys (all per queue prefix)
@@ -70,21 +70,22 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.base import BaseTrigger
 from apscheduler.triggers.date import DateTrigger
 
-from .. import ids, keys
-from ..broker import KumikoBroker
-from ..cron import Cron
-from ..messages import build_message
-from ..options import Retention
-from ..presence import Registration
-from ..registry import JobDefinition, Registry
-from ..ticks import TickPlan, effective_grace_s, plan_ticks
+from kumiko_dramatiq import ids
+from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.broker.broker import KumikoBroker
+from kumiko_dramatiq.cron import Cron
+from kumiko_dramatiq.messages import build_message
+from kumiko_dramatiq.middleware.presence import Registration
+from kumiko_dramatiq.options import Retention
+from kumiko_dramatiq.registry import JobDefinition, Registry
+from kumiko_dramatiq.scheduler.ticks import TickPlan, effective_grace_s, plan_ticks
 
 __all__ = ["Scheduler", "TickTrigger"]
 
 logger = logging.getLogger("kumiko_dramatiq.scheduler")
 
 _EXECUTOR = "kumiko"
-_CATCH_UP_JOB_ID = "kumiko:catch-up"
+_CATCH_UP_JOB_ID = "kumiko-catch-up"
 #: Delay before a start-up catch-up that hit a Redis error is tried again.
 _CATCH_UP_RETRY_S = 1.0
 
@@ -95,7 +96,8 @@ class TickTrigger(BaseTrigger):  # type: ignore[misc]
     ``get_next_fire_time(previous, now)`` returns the first tick strictly after the later of
     ``previous`` and ``now`` (compared as UTC instants), as a UTC datetime. Starting from
     ``now`` when the scheduler is behind keeps APScheduler from enumerating a backlog; the
-    ticks it passes over are kumiko's to account for (:func:`~kumiko_dramatiq.ticks.plan_ticks`).
+    ticks it passes over are kumiko's to account for
+    (:func:`~kumiko_dramatiq.scheduler.ticks.plan_ticks`).
     """
 
     __slots__ = ("cron",)

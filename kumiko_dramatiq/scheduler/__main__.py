@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from ..cli import scheduler_main
+from kumiko_dramatiq.ops.cli import scheduler_main
 
 raise SystemExit(scheduler_main())

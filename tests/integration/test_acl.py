@@ -1,4 +1,4 @@
-"""The documented ACL rule set (kumiko_dramatiq.acl) against a real Redis: a fresh user with
+"""The documented ACL rule set (kumiko_dramatiq.broker.acl) against a real Redis: a fresh user with
 exactly those rules runs every main path without one refusal, and a user lacking any one of
 its commands (or its keys) fails at start, in one line naming what is missing."""
 
@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import redis
 
-from kumiko_dramatiq import JobRunner, acl
+from kumiko_dramatiq import JobRunner
+from kumiko_dramatiq.broker import acl
 from kumiko_dramatiq.errors import RedisAccessError
 from tests.deployment import (
     BOOT,

@@ -31,12 +31,12 @@ from kumiko_dramatiq import (
     JobContext,
     Registry,
     build_message_options,
-    keys,
 )
-from kumiko_dramatiq.boot import reset_boot_marker
-from kumiko_dramatiq.broker import queue_list, queue_messages
+from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.broker.keys import queue_list, queue_messages
 from kumiko_dramatiq.errors import BootGateError
 from kumiko_dramatiq.ids import boot_message_id
+from kumiko_dramatiq.middleware.boot import reset_boot_marker
 from tests.apps import boot_app
 from tests.conftest import Recorder, RunnerFactory, wait_for
 

@@ -24,17 +24,15 @@ import pytest
 import redis
 from dramatiq import Worker
 from dramatiq.broker import Broker
-from dramatiq.brokers.stub import StubBroker
 from dramatiq.message import Message
-from dramatiq.middleware import Middleware, Retries, TimeLimitExceeded
+from dramatiq.middleware import Middleware, Retries, TimeLimit, TimeLimitExceeded
 from dramatiq.middleware.prometheus import Prometheus
 
 from kumiko_dramatiq import Feature, JobContext, JobRunner, Registry
-from kumiko_dramatiq.apps import load_runner
-from kumiko_dramatiq.broker import dead_letters
+from kumiko_dramatiq.broker.keys import dead_letters
 from kumiko_dramatiq.codec import TRIGGER
-from kumiko_dramatiq.lanes import Lane
-from kumiko_dramatiq.timeouts import DRAMATIQ_TIME_LIMIT_MS, Timeouts
+from kumiko_dramatiq.loader import load_runner
+from kumiko_dramatiq.middleware.timeouts import DRAMATIQ_TIME_LIMIT_MS
 from tests.conftest import Recorder, RunnerFactory, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,32 +178,32 @@ def test_a_pipeline_of_plain_actors_runs_every_step(
     assert calls.seen == [("add", 1, 2), ("add", 3, 3), ("add", 4, 6)]
 
 
-def test_a_worker_given_no_queues_consumes_non_lane_queues_but_not_the_other_lane() -> None:
-    # Given the Lane middleware of a "worker" lane and a broker declaring a plain actor on
-    # "default", the worker lane's and the api lane's queues
-    lane = Lane("shop", "worker")
-    broker = StubBroker(middleware=[lane])
-    for queue in ("default", "shop-worker", "shop-api"):
+def test_a_worker_given_no_queues_consumes_non_lane_queues_but_not_the_other_lane(
+    make_runner: RunnerFactory, prefix: str
+) -> None:
+    # Given a "worker" lane runner's broker declaring a plain actor's queue "default", the
+    # worker lane's and the api lane's queues
+    broker = make_runner(Registry([]), lane="worker").broker
+    for queue in ("default", f"{prefix}-worker", f"{prefix}-api"):
         broker.declare_queue(queue)
     worker = Worker(broker)
     # When a worker with no queues boots, and queues are declared after it booted
-    lane.before_worker_boot(broker, worker)
+    broker.route_worker(worker)
     broker.declare_queue("reports")
-    broker.declare_queue("shop-api.DQ")
+    broker.declare_queue(f"{prefix}-api.DQ")
     # Then it consumes its lane and every plain queue (and their delay queues), never the
     # other lane
-    assert worker.consumer_whitelist == {"default", "shop-worker", "reports"}
-    assert lane.consumes("default.DQ")
-    assert not lane.consumes("shop-api.DQ")
+    assert worker.consumer_whitelist == {"default", f"{prefix}-worker", "reports"}
+    assert broker.consumes("default.DQ")
+    assert not broker.consumes(f"{prefix}-api.DQ")
 
 
-def test_a_worker_given_queues_keeps_them() -> None:
-    lane = Lane("shop", "worker")
-    broker = StubBroker(middleware=[lane])
-    worker = Worker(broker, queues={"shop-worker"})
-    lane.before_worker_boot(broker, worker)
+def test_a_worker_given_queues_keeps_them(make_runner: RunnerFactory, prefix: str) -> None:
+    broker = make_runner(Registry([]), lane="worker").broker
+    worker = Worker(broker, queues={f"{prefix}-worker"})
+    broker.route_worker(worker)
     broker.declare_queue("default")
-    assert worker.consumer_whitelist == {"shop-worker"}
+    assert worker.consumer_whitelist == {f"{prefix}-worker"}
 
 
 def test_plain_actors_get_dramatiqs_ten_minute_limit_and_jobs_their_timeout_ms(
@@ -219,7 +217,7 @@ def test_plain_actors_get_dramatiqs_ten_minute_limit_and_jobs_their_timeout_ms(
         calls.add(("job", manager.deadlines[threading.get_ident()] - time.monotonic()))
 
     runner = make_runner(Registry([feature]), timeout_check_ms=50)
-    (timeouts,) = [m for m in runner.broker.middleware if isinstance(m, Timeouts)]
+    (timeouts,) = [m for m in runner.broker.middleware if isinstance(m, TimeLimit)]
     manager: Any = timeouts.manager  # Dramatiq's timer: deadlines by thread id
 
     @dramatiq.actor(broker=runner.broker, queue_name=plain_queue)

@@ -22,9 +22,9 @@ from starlette.routing import Mount
 from starlette.testclient import TestClient
 
 from kumiko_dramatiq import Cron, Feature, JobConfigError, JobContext, JobRunner, Registry
-from kumiko_dramatiq.admin import LockInfo
 from kumiko_dramatiq.dashboard import create_app
 from kumiko_dramatiq.dashboard.chart import minute_edges
+from kumiko_dramatiq.ops.admin import LockInfo
 from tests.conftest import Recorder, RunnerFactory, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -466,7 +466,7 @@ def cli_env(redis_url: str, prefix: str, **extra: str) -> dict[str, str]:
 
 def test_the_cli_refuses_a_non_loopback_host_without_a_token(redis_url: str, prefix: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "kumiko_dramatiq.cli", "dashboard", "--host", "0.0.0.0"],
+        [sys.executable, "-m", "kumiko_dramatiq.ops.cli", "dashboard", "--host", "0.0.0.0"],
         env=cli_env(redis_url, prefix),
         capture_output=True,
         text=True,
@@ -482,7 +482,7 @@ def test_the_cli_says_in_one_line_when_the_extra_is_missing(redis_url: str, pref
     # starlette made unimportable, as in an install without the extra
     script = (
         "import sys; sys.modules['starlette'] = None; "
-        "from kumiko_dramatiq.cli import main; sys.exit(main(['dashboard']))"
+        "from kumiko_dramatiq.ops.cli import main; sys.exit(main(['dashboard']))"
     )
     done = subprocess.run(
         [sys.executable, "-c", script],
@@ -504,7 +504,7 @@ def test_the_cli_serves_the_dashboard(redis_url: str, prefix: str) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     server = subprocess.Popen(
-        [sys.executable, "-m", "kumiko_dramatiq.cli", "dashboard", "--port", str(port)],
+        [sys.executable, "-m", "kumiko_dramatiq.ops.cli", "dashboard", "--port", str(port)],
         env=cli_env(redis_url, prefix),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

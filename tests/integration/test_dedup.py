@@ -24,8 +24,8 @@ from kumiko_dramatiq import (
     PayloadError,
     Registry,
 )
-from kumiko_dramatiq import keys as kumiko_keys
-from kumiko_dramatiq.broker import queue_messages
+from kumiko_dramatiq.broker import keys as kumiko_keys
+from kumiko_dramatiq.broker.keys import queue_messages
 from tests.apps import dedup_app
 from tests.conftest import Recorder, RunnerFactory, wait_for
 

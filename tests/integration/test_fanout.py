@@ -31,16 +31,17 @@ from kumiko_dramatiq import (
     Registry,
     Retention,
     build_message_options,
-    keys,
 )
-from kumiko_dramatiq import fanout as fanout_module
-from kumiko_dramatiq.broker import Delivery, queue_messages
+from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.broker.delivery import Delivery
+from kumiko_dramatiq.broker.keys import queue_messages
 from kumiko_dramatiq.codec import KumikoOptions
 from kumiko_dramatiq.errors import KumikoError, TenantListError
-from kumiko_dramatiq.execution import Execution
-from kumiko_dramatiq.fanout import fan_out
 from kumiko_dramatiq.ids import child_message_id
 from kumiko_dramatiq.messages import build_message
+from kumiko_dramatiq.worker import fanout as fanout_module
+from kumiko_dramatiq.worker.execution import Execution
+from kumiko_dramatiq.worker.fanout import fan_out
 from tests.conftest import HookEvent, Recorder, RunnerFactory, wait_for
 
 JOB = "reports:job:nightly"

@@ -349,7 +349,7 @@ def cli_env(redis_url: str, prefix: str, app: str) -> dict[str, str]:
 COMMANDS = {
     "worker": [sys.executable, "-m", "dramatiq", "kumiko_dramatiq.app", "-p", "1", "-t", "1"],
     "scheduler": [sys.executable, "-m", "kumiko_dramatiq.scheduler"],
-    "kumiko": [sys.executable, "-m", "kumiko_dramatiq.cli", "reset-boot", "--all"],
+    "kumiko": [sys.executable, "-m", "kumiko_dramatiq.ops.cli", "reset-boot", "--all"],
 }
 
 

@@ -26,7 +26,7 @@ from kumiko_dramatiq import (
     Retention,
 )
 from kumiko_dramatiq.errors import BootGateError
-from kumiko_dramatiq.history import JobRun, record_write
+from kumiko_dramatiq.ops.history import JobRun, record_write
 from kumiko_dramatiq.scheduler import Scheduler
 from tests.conftest import Recorder, RunnerFactory, wait_for
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from kumiko_dramatiq import JobRunner
-from kumiko_dramatiq import keys as kumiko_keys
-from kumiko_dramatiq.broker import heartbeats
-from kumiko_dramatiq.history import JobRun
+from kumiko_dramatiq.broker import keys as kumiko_keys
+from kumiko_dramatiq.broker.keys import heartbeats
+from kumiko_dramatiq.ops.history import JobRun
 from tests.apps.host_worker import registry_of
 from tests.conftest import wait_for
 from tests.deployment import (

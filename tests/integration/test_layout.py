@@ -16,8 +16,7 @@ import pytest
 import redis
 from dramatiq.brokers.redis import RedisBroker
 
-from kumiko_dramatiq.broker import KumikoBroker
-from kumiko_dramatiq.settings import MAINTENANCE_SCALE
+from kumiko_dramatiq.broker.broker import MAINTENANCE_SCALE, KumikoBroker
 
 Step = Callable[[Any], Any]
 WORKER = "layout-w1"

@@ -42,9 +42,9 @@ from typing import Any
 import pytest
 import redis
 
+from kumiko_dramatiq.broker.lua import LuaScripts
+from kumiko_dramatiq.broker.lua import commands as lua_commands
 from kumiko_dramatiq.context import JobContext, Trigger
-from kumiko_dramatiq.lua import LuaScripts
-from kumiko_dramatiq.lua import commands as lua_commands
 from kumiko_dramatiq.messages import build_message
 from kumiko_dramatiq.registry import Feature
 

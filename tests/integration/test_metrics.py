@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kumiko_dramatiq import Feature, JobConfigError, JobContext, JobRunner, Registry
 from kumiko_dramatiq.messages import build_message
-from kumiko_dramatiq.metrics import Metrics, exported_names
+from kumiko_dramatiq.middleware.metrics import Metrics, exported_names
 from tests.apps import metrics_app
 from tests.conftest import Recorder, RunnerFactory, wait_for
 

@@ -47,7 +47,7 @@ class Ops:
 
     def kumiko(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "kumiko_dramatiq.cli", *args],
+            [sys.executable, "-m", "kumiko_dramatiq.ops.cli", *args],
             cwd=ROOT,
             env=self.env,
             capture_output=True,

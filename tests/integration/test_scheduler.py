@@ -24,16 +24,9 @@ import pytest
 import redis
 from dramatiq.message import Message
 
-from kumiko_dramatiq import (
-    Cron,
-    Feature,
-    JobContext,
-    JobRunner,
-    Registry,
-    build_message_options,
-    keys,
-)
-from kumiko_dramatiq.broker import queue_list, queue_messages
+from kumiko_dramatiq import Cron, Feature, JobContext, JobRunner, Registry, build_message_options
+from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.broker.keys import queue_list, queue_messages
 from kumiko_dramatiq.ids import cron_tick_id
 from kumiko_dramatiq.scheduler import Scheduler
 from tests.apps import cron_app

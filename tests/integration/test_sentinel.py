@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from kumiko_dramatiq import Cron, Feature, JobContext, JobMeta, JobRunner, Registry
-from kumiko_dramatiq import keys as kumiko_keys
+from kumiko_dramatiq.broker import keys as kumiko_keys
 from kumiko_dramatiq.errors import RedisUnavailableError
 from tests.conftest import wait_for
 from tests.deployment import SentinelGroup, sentinel_group, wait_for_fail_over

@@ -36,9 +36,9 @@ from kumiko_dramatiq import (
     JobRunner,
     Registry,
     build_message_options,
-    keys,
 )
-from kumiko_dramatiq.broker import queue_messages
+from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.broker.keys import queue_messages
 from kumiko_dramatiq.errors import SequentialLockError
 from kumiko_dramatiq.ids import handoff_message_id
 from tests.apps import sequential_app

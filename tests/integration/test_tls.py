@@ -160,7 +160,7 @@ def test_a_wrong_ca_is_one_line_for_every_command(
 ) -> None:
     url = tls_url(tls_server, certs, ssl_ca_certs=str(certs.wrong_ca))
     argv = {
-        "kumiko": [sys.executable, "-m", "kumiko_dramatiq.cli", "status"],
+        "kumiko": [sys.executable, "-m", "kumiko_dramatiq.ops.cli", "status"],
         "scheduler": [sys.executable, "-m", "kumiko_dramatiq.scheduler"],
         "worker": [sys.executable, "-m", "dramatiq", "kumiko_dramatiq.app", "-p", "1", "-t", "1"],
     }[command]

@@ -671,13 +671,13 @@ MUST_BE_GONE = frozenset({"lock", "dedup", "inflight", "suspects"})
 PERSISTENT = frozenset({"boot"})
 #: The soak's own records.
 OWN = frozenset({"soak"})
-#: The run history's records (``run:{id}``, ``dead:{id}``: :mod:`kumiko_dramatiq.history`),
+#: The run history's records (``run:{id}``, ``dead:{id}``: :mod:`kumiko_dramatiq.ops.history`),
 #: each with a TTL of at most ``Retention.failed_age_s``.
 HISTORY = frozenset({"run", "dead"})
 #: The run history's indexes (``runs:...``): sorted sets trimmed on every write, documented
 #: without a TTL of their own.
 HISTORY_INDEXES = frozenset({"runs"})
-#: Liveness entries (:mod:`kumiko_dramatiq.presence`): each with a TTL of its own.
+#: Liveness entries (:mod:`kumiko_dramatiq.middleware.presence`): each with a TTL of its own.
 PRESENCE = frozenset({"proc", "procs"})
 #: The TTL of a queue's doorbell token (``dramatiq:{queue}:bell``, ``lua/_bell.lua``).
 BELL_TTL_MS = 60_000

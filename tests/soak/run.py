@@ -50,7 +50,8 @@ import redis
 from dramatiq.message import Message
 
 from examples.redis_server import private_redis
-from kumiko_dramatiq import JobRunner, KumikoError, keys
+from kumiko_dramatiq import JobRunner, KumikoError
+from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.ids import boot_message_id, child_message_id
 from kumiko_dramatiq.messages import build_message
 

@@ -1,5 +1,5 @@
-"""Redis URLs (kumiko_dramatiq.connection) and the ACL rule set (kumiko_dramatiq.acl), without
-a server: parsing, validation, one-line errors, TLS error recognition."""
+"""Redis URLs (kumiko_dramatiq.broker.urls) and the ACL rule set (kumiko_dramatiq.broker.acl),
+without a server: parsing, validation, one-line errors, TLS error recognition."""
 
 from __future__ import annotations
 
@@ -13,19 +13,14 @@ from redis._parsers.encoders import Encoder
 from redis.connection import PythonRespSerializer, SSLConnection
 from redis.utils import HIREDIS_AVAILABLE
 
-from kumiko_dramatiq import JobConfigError, acl
-from kumiko_dramatiq.connection import (
-    RespPacker,
-    SentinelPool,
-    client,
-    connection_pool,
-    describe,
-    parse,
-    tls_problem,
-    url_problem,
-)
+from kumiko_dramatiq import JobConfigError
+from kumiko_dramatiq.broker import acl
+from kumiko_dramatiq.broker.connection import SentinelPool, client, connection_pool, describe
+from kumiko_dramatiq.broker.lua import commands as lua_commands
+from kumiko_dramatiq.broker.packer import RespPacker
+from kumiko_dramatiq.broker.tls import tls_problem
+from kumiko_dramatiq.broker.urls import parse, url_problem
 from kumiko_dramatiq.errors import redact_url
-from kumiko_dramatiq.lua import commands as lua_commands
 from kumiko_dramatiq.settings import Settings
 
 

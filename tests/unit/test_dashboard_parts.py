@@ -7,7 +7,6 @@ from datetime import UTC, datetime
 
 import pytest
 
-from kumiko_dramatiq.cli import is_loopback
 from kumiko_dramatiq.dashboard.app import _safe_back
 from kumiko_dramatiq.dashboard.chart import MINUTE_MS, bar_chart, minute_edges, nice_ceiling
 from kumiko_dramatiq.dashboard.security import (
@@ -19,6 +18,7 @@ from kumiko_dramatiq.dashboard.security import (
     session_valid,
 )
 from kumiko_dramatiq.errors import JobConfigError
+from kumiko_dramatiq.ops.cli import is_loopback
 
 TOKEN = "0123456789abcdef-token"
 NOW_S = 1_800_000_000

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from kumiko_dramatiq import Backoff, Event, Feature, JobContext, PayloadError, Registry
-from kumiko_dramatiq.dedup import (
+from kumiko_dramatiq.middleware.dedup import (
     DEFAULT_RUN_BOUND_MS,
     QUEUE_SLACK_MS,
     TIMEOUT_GRACE_MS,

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from kumiko_dramatiq.errors import KumikoError, TenantListError
-from kumiko_dramatiq.fanout import CHILD_BATCH_SIZE, batches, tenant_ids
 from kumiko_dramatiq.ids import child_message_id
+from kumiko_dramatiq.worker.fanout import CHILD_BATCH_SIZE, batches, tenant_ids
 
 JOB = "reports:job:nightly"
 

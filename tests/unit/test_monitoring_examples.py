@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from kumiko_dramatiq.metrics import exported_names
+from kumiko_dramatiq.middleware.metrics import exported_names
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "monitoring"
 METRIC = re.compile(r"\bkumiko_[a-z_]+\b")

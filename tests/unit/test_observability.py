@@ -14,14 +14,14 @@ import pytest
 from kumiko_dramatiq import JobConfigError
 from kumiko_dramatiq.codec import TRACE, KumikoOptions, OptionsError, TraceContext, encode_trace
 from kumiko_dramatiq.environment import resolve_settings
-from kumiko_dramatiq.exposition import (
+from kumiko_dramatiq.middleware.metrics import SPECS, dedup_outcome, exported_names
+from kumiko_dramatiq.ops.exposition import (
     choose_directory,
     group_id,
     lane_counts,
     pid_of,
     remove_stale_groups,
 )
-from kumiko_dramatiq.metrics import SPECS, dedup_outcome, exported_names
 from kumiko_dramatiq.settings import UNSET
 
 BASE = {"kumiko_retries": 0, "kumiko_trigger": "manual"}

@@ -20,7 +20,7 @@ from kumiko_dramatiq import (
     build_message_options,
 )
 from kumiko_dramatiq.codec import KumikoOptions
-from kumiko_dramatiq.retries import retry_delay_ms, retry_window_ms
+from kumiko_dramatiq.options import retry_delay_ms, retry_window_ms
 
 
 def handler(payload: dict[str, Any], ctx: JobContext) -> None:

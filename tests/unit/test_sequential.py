@@ -9,14 +9,14 @@ import pytest
 from kumiko_dramatiq import Feature, JobConfigError, JobContext, Registry
 from kumiko_dramatiq.environment import resolve_settings
 from kumiko_dramatiq.ids import handoff_message_id
-from kumiko_dramatiq.registry import JobDefinition
-from kumiko_dramatiq.sequential import (
+from kumiko_dramatiq.middleware.sequential import (
     handoff_delay_ms,
     is_locked,
     lock_tenant,
     new_token,
     renew_interval_ms,
 )
+from kumiko_dramatiq.registry import JobDefinition
 
 
 def job(**options: Any) -> JobDefinition:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kumiko_dramatiq import JobConfigError, JobRunner, Registry
-from kumiko_dramatiq.apps import check_runner_agrees
 from kumiko_dramatiq.environment import VARIABLES, resolve_settings
 from kumiko_dramatiq.errors import AppLoadError
+from kumiko_dramatiq.loader import check_runner_agrees
 from kumiko_dramatiq.settings import UNSET, Settings
 
 

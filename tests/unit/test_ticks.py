@@ -13,7 +13,7 @@ from freezegun import freeze_time
 from kumiko_dramatiq import Cron
 from kumiko_dramatiq.ids import cron_tick_id
 from kumiko_dramatiq.scheduler import TickTrigger
-from kumiko_dramatiq.ticks import TickPlan, effective_grace_s, plan_ticks
+from kumiko_dramatiq.scheduler.ticks import TickPlan, effective_grace_s, plan_ticks
 
 BERLIN = ZoneInfo("Europe/Berlin")
 JOB = "billing:job:report"

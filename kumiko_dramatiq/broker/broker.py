@@ -1,0 +1,754 @@
+"""Dramatiq's Redis broker, kumiko's way: :class:`KumikoBroker` and its commands.
+
+Everything that knows how Dramatiq keeps messages in Redis lives in this package: the key
+layout (:mod:`kumiko_dramatiq.broker.keys`), the broker commands (enqueue, fetch, ack, nack,
+requeue, purge, qsize, maintenance: kumiko's own Lua in ``lua/``, writing exactly the state
+Dramatiq's own dispatch script writes), and the consumer that Dramatiq's worker pulls
+messages from (:mod:`kumiko_dramatiq.broker.consumer`). What leans on Dramatiq's internals
+is in :mod:`kumiko_dramatiq.broker.seam`; ``tests/integration/test_layout.py`` runs
+Dramatiq's own commands and these on the same keys and compares the Redis state, so a
+Dramatiq release that changes its layout fails that test. Dramatiq is pinned to the minor
+series checked (see docs/upgrading.md).
+
+What kumiko adds on top of that layout, each in the same Lua call as the command it rides on:
+
+- **idempotent enqueue** (:meth:`KumikoBroker.enqueue`): each write leaves a "sent" marker of
+  its redis message id (``keys.sent``), and a write whose marker exists does nothing. The pool
+  re-sends a command once when a connection drops; if the first send had executed, Dramatiq's
+  enqueue would store the message twice. A worker moves a due delayed message to its queue by
+  enqueuing it and then acking it on the delay queue; a crash between the two redelivers the
+  delayed copy, whose second move gets the same derived redis id and is a no-op;
+- **enqueue steps** (:meth:`KumikoBroker.enqueue_step`): a message written together with a
+  guard or record (fan-out children, cron ticks, boot-once jobs, dedup keys, hand-offs);
+- **settlement on ack** (:class:`~kumiko_dramatiq.broker.delivery.Settlement`): what the run
+  left for its ack to write, the retry of a failed attempt
+  (:mod:`kumiko_dramatiq.middleware.retries`) or the "already completed" marker
+  (:mod:`kumiko_dramatiq.middleware.history`);
+- **strict fetch**: a fetched message that does not decode is dead-lettered by its redis id
+  with a logged reason (Dramatiq's consumer would crash on it and leave it unacked, a poison
+  pill returning with every crash recovery); on a kumiko lane, a message whose id already
+  completed is acked unrun inside the fetch.
+
+Two more duties ride on the signals the broker emits, with no middleware of their own:
+
+- **lanes**: a worker that was given no queues (``dramatiq kumiko_dramatiq.app`` without
+  ``--queues``, or a ``dramatiq.Worker`` built on ``runner.broker``) consumes, like any
+  Dramatiq worker, the queue of every actor declared on the broker, and delay queues with
+  them, except the dataset's other lane (``f"{queue_prefix}-{lane}"`` for every lane but the
+  broker's own): kumiko's jobs of the other lane wait for that lane's workers, while a plain
+  ``@dramatiq.actor``'s queue (``default``, say) is consumed. At ``worker_boot`` the worker's
+  queues become its lane plus every queue declared so far that is not another lane; each
+  queue declared later joins them unless it is another lane. A worker given queues
+  (``dramatiq --queues``, ``JobRunner.start()``, which consumes its lane only) keeps them;
+- **the running deliveries** (:attr:`KumikoBroker.running`): which delivery each worker
+  thread processes, from ``before_process_message`` until its ``after_*`` hooks ran (the
+  actor body finds its execution there, :meth:`KumikoBroker.current`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+from uuid import UUID, uuid4, uuid5
+
+import redis
+from dramatiq.brokers.redis import RedisBroker
+from dramatiq.common import current_millis, dq_name, q_name
+from dramatiq.message import Message
+from dramatiq.middleware import Middleware
+from dramatiq.worker import Worker
+from redis.backoff import ExponentialBackoff
+from redis.commands.core import Script
+from redis.retry import Retry
+
+from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.broker.connection import connection_pool
+from kumiko_dramatiq.broker.consumer import KumikoConsumer
+from kumiko_dramatiq.broker.delivery import Delivery, LaneFetch, MessagePolicy, Outcome, RunWrite
+from kumiko_dramatiq.broker.keys import queue_list, queue_messages
+from kumiko_dramatiq.broker.lua import LuaScripts
+from kumiko_dramatiq.broker.lua import commands as lua_commands
+from kumiko_dramatiq.broker.lua import source as lua_source
+from kumiko_dramatiq.broker.replies import as_list, text
+from kumiko_dramatiq.broker.seam import (
+    HookTable,
+    NoCommandFallback,
+    consumed_queues,
+    emit_after,
+    emit_before,
+    set_consumed_queues,
+)
+from kumiko_dramatiq.errors import RedisAccessError
+from kumiko_dramatiq.options import LANES, lane_queue
+
+logger = logging.getLogger("kumiko_dramatiq")
+
+
+#: How long the "sent" marker of a freshly enqueued message lives: the window in which a
+#: re-sent write is recognised (redis-py re-sends within a second). The "already completed"
+#: markers live as long by default: the one window in which a second copy of a completed
+#: message could still be written (see :mod:`kumiko_dramatiq.middleware.history`).
+RESEND_WINDOW_MS = 60_000
+
+#: Dramatiq's maintenance chance is counted per this many broker calls.
+MAINTENANCE_SCALE = 1_000_000
+
+#: One settle call in this many also trims the run history (ages and cap), dropping at most
+#: this many records beyond the cap: the trimming keeps pace with the writes at a shared cost.
+TRIM_BUDGET = 32
+
+
+_MOVED_NAMESPACE = UUID("9d4b7e0c-2f5a-5c8e-b1d3-7a6f4c2e9b01")
+
+
+class KumikoBroker(NoCommandFallback, RedisBroker):
+    """Dramatiq's ``RedisBroker`` with kumiko's consumer, commands and enqueue steps.
+
+    ``lua`` holds every kumiko script, registered on the broker's client. ``queue_prefix``
+    names the dataset and ``lane`` the lane its workers consume (``None``: no lane rule);
+    ``resend_window_ms`` is the lifetime of the "sent" markers and ``completed_ttl_ms`` that of
+    the "already completed" markers (both :data:`RESEND_WINDOW_MS` unless given; public
+    attributes, so a test can shorten them). Dramatiq's maintenance (a dead worker's messages
+    back to their queue) runs on a broker
+    call with chance ``maintenance_chance`` per million and, whatever the chance, on a queue
+    whose last maintenance by this broker is older than :attr:`maintenance_interval_ms`
+    (a quarter of ``heartbeat_timeout``): a consumer calls at least once per idle wait, so a
+    dead worker's messages are back within ``heartbeat_timeout`` + that interval + one
+    idle wait of its last heartbeat, as long as some worker consumes the queue.
+    """
+
+    def __init__(
+        self,
+        *,
+        client: redis.Redis,
+        middleware: list[Middleware],
+        heartbeat_timeout: int,
+        maintenance_chance: int,
+        dead_message_ttl: int,
+        queue_prefix: str,
+        lane: str | None = None,
+        completed_ttl_ms: int = RESEND_WINDOW_MS,
+        resend_window_ms: int = RESEND_WINDOW_MS,
+        max_deliveries: int = 5,
+        message_policy: MessagePolicy | None = None,
+        run_ttls_ms: tuple[int, int] = (86_400_000, 604_800_000),
+        history_cap: int = 100_000,
+    ) -> None:
+        super().__init__(  # type: ignore[no-untyped-call]
+            client=client,
+            middleware=middleware,
+            heartbeat_timeout=heartbeat_timeout,
+            maintenance_chance=maintenance_chance,
+            dead_message_ttl=dead_message_ttl,
+        )
+        self.queue_prefix = queue_prefix
+        #: the lane queue this broker's workers consume, and the dataset's other lanes
+        self.lane_queue = None if lane is None else lane_queue(queue_prefix, lane)
+        self.other_lanes = frozenset(
+            lane_queue(queue_prefix, each) for each in LANES if each != lane
+        )
+        #: the workers that were given no queues (their queues follow the lane rule)
+        self._routed: list[Worker] = []
+        #: the delivery each worker thread processes now (by thread ident)
+        self.running: dict[int, Delivery] = {}
+        self.completed_ttl_ms = completed_ttl_ms
+        self.resend_window_ms = resend_window_ms
+        self.maintenance_interval_ms = max(1, heartbeat_timeout // 4)
+        #: when this broker last ran maintenance on each queue (ms)
+        self._maintained: dict[str, int] = {}
+        self.max_deliveries = max_deliveries
+        self.message_policy = message_policy
+        #: (TTL of completed records, TTL of failed ones) in ms
+        self.run_ttls_ms = run_ttls_ms
+        self.history_cap = history_cap
+        #: redis ids of delayed messages this process's delay-queue consumers hold, and of
+        #: those already moved by ``move`` (their ack on the delay queue has nothing left to do)
+        self._identity = (0, "")
+        self._held_delayed: set[str] = set()
+        self._moved: set[str] = set()
+        #: Redis client ids of this broker's consumers blocked on a doorbell, by consumer
+        self._blocked: dict[int, int] = {}
+        #: per delay queue, redis ids a closed consumer held and could not put back
+        self._abandoned: dict[str, set[str]] = {}
+        #: called with (queue name, reason) for each message a consumer dead-letters at fetch,
+        #: before any middleware sees it: reason "worker_died" (the poison bound) or
+        #: "malformed" (it does not decode into what kumiko or Dramatiq writes)
+        self.fetch_dead_letter_listeners: list[Callable[[str, str], None]] = []
+        #: guards the blocked consumers, the stopping flag and the thread clients
+        self._lock = threading.Lock()
+        #: each thread's own client (:meth:`thread_client`), and all of them
+        self._threads = threading.local()
+        self._thread_clients: list[tuple[threading.Thread, redis.Redis]] = []
+        self._threads_pid = os.getpid()
+        self._stopping = False
+        self.lua = LuaScripts.register(client)
+        #: kumiko's chain (``id()`` of the middleware built with); later ones are guests
+        self._chain = frozenset(id(each) for each in self.middleware)
+        self._hooks: HookTable | None = None
+        #: whether ``process_boot`` was emitted (:meth:`add_middleware` boots late ones)
+        self.booted = False
+
+    @property
+    def consumer_class(self) -> type[KumikoConsumer]:
+        return KumikoConsumer
+
+    def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> KumikoConsumer:
+        return KumikoConsumer(self, queue_name, prefetch, timeout)
+
+    def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
+        if signal == "process_message":
+            if isinstance(args[0], Delivery):
+                args[0].started_at = time.time()
+                self.running[threading.get_ident()] = args[0]
+        elif signal == "worker_boot":
+            self._stopping = False
+            self.route_worker(args[0])
+        elif signal == "declare_queue":
+            self._route_declared(args[0])
+        elif signal == "worker_shutdown":
+            self.wake_consumers()
+        emit_before(self, self._current_hooks(), "before_" + signal, *args, **kwargs)
+
+    def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
+        if signal == "process_boot":
+            self.booted = True
+        emit_after(self, self._current_hooks(), "after_" + signal, *args, **kwargs)
+        if signal in ("process_message", "skip_message"):
+            self.running.pop(threading.get_ident(), None)
+        elif signal == "worker_shutdown":  # its threads are gone
+            self._routed = [each for each in self._routed if each is not args[0]]
+            self.close_thread_clients()
+
+    def current(self) -> Delivery | None:
+        """The delivery the calling worker thread processes now, if any."""
+        return self.running.get(threading.get_ident())
+
+    def _current_hooks(self) -> HookTable:
+        """The hook table of ``self.middleware`` as it is now (see the seam)."""
+        hooks = self._hooks
+        if hooks is None or hooks.middleware != self.middleware:
+            hooks = self._hooks = HookTable(self.middleware, self._chain)
+        return hooks
+
+    def consumes(self, queue_name: str) -> bool:
+        """Whether a worker of this broker that was given no queues consumes ``queue_name``
+        (every queue but the dataset's other lanes, and their delay queues)."""
+        return q_name(queue_name) not in self.other_lanes
+
+    def route_worker(self, worker: Worker) -> None:
+        """Apply the lane rule to ``worker`` (at its ``worker_boot``; see the module)."""
+        if self.lane_queue is None or consumed_queues(worker):
+            return
+        declared = self.get_declared_queues()
+        set_consumed_queues(
+            worker, {self.lane_queue} | {q_name(q) for q in declared if self.consumes(q)}
+        )
+        self._routed.append(worker)
+
+    def _route_declared(self, queue_name: str) -> None:
+        if not self.consumes(queue_name):
+            return
+        for worker in self._routed:
+            queues = consumed_queues(worker)
+            assert queues is not None
+            queues.add(q_name(queue_name))
+
+    def add_middleware(
+        self,
+        middleware: Middleware,
+        *,
+        before: type[Middleware] | None = None,
+        after: type[Middleware] | None = None,
+    ) -> None:
+        """Dramatiq's ``add_middleware``. Added after the broker was built, a middleware is a
+        guest (:mod:`kumiko_dramatiq.broker.seam`): appended after kumiko's chain unless placed,
+        it sees no sequential hand-off; added after the process booted, it is booted at once."""
+        super().add_middleware(middleware, before=before, after=after)
+        if getattr(self, "booted", False):
+            middleware.after_process_boot(self)
+
+    def wake_consumers(self) -> None:
+        """Unblock every consumer of this broker waiting on a doorbell (``CLIENT UNBLOCK``)
+        and keep them from blocking again until a worker boots: a worker that shuts down
+        does not wait out an idle wait."""
+        with self._lock:
+            self._stopping = True
+            client_ids = list(self._blocked.values())
+        for client_id in client_ids:
+            self.unblock(client_id)
+
+    def unblock(self, client_id: int) -> None:
+        """End the blocking wait of Redis client ``client_id`` now (a no-op if it is not
+        blocked; a Redis error is logged: the wait ends by its timeout)."""
+        try:
+            self.client.client_unblock(client_id)
+        except redis.RedisError as exc:
+            logger.debug("could not unblock a consumer's wait (%s)", exc)
+
+    def is_lane(self, queue_name: str) -> bool:
+        """Whether ``queue_name`` is one of this dataset's lane queues (not a delay queue)."""
+        return queue_name.startswith(f"{self.queue_prefix}-") and not keys.is_delay_queue(
+            queue_name
+        )
+
+    # -- broker commands (Dramatiq's semantics, kumiko's Lua) --------------------------------
+    def _head(self, queue_name: str, *, maintenance: bool = True) -> list[Any]:
+        """The two arguments every broker command starts with (``lua/include/dispatch.lua``)."""
+        now = current_millis()
+        due = maintenance and (
+            random.randint(1, MAINTENANCE_SCALE) <= self.maintenance_chance
+            or now - self._maintained.setdefault(queue_name, now) >= self.maintenance_interval_ms
+        )
+        if due:
+            self._maintained[queue_name] = now
+        return [
+            queue_name,
+            f"{now} {self.broker_id} {self.heartbeat_timeout} "
+            f"{self.dead_message_ttl} {1 if due else 0}",
+        ]
+
+    def do_enqueue(self, queue_name: str, redis_message_id: str | bytes, data: bytes) -> None:
+        self.lua.enqueue(
+            keys=[self.namespace], args=[*self._head(queue_name), redis_message_id, data]
+        )
+
+    def do_fetch(self, queue_name: str, count: int) -> list[bytes | None]:
+        """Dramatiq's fetch: up to ``count`` encoded messages (``None`` for a vanished one)."""
+        return [body for _, body in self.fetch(queue_name, count)]
+
+    def fetch(self, queue_name: str, count: int) -> list[tuple[str, bytes | None]]:
+        """Dramatiq's fetch, with the redis id of each message: ``[(rid, body or None)]``."""
+        reply = self.lua.fetch(keys=[self.namespace], args=[*self._head(queue_name), count])
+        return [(text(reply[i]), reply[i + 1]) for i in range(0, len(reply), 2)]
+
+    def fetch_lane(
+        self, queue_name: str, count: int, *, outstanding: int, client: redis.Redis | None = None
+    ) -> LaneFetch:
+        """Claim up to ``count`` messages of a lane queue (``lua/fetch_lane.lua``), on
+        ``client`` (the calling thread's :meth:`thread_client`) or the broker's pool."""
+        completed_ttl, failed_ttl = self.run_ttls_ms
+        fetched, completed, buried, waiting, alone = self._call(
+            self.lua.fetch_lane,
+            client,
+            keys=[
+                self.namespace,
+                keys.inflight(self.queue_prefix),
+                keys.suspects(self.queue_prefix, queue_name),
+            ],
+            args=[
+                *self._head(queue_name),
+                f"{count} {outstanding} {self.max_deliveries} {completed_ttl} {failed_ttl}",
+                keys.completed(self.queue_prefix, ""),
+                keys.root(self.queue_prefix),
+                self.worker_identity(),
+            ],
+        )
+        return LaneFetch(
+            fetched=[(text(fetched[i]), fetched[i + 1]) for i in range(0, len(fetched), 2)],
+            completed=[text(message_id) for message_id in completed],
+            buried=[(text(buried[i]), int(buried[i + 1])) for i in range(0, len(buried), 2)],
+            suspects_waiting=int(waiting),
+            alone=alone == 1,
+        )
+
+    def worker_identity(self) -> str:
+        """``"host:pid"`` of this process (looked up again after a fork)."""
+        pid = os.getpid()
+        if self._identity[0] != pid:
+            self._identity = (pid, f"{socket.gethostname()}:{pid}")
+        return self._identity[1]
+
+    def do_ack(self, queue_name: str, redis_message_id: str) -> None:
+        self.lua.ack(
+            keys=[self.namespace],
+            args=[*self._head(queue_name, maintenance=False), redis_message_id],
+        )
+
+    def do_nack(self, queue_name: str, redis_message_id: str) -> None:
+        self.lua.nack(
+            keys=[self.namespace],
+            args=[*self._head(queue_name, maintenance=False), redis_message_id],
+        )
+
+    def do_requeue(self, queue_name: str, *redis_message_ids: str) -> None:
+        lane = [keys.inflight(self.queue_prefix)] if self.is_lane(queue_name) else []
+        self.lua.requeue(
+            keys=[self.namespace, *lane], args=[*self._head(queue_name), *redis_message_ids]
+        )
+
+    def do_purge(self, queue_name: str) -> None:
+        self.lua.purge(keys=[self.namespace], args=self._head(queue_name))
+
+    def do_qsize(self, queue_name: str) -> int:
+        return int(self.lua.qsize(keys=[self.namespace], args=self._head(queue_name)))
+
+    def settle(
+        self,
+        queue_name: str,
+        redis_message_id: str,
+        outcome: Outcome,
+        *,
+        message_id: str,
+        retry: tuple[Message[Any], int | None] | None = None,
+        run: RunWrite | None = None,
+        client: redis.Redis | None = None,
+    ) -> bool:
+        """The outcome of one delivery from a lane queue, in one Lua call
+        (``lua/settle.lua``, on ``client``, the calling thread's :meth:`thread_client`, or the
+        broker's pool); ``False`` if the delivery was no longer this worker's and its
+        recovered copy was taken by another worker already (then nothing but its in-flight
+        entry, marker and run record was written)."""
+        header, record, note = "", "", ""
+        if run is not None:
+            trim = TRIM_BUDGET if random.random() < 1 / TRIM_BUDGET else 0
+            header = "\t".join(
+                (
+                    keys.root(self.queue_prefix),
+                    run.message_id,
+                    str(run.attempt),
+                    run.job,
+                    run.status,
+                    run.tenant,
+                    run.origin,
+                    *map(str, self.run_ttls_ms),
+                    str(self.history_cap),
+                    str(trim),
+                )
+            )
+            record, note = run.record, run.dead_note
+        args = [
+            *self._head(queue_name, maintenance=False),
+            redis_message_id,
+            f"{outcome} {self.completed_ttl_ms}",
+            header,
+            record,
+            note,
+        ]
+        if retry is not None:
+            message = retry[0]
+            args += [message.queue_name, message.options["redis_message_id"], message.encode()]
+        done = self._call(
+            self.lua.settle,
+            client,
+            keys=[
+                self.namespace,
+                keys.inflight(self.queue_prefix),
+                keys.completed(self.queue_prefix, message_id),
+                keys.suspects(self.queue_prefix, queue_name),
+            ],
+            args=args,
+        )
+        if done == 1 and retry is not None:
+            self.emit_after("enqueue", *retry)
+        return bool(done == 1)
+
+    @staticmethod
+    def _call(
+        script: Script, client: redis.Redis | None, *, keys: list[str], args: list[Any]
+    ) -> Any:
+        """Run ``script`` on ``client`` (a :meth:`thread_client`) or the broker's pool. A kept
+        connection is dropped on any exception, an interruption included (Dramatiq raises
+        ``TimeLimitExceeded`` and ``Shutdown`` into worker threads): a reply left unread
+        would be read as the next command's. (The pool probes each connection it hands out
+        for that; a kept one is not handed out.) It reconnects on its next command."""
+        if client is None:
+            return script(keys=keys, args=args)
+        try:
+            return script(keys=keys, args=args, client=client)
+        except BaseException:
+            if client.connection is not None:
+                client.connection.disconnect()  # type: ignore[no-untyped-call]
+            raise
+
+    # -- enqueueing --------------------------------------------------------------------------
+    def prepare(
+        self, message: Message[Any], delay: int | None, *, redis_message_id: str | None = None
+    ) -> Message[Any]:
+        """Give ``message`` a redis message id (fresh unless given) and, if delayed, its delay
+        queue and eta: what Dramatiq's enqueue does before it writes."""
+        rid = str(uuid4()) if redis_message_id is None else redis_message_id
+        message = message.copy(options={"redis_message_id": rid})
+        if delay is not None:
+            message = message.copy(
+                queue_name=dq_name(message.queue_name),
+                options={"eta": current_millis() + delay},
+            )
+        return message
+
+    def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
+        """Dramatiq's enqueue, made idempotent; a due delayed message's move, made atomic.
+
+        Dramatiq's worker moves a due delayed message by enqueuing a copy (carrying the redis
+        id it was delivered under) and then acking it on the delay queue. When that id is one
+        this process's delay-queue consumers hold, the copy goes through ``lua/move.lua``: off
+        the delay queue and onto the queue in one step, or dropped if it was cancelled meanwhile.
+        Anything else is written behind its "sent" marker (``keys.sent``, kept
+        :data:`RESEND_WINDOW_MS`): the pool re-sends a command once when a connection drops,
+        and if the first send had executed, Dramatiq's enqueue would store the message twice.
+        """
+        moved_from = message.options.get("redis_message_id")
+        if moved_from is not None and delay is None and moved_from in self._held_delayed:
+            return self._move(message, moved_from)
+        prepared = self.prepare(message, delay)
+        rid = prepared.options["redis_message_id"]
+        self.emit_before("enqueue", prepared, delay)
+        self._call(
+            self.lua.guarded_enqueue,
+            self.thread_client(),
+            keys=[*self._queue_keys(prepared), keys.sent(self.queue_prefix, rid)],
+            args=[rid, prepared.encode(), self.resend_window_ms, "1"],
+        )
+        self.emit_after("enqueue", prepared, delay)
+        return prepared
+
+    def _move(self, message: Message[Any], delayed_rid: str) -> Message[Any]:
+        rid = str(uuid5(_MOVED_NAMESPACE, f"{delayed_rid}>{message.queue_name}"))
+        prepared = self.prepare(message, None, redis_message_id=rid)
+        self.emit_before("enqueue", prepared, None)
+        moved = self._call(
+            self.lua.move,
+            self.thread_client(),
+            keys=[self.namespace, keys.cancelled(self.queue_prefix, str(message.message_id))],
+            args=[
+                *self._head(dq_name(prepared.queue_name), maintenance=False),
+                delayed_rid,
+                prepared.queue_name,
+                rid,
+                prepared.encode(),
+            ],
+        )
+        self._held_delayed.discard(delayed_rid)
+        self._moved.add(delayed_rid)
+        if moved == 1:
+            self.emit_after("enqueue", prepared, None)
+        elif moved == 2:
+            logger.info("delayed message %s was cancelled: not moved", message.message_id)
+        return prepared
+
+    def enqueue_step(
+        self,
+        message: Message[Any],
+        script: Script,
+        *,
+        keys: Sequence[str] = (),
+        args: Sequence[Any] = (),
+        delay: int | None = None,
+    ) -> tuple[Message[Any], list[Any]]:
+        """Run enqueue step ``script`` (see :mod:`kumiko_dramatiq.broker.lua`) for ``message``: one
+        Lua call that writes the message together with the step's own ``keys``/``args``.
+
+        Returns the prepared message and the script's reply as a list; the script's first
+        reply item is 1 iff it enqueued the message (``after_enqueue`` runs only then).
+        """
+        prepared = self.prepare(message, delay)
+        self.emit_before("enqueue", prepared, delay)
+        reply = as_list(
+            self._call(
+                script,
+                self.thread_client(),
+                keys=[*self._queue_keys(prepared), *keys],
+                args=[prepared.options["redis_message_id"], prepared.encode(), *args],
+            )
+        )
+        if reply[0] == 1:
+            self.emit_after("enqueue", prepared, delay)
+        return prepared, reply
+
+    def enqueue_batch(
+        self,
+        messages: Sequence[Message[Any]],
+        script: Script,
+        *,
+        args: Sequence[Any],
+        leads: Sequence[Any] | Callable[[Message[Any]], Any],
+        tails: Sequence[Sequence[Any]] | None = None,
+        delay: int | None = None,
+    ) -> list[Any]:
+        """Run batch enqueue step ``script`` for ``messages`` (all on ONE queue): one Lua call
+        with ``KEYS`` = the queue's hash and list, ``ARGV`` = ``args``, then per message its
+        ``leads[i]`` (or ``leads(prepared message)``), redis message id, encoded message and
+        ``tails[i]``. The script returns
+        the same number of items per message, the first 1 iff it enqueued the message. Every
+        message passes ``before_enqueue``; those enqueued pass ``after_enqueue``. Returns the
+        script's reply."""
+        if not messages:
+            return []
+        prepared = [self.prepare(message, delay) for message in messages]
+        queue_names = {message.queue_name for message in prepared}
+        if len(queue_names) != 1:
+            raise ValueError(f"a batch targets one queue, got {sorted(queue_names)}")
+        argv: list[Any] = list(args)
+        for i, message in enumerate(prepared):
+            self.emit_before("enqueue", message, delay)
+            lead = leads(message) if callable(leads) else leads[i]
+            argv += (lead, message.options["redis_message_id"], message.encode())
+            if tails is not None:
+                argv += tails[i]
+        reply = as_list(script(keys=list(self._queue_keys(prepared[0])), args=argv))
+        step = len(reply) // len(prepared)
+        for i, message in enumerate(prepared):
+            if reply[i * step] == 1:
+                self.emit_after("enqueue", message, delay)
+        return reply
+
+    def enqueue_guarded_batch(
+        self,
+        messages: Sequence[Message[Any]],
+        guard_keys: Sequence[str] | Callable[[Message[Any]], str],
+        *,
+        guard_ttl_ms: int,
+        guard_value: str,
+        delay: int | None = None,
+    ) -> list[bool]:
+        """Enqueue each message (all on ONE queue) unless its guard exists, writing guard and
+        message together: one Lua call for the whole batch. Returns, per message, whether it
+        was enqueued."""
+        reply = self.enqueue_batch(
+            messages,
+            self.lua.guarded_enqueue_batch,
+            args=[guard_ttl_ms, guard_value],
+            leads=guard_keys,
+            delay=delay,
+        )
+        return [flag == 1 for flag in reply]
+
+    def enqueue_many(self, messages: Sequence[Message[Any]], *, delay: int | None = None) -> None:
+        """:meth:`enqueue` for many new messages of ONE queue: one Lua call, each message
+        behind its own "sent" marker as :meth:`enqueue` writes it."""
+        self.enqueue_guarded_batch(
+            messages,
+            lambda message: keys.sent(self.queue_prefix, message.options["redis_message_id"]),
+            guard_ttl_ms=self.resend_window_ms,
+            guard_value="1",
+            delay=delay,
+        )
+
+    def _queue_keys(self, message: Message[Any]) -> tuple[str, str]:
+        return (
+            queue_messages(message.queue_name, self.namespace),
+            queue_list(message.queue_name, self.namespace),
+        )
+
+    def check_access(self, redis_url: str) -> None:
+        """Raise :class:`~kumiko_dramatiq.errors.RedisAccessError` (one line) if Redis answers
+        but refuses what kumiko needs: the credentials, the database number, or any command
+        kumiko runs (``SCRIPT LOAD``, ``EVALSHA``, ``MGET``, ``DEL`` and every command of its
+        scripts, probed on keys of both namespaces by ``lua/probe.lua``). Connection errors
+        propagate as they are (see ``JobRunner.wait_for_redis``)."""
+        client = self.client
+        try:
+            client.ping()
+        except redis.AuthenticationError as exc:
+            raise RedisAccessError(redis_url, f"refuses the credentials: {exc}") from None
+        except redis.ResponseError as exc:
+            raise RedisAccessError(redis_url, f"refuses the connection: {exc}") from None
+        probe_keys = [
+            queue_list(f"{self.queue_prefix}-kumiko-probe", self.namespace),
+            keys.probe(self.queue_prefix),
+        ]
+        steps: list[tuple[str, Callable[[], Any]]] = [
+            ("SCRIPT LOAD", lambda: client.script_load(lua_source("probe"))),
+            ("EVALSHA", lambda: self.lua.probe(keys=probe_keys, args=lua_commands())),
+            ("MGET", lambda: client.mget(probe_keys)),
+            ("DEL", lambda: client.delete(*probe_keys)),
+        ]
+        for command, step in steps:
+            try:
+                reply = step()
+            except redis.exceptions.NoPermissionError as exc:
+                if "key" in str(exc):
+                    raise RedisAccessError(
+                        redis_url,
+                        f"does not let this user access the keys kumiko needs "
+                        f"({self.namespace}:* and kumiko:{self.queue_prefix}:*): {exc}",
+                    ) from None
+                raise RedisAccessError(
+                    redis_url, f"does not let this user run {command}, which kumiko needs: {exc}"
+                ) from None
+            if command == "EVALSHA" and reply:
+                refused, key, error = (text(item) for item in reply[:3])
+                raise RedisAccessError(
+                    redis_url,
+                    f"does not let this user run {refused.upper()} on {key}, which kumiko "
+                    f"needs: {error}",
+                )
+
+    def boot_process(self) -> None:
+        """Emit ``process_boot``, as Dramatiq's CLI does in each worker process. An in-process
+        worker (``JobRunner.start()``) must do it itself: ``Worker.start()`` does not, and
+        Dramatiq's ``TimeLimit`` starts its timer thread there."""
+        self.emit_after("process_boot")
+
+    def thread_client(self) -> redis.Redis:
+        """A client on one connection of the calling thread's own, from the broker's pool: what
+        the hot paths talk on (a consumer's fetches, a worker thread's settles, every single
+        enqueue). A command on it skips the pool's check-out and return, which in redis-py
+        cost more CPU than a settle (each checked-out connection is probed for unread data, a
+        system call, and the pool's usage recorded). Given back to the pool once its thread
+        has ended (checked whenever a thread takes its first one, and when a worker shuts
+        down) or when the broker closes: a process holds one per live thread that used it.
+        A forked child never uses its parent's (it would talk on the parent's socket): the
+        first call after a fork forgets them, as redis-py's pool forgets its connections."""
+        if self._threads_pid != os.getpid():
+            # a forked child's first call: the parent's lock may be held by a thread that is
+            # not here, so nothing of the parent's is kept, the lock included
+            self._lock = threading.Lock()
+            self._threads = threading.local()
+            self._thread_clients = []
+            self._threads_pid = os.getpid()
+        client: redis.Redis | None = getattr(self._threads, "client", None)
+        if client is None:
+            client = redis.Redis(
+                connection_pool=self.client.connection_pool, single_connection_client=True
+            )
+            self._threads.client = client
+            with self._lock:
+                self._thread_clients.append((threading.current_thread(), client))
+            self.close_thread_clients()  # a producer's threads come and go
+        return client
+
+    def close_thread_clients(self, *, live_ones_too: bool = False) -> None:
+        """Give the :meth:`thread_client` connections of threads that have ended back to the
+        pool (a worker's threads, once it shut down); ``live_ones_too``: every one (a live
+        thread that asks again gets a new one). A live thread's is kept otherwise: it may be
+        in the middle of a command (a worker thread that outlived the worker's stop timeout)."""
+        done: list[redis.Redis] = []
+        kept: list[tuple[threading.Thread, redis.Redis]] = []
+        with self._lock:
+            for thread, client in self._thread_clients:
+                if live_ones_too or not thread.is_alive():
+                    done.append(client)
+                else:
+                    kept.append((thread, client))
+            self._thread_clients = kept
+            if live_ones_too:
+                self._threads = threading.local()
+        for client in done:
+            with contextlib.suppress(redis.RedisError):
+                client.close()
+
+    def close(self) -> None:
+        """Disconnect every connection of the broker's pool."""
+        self.close_thread_clients(live_ones_too=True)
+        self.client.connection_pool.disconnect()
+
+
+def make_connection_pool(redis_url: str, timeout_s: float) -> redis.ConnectionPool:
+    """A runner's pool: connect and read timeouts of ``timeout_s``, and one quick reconnect
+    on a dropped connection, never on a timeout (redis-py's default retries ten times,
+    timeouts included, which turns an unreachable Redis into a minute-long hang). Any URL
+    form of :mod:`kumiko_dramatiq.broker.connection` (TLS, Sentinel, ...)."""
+    return connection_pool(
+        redis_url,
+        timeout_s=timeout_s,
+        retry=Retry(
+            ExponentialBackoff(cap=0.5, base=0.05), 1, supported_errors=(redis.ConnectionError,)
+        ),
+    )

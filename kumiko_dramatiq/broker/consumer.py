@@ -1,0 +1,398 @@
+"""The consumer Dramatiq's worker pulls the messages of one queue from."""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import redis
+from dramatiq.broker import Consumer, MessageProxy
+from dramatiq.common import current_millis
+from dramatiq.errors import ConnectionClosed
+from dramatiq.message import Message
+
+from kumiko_dramatiq.broker.delivery import Delivery, Outcome, RunWrite
+from kumiko_dramatiq.broker.keys import is_delay_queue, queue_bell
+
+if TYPE_CHECKING:
+    from kumiko_dramatiq.broker.broker import KumikoBroker
+
+
+logger = logging.getLogger("kumiko_dramatiq")
+
+#: Redis ends a blocked command's timeout on its clock tick (``hz``, 10 a second by default),
+#: so a ``BLPOP`` may return up to this much after its timeout: a wait for a due time leaves
+#: its last tick to a local sleep.
+REDIS_TICK_MS = 100
+
+
+class KumikoConsumer(Consumer):
+    """What Dramatiq's worker pulls the messages of one queue from.
+
+    Fetches in one Lua call per batch and acks each delivery together with its
+    :class:`Settlement`. With nothing to fetch it does not poll: it blocks on the queue's
+    doorbell (:func:`queue_bell`, ``BLPOP`` on a connection of its own), which every write
+    onto the queue rings in the same Lua call, so a message enqueued into an idle system
+    starts within a round trip or two. The wait is bounded by ``2 * timeout`` (a lost
+    wake-up, say a connection killed while blocked, costs at most that; an idle consumer
+    sends two commands per bound, fewer than Dramatiq's polling) and, on a delay queue, by
+    the due time of the earliest delayed message it holds (its last Redis clock tick,
+    :data:`REDIS_TICK_MS`, is slept locally, so a due message moves on time). A worker
+    shutting down unblocks its consumers (:meth:`KumikoBroker.wake_consumers`).
+
+    On a kumiko lane queue a fetched message is a running one: Dramatiq's worker asks for
+    twice its threads (``prefetch``), but the consumer holds at most ``prefetch // 2``
+    messages, so every message it fetches goes straight to an idle thread (no message waits
+    in a worker's memory where ``cancel`` could not reach it). It fetches when half its
+    threads are free (or all of them), so a batch still serves several messages, and while
+    they are all busy it waits for an ack, not for a poll. Delay queues keep Dramatiq's
+    prefetch: their messages wait in memory until due, and their move is checked (and
+    dropped if cancelled) in the same Lua call that makes it.
+
+    Every fetched message is checked before Dramatiq's worker sees it: one that does not
+    decode, or decodes into something Dramatiq's worker would crash on (a non-string actor
+    name, options that are not an object, a queue name not this queue's), or that the
+    broker's ``message_policy`` refuses, is dead-lettered with a logged reason: never run,
+    never silently acked, never left to come back.
+
+    On a kumiko lane queue, a message whose worker died while holding it (a *suspect*) runs
+    alone: the consumer stops fetching until it holds nothing, takes the suspect by itself and
+    fetches nothing else until it is settled. So a poison message (one that kills its worker)
+    takes no healthy message down with it, and after ``max_deliveries`` deaths in a row it is
+    dead-lettered (``lua/fetch_lane.lua``).
+    """
+
+    def __init__(self, broker: KumikoBroker, queue_name: str, prefetch: int, timeout: int) -> None:
+        self.broker = broker
+        self.queue_name = queue_name
+        self.prefetch = prefetch
+        self.timeout = timeout
+        self.misses = 0
+        self._lane = broker.is_lane(queue_name)
+        self._delayed = is_delay_queue(queue_name)
+        #: how many messages this consumer holds at most, and the free room it fetches at
+        self._slots = max(1, prefetch // 2) if self._lane else prefetch
+        self._batch = max(1, self._slots // 2) if self._lane else 1
+        self._cache: deque[tuple[str, bytes | None]] = deque()
+        self._outstanding: set[str] = set()
+        self._settled = threading.Condition()
+        #: the suspect this consumer runs alone, if any
+        self._alone: str | None = None
+        self._suspects_waiting = 0
+        #: (eta, redis id) of the delayed messages held (delay queues; stale entries are
+        #: dropped when they reach the top)
+        self._etas: list[tuple[int, str]] = []
+        #: the doorbell, the connection that waits on it and that connection's client id
+        self._bell_key = queue_bell(queue_name, broker.namespace)
+        self._bell: redis.Redis | None = None
+        self._bell_id = 0
+
+    @property
+    def outstanding_message_count(self) -> int:
+        """Messages fetched and not yet acked, nacked or requeued (cached ones included)."""
+        return len(self._outstanding) + len(self._cache)
+
+    def __next__(self) -> Delivery | None:
+        try:
+            if self._delayed and self.queue_name in self.broker._abandoned:
+                self._requeue_abandoned()
+            while True:
+                if self._cache:
+                    delivery = self._deliver(*self._cache.popleft())
+                    if delivery is not None:
+                        self.misses = 0
+                        return delivery
+                    continue
+                if self._fill():
+                    continue
+                if self._lane and self.outstanding_message_count > self._slots - self._batch:
+                    # Busy: wait for an ack to free room (bounded, so Dramatiq's loop goes
+                    # round to notice a shutdown).
+                    with self._settled:
+                        self._settled.wait(self.timeout / 1000)
+                    return None
+                self._idle()
+                return None
+        except redis.ConnectionError as exc:
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+
+    def _idle(self) -> None:
+        """Wait until a message may be there: the doorbell rings, the earliest held delayed
+        message comes due, or ``2 * timeout`` ms pass."""
+        wait_ms = 2 * self.timeout
+        due = self._next_due()
+        if due is not None:
+            wait_ms = min(wait_ms, due - current_millis())
+            if wait_ms <= REDIS_TICK_MS:
+                time.sleep(max(wait_ms, 0) / 1000)
+                return
+            wait_ms -= REDIS_TICK_MS
+        limit_s = self.broker.client.connection_pool.connection_kwargs.get("socket_timeout")
+        if limit_s:  # the wait must end before the socket's read timeout
+            wait_ms = min(wait_ms, int(limit_s * 1000) - 2 * REDIS_TICK_MS)
+        broker = self.broker
+        try:
+            bell = self._bell_client()
+            with broker._lock:
+                blocking = not broker._stopping and wait_ms > 0
+                if blocking:
+                    broker._blocked[id(self)] = self._bell_id
+            if blocking:
+                bell.blpop([self._bell_key], timeout=wait_ms / 1000)
+                return
+        except redis.RedisError as exc:
+            logger.debug("waiting on the doorbell of %s failed (%s)", self.queue_name, exc)
+            self._close_bell()
+        finally:
+            with broker._lock:
+                broker._blocked.pop(id(self), None)
+        # shutting down (or the wait failed): poll briefly, so Dramatiq's loop sees the stop
+        time.sleep(min(max(wait_ms, 0), self.timeout, REDIS_TICK_MS) / 1000)
+
+    def _bell_client(self) -> redis.Redis:
+        if self._bell is None:
+            self._bell = redis.Redis(
+                connection_pool=self.broker.client.connection_pool, single_connection_client=True
+            )
+            # named, so that CLIENT LIST shows which connections are consumers' waits
+            self._bell.client_setname(f"kumiko-bell:{self.queue_name}")
+            self._bell_id = int(self._bell.client_id())
+        return self._bell
+
+    def _close_bell(self) -> None:
+        if self._bell is not None:
+            bell, self._bell = self._bell, None
+            with contextlib.suppress(redis.RedisError):
+                bell.close()
+
+    def _next_due(self) -> int | None:
+        """The eta of the earliest delayed message held, if any."""
+        while self._etas and self._etas[0][1] not in self._outstanding:
+            heapq.heappop(self._etas)
+        return self._etas[0][0] if self._etas else None
+
+    def close(self) -> None:
+        """Give the doorbell's connection back to the pool. A delay-queue consumer closed
+        while it still holds delayed messages (Dramatiq drops its in-memory delay queue on a
+        connection error, then closes the consumer) puts them back on the delay queue, or,
+        if Redis does not answer, leaves them to the next consumer of the queue in this
+        process: a held message is never stranded in a live worker's ack set."""
+        self._close_bell()
+        if self._delayed and self._outstanding:
+            held = set(self._outstanding)
+            try:
+                self.broker.do_requeue(self.queue_name, *held)
+            except redis.RedisError:
+                self.broker._abandoned.setdefault(self.queue_name, set()).update(held)
+            for rid in held:
+                self._done(rid)
+
+    def _requeue_abandoned(self) -> None:
+        held = self.broker._abandoned.pop(self.queue_name, set())
+        try:
+            self.broker.do_requeue(self.queue_name, *held)
+        except redis.RedisError:
+            self.broker._abandoned.setdefault(self.queue_name, set()).update(held)
+            raise
+
+    def _fill(self) -> bool:
+        """Fetch what there is room for; ``False`` if nothing was (or could be) fetched."""
+        outstanding = self.outstanding_message_count
+        room = self._slots - outstanding
+        if room <= 0 or (outstanding and room < self._batch):
+            return False
+        if not self._lane:
+            fetched = self.broker.fetch(self.queue_name, room)
+            self._cache.extend(fetched)
+            return bool(fetched)
+        if self._alone is not None or (self._suspects_waiting and outstanding):
+            return False  # a suspect runs alone, or waits for this consumer to drain
+        result = self.broker.fetch_lane(
+            self.queue_name, room, outstanding=outstanding, client=self.broker.thread_client()
+        )
+        self._suspects_waiting = result.suspects_waiting
+        for message_id in result.completed:
+            logger.warning(
+                "message %s on %s already completed: acked without running it again",
+                message_id,
+                self.queue_name,
+            )
+        for rid, deliveries in result.buried:
+            logger.error(
+                "dead-lettering message %s on %s: worker died during %d deliveries",
+                rid,
+                self.queue_name,
+                deliveries,
+            )
+            self._tell_dead_lettered("worker_died")
+        if result.alone:
+            self._alone = result.fetched[0][0]
+            logger.warning(
+                "message %s on %s: its worker died while running it; running it alone",
+                self._alone,
+                self.queue_name,
+            )
+        self._cache.extend(result.fetched)
+        return bool(result.fetched)
+
+    def _deliver(self, rid: str, body: bytes | None) -> Delivery | None:
+        if body is None:
+            logger.warning("message %s vanished from %s before its fetch", rid, self.queue_name)
+            self._settle_unrun(rid, "ack")
+            return None
+        try:
+            message = Message.decode(body)
+            problem = _shape_problem(message, self.queue_name)
+        except Exception as exc:
+            message, problem = None, f"it does not decode ({exc.__cause__ or exc})"
+        delivery = None
+        policy = self.broker.message_policy
+        if message is not None and problem is None:
+            delivery = Delivery(message, fetched_from=self.queue_name, redis_message_id=rid)
+            if policy is not None:
+                problem = policy.admit(delivery)
+        if message is None or delivery is None or problem is not None:
+            logger.error(
+                "dead-lettering message %s (redis id %s) on %s: %.200s",
+                "?" if message is None else message.message_id,
+                rid,
+                self.queue_name,
+                problem,
+            )
+            self._settle_unrun(rid, "dead", reason=str(problem))
+            self._tell_dead_lettered("malformed")
+            if message is not None and policy is not None:
+                policy.rejected(message)
+            return None
+        self._outstanding.add(rid)
+        if self._delayed:
+            self.broker._held_delayed.add(rid)
+            eta = message.options.get("eta")
+            if isinstance(eta, int | float):
+                heapq.heappush(self._etas, (int(eta), rid))
+        return delivery
+
+    def _tell_dead_lettered(self, reason: str) -> None:
+        for listener in self.broker.fetch_dead_letter_listeners:
+            try:
+                listener(self.queue_name, reason)
+            except Exception:
+                logger.exception("a dead-letter listener failed")
+
+    def _settle_unrun(self, rid: str, outcome: Outcome, *, reason: str = "") -> None:
+        """Settle a fetched message that never reaches Dramatiq's worker; a dead-lettered
+        one's run record (if the fetch wrote one) ends "dead" with ``reason``."""
+        if self._lane:
+            run = None
+            if outcome == "dead":
+                run = RunWrite(rid, 0, "", "malformed", "", "", reason[:2_000], "")
+            self.broker.settle(self.queue_name, rid, outcome, message_id=rid, run=run)
+        elif outcome == "dead":
+            self.broker.do_nack(self.queue_name, rid)
+        else:
+            self.broker.do_ack(self.queue_name, rid)
+        self._done(rid)
+
+    def _done(self, rid: str) -> None:
+        self._outstanding.discard(rid)
+        if rid == self._alone:
+            self._alone = None
+        if self._suspects_waiting and not self._outstanding and self._bell is not None:
+            # a suspect waits for this consumer to hold nothing: end its wait now
+            self.broker.unblock(self._bell_id)
+        if self._delayed:
+            self.broker._held_delayed.discard(rid)
+            self.broker._moved.discard(rid)
+        with self._settled:
+            self._settled.notify()
+
+    def ack(self, message: MessageProxy) -> None:
+        rid = _redis_id(message)
+        try:
+            if rid in self.broker._moved:
+                return  # moved off the delay queue by ``move``: nothing left to ack
+            if not self._lane or not isinstance(message, Delivery):
+                self.broker.do_ack(self.queue_name, rid)
+                return
+            settlement = message.settlement
+            outcome: Outcome = "ack"
+            follow_up = settlement.retry or settlement.handoff
+            if follow_up is not None:
+                outcome = "retry"
+            elif settlement.completed:
+                outcome = "completed"
+            owned = self.broker.settle(
+                self.queue_name,
+                rid,
+                outcome,
+                message_id=str(message.message_id),
+                retry=follow_up,
+                run=settlement.run,
+                client=self.broker.thread_client(),
+            )
+            if not owned:
+                logger.warning(
+                    "message %s was recovered by another worker before its ack; "
+                    "its outcome is left to that delivery",
+                    message.message_id,
+                )
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # Dramatiq retries the ack until Redis takes it; settling twice is safe (the
+            # second finds the delivery settled and writes no follow-up again)
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+        finally:
+            self._done(rid)
+
+    def nack(self, message: MessageProxy) -> None:
+        rid = _redis_id(message)
+        try:
+            if self._lane:
+                run = message.settlement.run if isinstance(message, Delivery) else None
+                self.broker.settle(
+                    self.queue_name, rid, "dead", message_id=str(message.message_id), run=run
+                )
+            else:
+                self.broker.do_nack(self.queue_name, rid)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # Dramatiq retries the ack until Redis takes it; settling twice is safe (the
+            # second finds the delivery settled and writes no follow-up again)
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+        finally:
+            self._done(rid)
+
+    def requeue(self, messages: Iterable[MessageProxy]) -> None:
+        rids = [_redis_id(message) for message in messages]
+        rids += [rid for rid, _ in self._cache]
+        self._cache.clear()
+        if not rids:
+            return
+        self.broker.do_requeue(self.queue_name, *rids)
+        for rid in rids:
+            self._done(rid)
+
+
+def _shape_problem(message: Message[Any], queue_name: str) -> str | None:
+    """What in a decoded message would crash Dramatiq's worker, or ``None``."""
+    if not isinstance(message.actor_name, str):
+        return f"actor_name must be a string, got {message.actor_name!r:.40}"
+    if not isinstance(message.options, dict):
+        return "options must be a JSON object"
+    if not isinstance(message.args, list | tuple) or not isinstance(message.kwargs, dict):
+        return "args must be a list and kwargs an object"
+    if not isinstance(message.message_id, str) or not message.message_id:
+        return "message_id must be a non-empty string"
+    if message.queue_name != queue_name:
+        return f"queue_name must be {queue_name!r}, got {message.queue_name!r:.60}"
+    return None
+
+
+def _redis_id(message: MessageProxy) -> str:
+    if isinstance(message, Delivery):
+        return message.redis_message_id
+    return str(message.options["redis_message_id"])

@@ -1,0 +1,99 @@
+"""What one delivery is, and what its ack writes: :class:`Delivery`, :class:`Settlement`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from dramatiq.broker import MessageProxy
+from dramatiq.message import Message
+
+
+@dataclass(frozen=True)
+class RunWrite:
+    """A run record the settle call writes (see :mod:`kumiko_dramatiq.ops.history`)."""
+
+    message_id: str
+    attempt: int
+    job: str
+    #: the run's status; "" drops the running record (a hand-off, no attempt)
+    status: str
+    tenant: str
+    origin: str
+    record: str
+    dead_note: str
+
+
+@dataclass
+class Settlement:
+    """What the ack of one delivery writes besides the ack itself (one Lua call in all).
+
+    ``retry``: the prepared retry of a failed attempt and its delay, enqueued with the ack;
+    ``handoff``: likewise, a sequential job's hand-off (a new message) when its lock is held;
+    ``completed``: the message completed, so the ack also writes its "already completed"
+    marker (at most one of the three is set); ``run``: the run record to write.
+    """
+
+    retry: tuple[Message[Any], int | None] | None = None
+    handoff: tuple[Message[Any], int | None] | None = None
+    completed: bool = False
+    run: RunWrite | None = None
+
+
+class Delivery(MessageProxy):
+    """One delivery of a message to this worker: Dramatiq's proxy, plus the queue and redis
+    id it was fetched under, what its ack should write (:class:`Settlement`) and kumiko's
+    per-delivery state (``execution``, opened at fetch by the broker's message policy:
+    :mod:`kumiko_dramatiq.worker.execution`)."""
+
+    def __init__(self, message: Message[Any], *, fetched_from: str, redis_message_id: str) -> None:
+        super().__init__(message)
+        self.message = message
+        # the fields every hook reads, kept here (Dramatiq's proxy looks each one up through
+        # ``__getattr__``, about 20 times per delivery); the message is frozen
+        self.queue_name = message.queue_name
+        self.actor_name = message.actor_name
+        self.args = message.args
+        self.kwargs = message.kwargs
+        self.options = message.options
+        self.message_id = message.message_id
+        self.message_timestamp = message.message_timestamp
+        self.fetched_from = fetched_from
+        self.redis_message_id = redis_message_id
+        self.settlement = Settlement()
+        #: kumiko's state of this delivery (an ``Execution``, opened by the broker's
+        #: ``message_policy`` at fetch), ``None`` for a message of a plain actor
+        self.execution: object | None = None
+        #: when a worker thread started processing it (epoch seconds; set by the broker)
+        self.started_at = 0.0
+
+
+#: What ``settle`` does with a delivery: forget it ("ack"), forget it and mark its id
+#: completed, forget it and enqueue its retry, or dead-letter it.
+Outcome = Literal["ack", "completed", "retry", "dead"]
+
+
+class MessagePolicy(Protocol):
+    """What the broker's owner says about the messages its consumers fetch."""
+
+    def admit(self, delivery: Delivery) -> str | None:
+        """Why ``delivery``'s decoded message must be dead-lettered, or ``None``: it may run
+        (then ``delivery.execution`` is set for a message of one of the owner's jobs)."""
+
+    def rejected(self, message: Message[Any]) -> None:
+        """``message`` was dead-lettered by ``admit``, before it ran: clean up after it."""
+
+
+@dataclass(frozen=True)
+class LaneFetch:
+    """What one ``fetch_lane`` call claimed and decided."""
+
+    fetched: list[tuple[str, bytes | None]]
+    #: message ids acked unrun because they already completed
+    completed: list[str]
+    #: (redis id, deliveries) of poison messages dead-lettered
+    buried: list[tuple[str, int]]
+    #: suspects (messages whose worker died) waiting to run alone
+    suspects_waiting: int
+    #: the one message fetched is a suspect that runs alone
+    alone: bool

@@ -1,0 +1,210 @@
+"""Every Redis key, one function each: kumiko's under ``kumiko:{queue_prefix}:``, Dramatiq's.
+
+A dataset is one Redis database plus one queue prefix: runners with different prefixes
+never touch each other's keys. Dramatiq's own layout (``dramatiq:{queue}``, ``.msgs``,
+``.DQ``, ``.XQ``, ack sets, heartbeats), which kumiko's broker writes as Dramatiq does, is
+built here too (at the end). No module but this one spells a key
+(``tests/unit/test_structure.py``).
+"""
+
+from __future__ import annotations
+
+from dramatiq.common import q_name
+
+
+def _root(queue_prefix: str) -> str:
+    return f"kumiko:{queue_prefix}"
+
+
+def root(queue_prefix: str) -> str:
+    """``kumiko:{queue_prefix}:``, the root of every key of the dataset's own. Lua scripts
+    that are handed only the root build a few keys from it: those of :func:`run_record`,
+    the ``runs_*`` indexes, :func:`dead_note`, :func:`paused` and :func:`parked`
+    (``tests/integration/lua`` checks they spell them as here)."""
+    return f"{_root(queue_prefix)}:"
+
+
+def sent(queue_prefix: str, redis_message_id: str) -> str:
+    """Set when a redis message id was written: a re-sent write finds it."""
+    return f"{_root(queue_prefix)}:sent:{redis_message_id}"
+
+
+def enqueue_guard(queue_prefix: str, message_id: str) -> str:
+    """Set when a deterministic message id was enqueued (fan-out children, cron ticks)."""
+    return f"{_root(queue_prefix)}:enqueued:{message_id}"
+
+
+def boot_marker(queue_prefix: str, job_name: str) -> str:
+    """Persistent: the boot-once job ``job_name`` was enqueued in this dataset."""
+    return f"{_root(queue_prefix)}:boot:{job_name}"
+
+
+def sequential_lock(queue_prefix: str, job_name: str, tenant_id: str | None) -> str:
+    """The lease of a sequential job (per tenant for per-tenant jobs)."""
+    scope = "" if tenant_id is None else f":tenant:{len(tenant_id)}:{tenant_id}"
+    return f"{_root(queue_prefix)}:lock:{job_name}{scope}"
+
+
+def parse_sequential_lock(queue_prefix: str, key: str) -> tuple[str, str | None]:
+    """(job name, tenant or ``None``) of a :func:`sequential_lock` key."""
+    rest = key[len(sequential_lock(queue_prefix, "", None)) :]
+    job, sep, scope = rest.partition(":tenant:")
+    if not sep:
+        return job, None
+    _, _, tenant = scope.partition(":")
+    return job, tenant if tenant else None
+
+
+def dedup(queue_prefix: str, job_name: str, dedup_key: str) -> str:
+    """The record of the live job behind ``dedup_key``."""
+    return f"{_root(queue_prefix)}:dedup:{job_name}:{dedup_key}"
+
+
+def completed(queue_prefix: str, message_id: str) -> str:
+    """ "Already completed" marker of a message id, kept the resend window (a minute; see
+    :mod:`kumiko_dramatiq.middleware.history`)."""
+    return f"{_root(queue_prefix)}:done:{message_id}"
+
+
+def cron_last_tick(queue_prefix: str, job_name: str) -> str:
+    """The latest tick of cron job ``job_name`` enqueued in this dataset
+    (UTC epoch seconds); the scheduler's misfire catch-up starts after it."""
+    return f"{_root(queue_prefix)}:cron:last:{job_name}"
+
+
+def inflight(queue_prefix: str) -> str:
+    """Hash: redis id of a message out with a worker -> ``"<deliveries>|<claimed ms>|<worker>"``
+    (deliveries without an outcome count crashes; the run history reads running runs here)."""
+    return f"{_root(queue_prefix)}:inflight"
+
+
+def suspects(queue_prefix: str, queue_name: str) -> str:
+    """List: redis ids of ``queue_name`` whose worker died while holding them, waiting to run
+    alone."""
+    return f"{_root(queue_prefix)}:suspects:{queue_name}"
+
+
+def probe(queue_prefix: str) -> str:
+    """Base of the keys the start-up permission probe writes and deletes at once."""
+    return f"{_root(queue_prefix)}:probe"
+
+
+def cancelled(queue_prefix: str, message_id: str) -> str:
+    """Set by ``cancel`` for a delayed message a worker holds in memory: its move drops it."""
+    return f"{_root(queue_prefix)}:cancel:{message_id}"
+
+
+def paused(queue_prefix: str) -> str:
+    """Set of the names of paused jobs."""
+    return f"{_root(queue_prefix)}:paused"
+
+
+def parked(queue_prefix: str, job_name: str) -> str:
+    """List: redis ids of a paused job's messages, held back until it is resumed."""
+    return f"{_root(queue_prefix)}:parked:{job_name}"
+
+
+def process(queue_prefix: str, identity: str) -> str:
+    """A live worker's or scheduler's registration (JSON, TTL: its heartbeat timeout)."""
+    return f"{_root(queue_prefix)}:proc:{identity}"
+
+
+def processes(queue_prefix: str) -> str:
+    """Sorted set of registered process ids by last refresh (ms)."""
+    return f"{_root(queue_prefix)}:procs"
+
+
+def run_record(queue_prefix: str, message_id: str) -> str:
+    """Hash attempt -> run record (JSON) of one message id (written in Lua, see
+    :mod:`kumiko_dramatiq.ops.history`)."""
+    return f"{_root(queue_prefix)}:run:{message_id}"
+
+
+def runs_by_status(queue_prefix: str, status: str) -> str:
+    """Sorted set indexing the run records of one status (written in Lua; the metrics count
+    it)."""
+    return f"{_root(queue_prefix)}:runs:status:{status}"
+
+
+def runs_by_job(queue_prefix: str, job_name: str, status: str) -> str:
+    """Sorted set indexing the run records of one job and status (written in Lua)."""
+    return f"{_root(queue_prefix)}:runs:job:{job_name}:{status}"
+
+
+def runs_by_tenant(queue_prefix: str, tenant_id: str) -> str:
+    """Sorted set indexing the run records of one tenant (written in Lua)."""
+    return f"{_root(queue_prefix)}:runs:tenant:{tenant_id}"
+
+
+def runs_by_origin(queue_prefix: str, origin_id: str) -> str:
+    """Sorted set indexing the run records of one origin id (written in Lua)."""
+    return f"{_root(queue_prefix)}:runs:origin:{origin_id}"
+
+
+def dead_note(queue_prefix: str, message_id: str) -> str:
+    """What kumiko noted when ``message_id`` was dead-lettered (JSON, kept as long as dead
+    letters; written in Lua)."""
+    return f"{_root(queue_prefix)}:dead:{message_id}"
+
+
+def patterns(queue_prefix: str | None) -> list[str]:
+    """Glob patterns covering every key of one dataset (``queue_prefix``: kumiko's own, its
+    Dramatiq queues, their ack sets, Dramatiq's shared worker heartbeats), or of both
+    namespaces whole without one; and the key ``dramatiq`` itself, which the broker's
+    scripts name first (Dramatiq's namespace, from which they build the queues' keys)."""
+    if queue_prefix is None:
+        return [f"{_root('')}*", NAMESPACE, f"{NAMESPACE}:*"]
+    return [
+        f"{root(queue_prefix)}*",
+        NAMESPACE,
+        f"{NAMESPACE}:{queue_prefix}-*",
+        f"{NAMESPACE}:__acks__.*.{queue_prefix}-*",
+        heartbeats(),
+    ]
+
+
+# Dramatiq's Redis layout (kumiko writes it the way Dramatiq's RedisBroker does; see
+# tests/integration/test_layout.py)
+#: Dramatiq's key namespace.
+NAMESPACE = "dramatiq"
+
+
+def queue_list(queue_name: str, namespace: str = NAMESPACE) -> str:
+    """The list of redis message ids of ``queue_name`` (consumers pop from the left)."""
+    return f"{namespace}:{queue_name}"
+
+
+def queue_messages(queue_name: str, namespace: str = NAMESPACE) -> str:
+    """The hash redis message id -> encoded message of ``queue_name``."""
+    return f"{namespace}:{queue_name}.msgs"
+
+
+def consumer_acks(worker_id: str, queue_name: str, namespace: str = NAMESPACE) -> str:
+    """The set of redis ids one worker fetched from ``queue_name`` and has not acked."""
+    return f"{namespace}:__acks__.{worker_id}.{queue_name}"
+
+
+def is_delay_queue(queue_name: str) -> bool:
+    """Whether ``queue_name`` is a delay queue (Dramatiq's ``<queue>.DQ``)."""
+    return queue_name.endswith(".DQ")
+
+
+def heartbeats(namespace: str = NAMESPACE) -> str:
+    """The sorted set of worker ids by last heartbeat (ms)."""
+    return f"{namespace}:__heartbeats__"
+
+
+def queue_bell(queue_name: str, namespace: str = NAMESPACE) -> str:
+    """The doorbell of a queue (kumiko's, beside Dramatiq's layout): a list holding at most
+    one token, pushed by every write onto the queue, that idle consumers wait on."""
+    return f"{queue_list(queue_name, namespace)}:bell"
+
+
+def dead_letters(queue_name: str, namespace: str = NAMESPACE) -> str:
+    """The sorted set of dead-lettered redis ids of ``queue_name`` (its ``.XQ``), by time."""
+    return f"{namespace}:{q_name(queue_name)}.XQ"
+
+
+def dead_letter_messages(queue_name: str, namespace: str = NAMESPACE) -> str:
+    """The hash redis id -> encoded message of ``queue_name``'s dead letters."""
+    return f"{dead_letters(queue_name, namespace)}.msgs"

@@ -1,0 +1,19 @@
+-- dedup_dispatch_batch: many dispatches of one job under dedup keys, in order, in one step.
+-- KEYS[1] queue messages hash   KEYS[2] queue list
+-- ARGV[1] record TTL (ms)   ARGV[2] trigger
+-- then per message, five arguments: the key's record, redis message id, encoded message,
+-- message id, payload (JSON)
+-- Each is decided as dedup_dispatch decides it (include/dedup.lua); a key given twice in one batch
+-- stands for the first message. Returns {1|0 (enqueued), the id the key stands for, ...}, a
+-- pair per message, in order.
+-- @include dedup
+-- @include ttl
+ttl_ms(ARGV[1], "dedup record")
+local decided = {}
+for i = 3, #ARGV, 5 do
+    local one = dedup_dispatch(KEYS[1], KEYS[2], ARGV[i + 1], ARGV[i + 2], ARGV[i],
+        ARGV[1], ARGV[i + 3], ARGV[i + 4], ARGV[2])
+    decided[#decided + 1] = one[1]
+    decided[#decided + 1] = one[2]
+end
+return decided

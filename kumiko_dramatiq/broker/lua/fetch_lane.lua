@@ -1,0 +1,131 @@
+-- fetch_lane: claim up to N messages of a kumiko lane queue, keeping poison messages apart.
+-- KEYS[1] namespace   KEYS[2] in-flight hash (redis id -> "<deliveries>|<claimed ms>|<worker>")
+-- KEYS[3] suspects list of this queue (redis ids whose worker died while they were out)
+-- ARGV[1..2] dispatch head (see include/dispatch.lua)
+-- ARGV[3] "<N> <messages this consumer holds> <max deliveries> <TTL ms of completed and
+--         cancelled run records> <TTL ms of failed ones>": claim up to N; a message delivered
+--         max deliveries times without an outcome (its worker died each time) is
+--         dead-lettered here instead of delivered again
+-- ARGV[4] "already completed" marker prefix ("" = no check)   ARGV[5] kumiko root
+--         "kumiko:<prefix>:"   ARGV[6] this worker ("host:pid")
+-- Each claimed id joins this worker's ack set and gets its in-flight entry, its deliveries
+-- count one up (settle removes the entry): the run history reads running runs from there, so
+-- the fetch decodes no message. A message of a paused job (in "<root>paused") is not claimed
+-- but parked in "<root>parked:<job>" until the job is resumed. An id with deliveries already
+-- (a suspect) is never delivered beside other messages: to a consumer that holds nothing it
+-- is delivered alone (first from the suspects list), else it waits in the suspects list. A
+-- message whose id carries an "already completed" marker is acked unrun. A message at
+-- the max is dead-lettered, its run record "dead" ("worker died during N deliveries"). The
+-- queue's doorbell rings when a suspect is left waiting for an idle consumer, or a full batch
+-- (or a suspect claimed alone) left messages behind.
+-- Returns {{rid, body, ...}, {message ids acked as already completed},
+--          {rid, deliveries, ...} dead-lettered, suspects waiting, 1 if a suspect was claimed}.
+-- @include dispatch
+-- @include dead_letter
+-- @include history
+-- @include bell
+local inflight = KEYS[2]
+local suspects = KEYS[3]
+local wanted, held, max_deliveries, completed_ttl, failed_ttl =
+    string.match(ARGV[3], "^(%d+) (%d+) (%d+) (%d+) (%d+)$")
+wanted, max_deliveries = tonumber(wanted), tonumber(max_deliveries)
+completed_ttl, failed_ttl = tonumber(completed_ttl), tonumber(failed_ttl)
+local idle = held == "0"
+local done_prefix, root, run_worker = ARGV[4], ARGV[5], ARGV[6]
+local fetched, dropped, buried = {}, {}, {}
+local alone = 0
+local any_paused = redis.call("scard", root .. "paused") > 0
+
+-- the job of an encoded message, if it is one of a paused job's ("<job>" or nil)
+local function paused_job(body)
+    local actor = body and string.match(body, '"actor_name":"([^"]*)"')
+    if not actor then
+        return nil
+    end
+    local job = string.gsub(actor, ":fanout$", "")
+    if redis.call("sismember", root .. "paused", job) == 1 then
+        return job
+    end
+    return nil
+end
+
+local function claim(rid, seen)
+    local body = redis.call("hget", queue_messages, rid)
+    if any_paused then
+        local job = paused_job(body)
+        if job then
+            redis.call("rpush", root .. "parked:" .. job, rid)
+            return false
+        end
+    end
+    redis.call("sadd", queue_acks, rid)
+    if body and done_prefix ~= "" then
+        local message_id = message_id_of(body)
+        if message_id and redis.call("exists", done_prefix .. message_id) == 1 then
+            redis.call("srem", queue_acks, rid)
+            redis.call("hdel", queue_messages, rid)
+            redis.call("hdel", inflight, rid)
+            dropped[#dropped + 1] = message_id
+            return false
+        end
+    end
+    redis.call("hset", inflight, rid, (seen + 1) .. "|" .. now .. "|" .. run_worker)
+    fetched[#fetched + 1] = rid
+    fetched[#fetched + 1] = body
+    return true
+end
+
+-- a suspect: bury it, run it alone, or set it aside
+local function suspect(rid, seen)
+    if seen >= max_deliveries then
+        local run = run_of(root, redis.call("hget", queue_messages, rid), run_worker)
+        dead_letter(rid)
+        redis.call("hdel", inflight, rid)
+        buried[#buried + 1] = rid
+        buried[#buried + 1] = seen
+        if run then
+            local reason = "worker died during " .. seen .. " deliveries"
+            run.s, run.en, run.et, run.em, run.n = "dead", now, "WorkerDied", reason, seen
+            put_run(root, run.m, run.a, run.j, "dead", run.t or "", run.o, now,
+                cjson.encode(run), completed_ttl, failed_ttl)
+            redis.call("set", root .. "dead:" .. run.m, cjson.encode({
+                r = rid, q = queue, j = run.j, m = run.m, o = run.o, t = run.t, a = run.a,
+                ma = run.ma, et = "WorkerDied", em = reason, at = now,
+            }), "PX", dead_ttl)
+        end
+    elseif idle and #fetched == 0 and alone == 0 then
+        if claim(rid, seen) then
+            alone = 1
+        end
+    else
+        redis.call("rpush", suspects, rid)
+    end
+end
+
+if idle then
+    while alone == 0 do
+        local rid = redis.call("lpop", suspects)
+        if not rid then
+            break
+        end
+        suspect(rid, inflight_count(redis.call("hget", inflight, rid)))
+    end
+end
+while alone == 0 and #fetched < 2 * wanted do
+    local rid = redis.call("lpop", queue_list)
+    if not rid then
+        break
+    end
+    local seen = inflight_count(redis.call("hget", inflight, rid))
+    if seen > 0 then
+        suspect(rid, seen)
+    else
+        claim(rid, 0)
+    end
+end
+local waiting = redis.call("llen", suspects)
+local full = #fetched >= 2 * wanted or alone == 1
+if (waiting > 0 and not idle) or (full and redis.call("llen", queue_list) > 0) then
+    ring(queue_list)
+end
+return {fetched, dropped, buried, waiting, alone}

@@ -1,0 +1,226 @@
+"""The one seam to Dramatiq's and redis-py's internals.
+
+Everything kumiko does that leans on more than the documented API of Dramatiq 2.2 or redis-py
+lives in this module and nowhere else (``tests/unit/test_structure.py`` fails when another
+module touches one of these names). Each piece has a test in ``tests/unit/test_seam.py``
+that breaks when the host library changes what it relies on; see docs/upgrading.md.
+
+1. **The broker's hook loops** (:class:`HookTable`, :func:`emit_before`,
+   :func:`emit_after`): kumiko's broker emits its signals through its own loops, which keep
+   Dramatiq's error handling (``Broker.emit_before``/``emit_after``) and add the guest rule
+   below. They rely on a hook that a middleware does not override being the base class's
+   no-op.
+2. **No command fallback** (:class:`NoCommandFallback`): ``RedisBroker.__getattr__`` maps any
+   unknown ``do_*`` name onto Dramatiq's own dispatch script; kumiko's broker turns that off.
+3. **A worker's queues** (:func:`consumed_queues`, :func:`set_consumed_queues`): Dramatiq's
+   ``Worker`` keeps the queues it consumes in ``consumer_whitelist`` (``None``: every queue),
+   read by its consumer loop whenever a queue is declared.
+4. **Any actor option** (:class:`AnyActorOptions`): ``dramatiq.actor`` checks
+   ``set(options) - broker.actor_options``; a set whose reflected difference is empty
+   accepts every option (the app loader's collector broker).
+5. **The time limit's log line** (:func:`name_interruptions`): Dramatiq's ``TimeLimit``
+   hands its logger to a timer (``time_limit.manager.logger``), which logs
+   ``"Time limit exceeded. Raising exception in worker thread %r."`` with the thread id as
+   the one argument.
+6. **redis-py's argument encoder** (:func:`argument_encoder`), from ``redis._parsers``, which
+   the command packer falls back on.
+
+Guests: the middleware added to a kumiko broker after it was built, and what they see.
+
+A kumiko broker is built with kumiko's chain (:func:`kumiko_dramatiq.middleware.build_middleware`,
+Dramatiq's default middleware among it). Middleware added later, such as Dramatiq's
+``Prometheus``, ``Results`` or ``CurrentMessage`` or an app's own, are *guests*:
+``add_middleware`` appends them after the chain, as Dramatiq appends to its defaults. Two
+rules, applied by :class:`~kumiko_dramatiq.broker.KumikoBroker`:
+
+- **a guest never sees a sequential hand-off.** A delivery whose run ``Sequential`` handed
+  off to a new message (kumiko's ``Execution.handed_off``, decided in its
+  ``before_process_message``) is not a processed message: it runs no handler and spends no
+  attempt. So the guests get neither its ``before_process_message`` nor its
+  ``after_process_message``; Dramatiq's ``Prometheus`` would otherwise count every
+  hand-off as a processed message of about 0 ms (a ``SkipMessage`` would not help: it counts
+  skipped messages as processed too). The message the work was handed off to is processed,
+  and seen, like any other. Kumiko's chain sees every delivery. A middleware placed inside
+  the chain (``add_middleware(m, before=...)`` or ``after=`` a member of the chain, or
+  inserted into ``broker.middleware``) counts as part of it and sees every delivery too;
+  :func:`guests_start` is where the chain ends. A guest that knows about hand-offs and wants
+  them (it reads ``Execution.handoff_id``, say) sets the class attribute
+  ``sees_handoffs = True``.
+- **a middleware added after the process booted is booted at once** (its
+  ``after_process_boot``), as if it had been there at boot: Dramatiq's ``Prometheus`` sets
+  itself up there (added after ``JobRunner.start()`` it would fail on every message) and
+  ``TimeLimit`` starts its timer thread there.
+
+Everything else (enqueues, acks, nacks, worker hooks) every middleware sees, as on Dramatiq's
+own brokers. The hook loops keep Dramatiq's error handling: a ``MiddlewareError`` raised by
+a ``before_*`` hook propagates, any other exception is logged at CRITICAL and the loop goes
+on.
+
+Dispatch is precomputed (:class:`HookTable`): Dramatiq's broker looks up every hook of every
+middleware for every signal (16 middleware, about 90 lookups and calls per message, most of
+them the base class's no-ops); the table keeps, per signal, the bound hooks a middleware
+actually overrides, and is rebuilt when ``broker.middleware`` changes (compared by identity
+on each emit, a C-level list comparison).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+from dramatiq.broker import Broker
+from dramatiq.middleware import Middleware, MiddlewareError, TimeLimit
+from dramatiq.worker import Worker
+from redis._parsers.encoders import Encoder
+
+#: A bound hook, with whether it is skipped for a handed-off delivery.
+Hook = tuple[Middleware, Callable[..., Any], bool]
+
+
+def guests_start(middleware: Sequence[Middleware], chain: Collection[int]) -> int:
+    """The index of the first guest in ``middleware``: the first one after the last member
+    of kumiko's chain (``chain`` holds their ``id()``)."""
+    start = 0
+    for index, each in enumerate(middleware):
+        if id(each) in chain:
+            start = index + 1
+    return start
+
+
+def handed_off(message: object) -> bool:
+    """Whether ``message`` is a delivery whose run was handed off (``Execution.handed_off``)."""
+    execution = getattr(message, "execution", None)
+    return getattr(execution, "handed_off", False) is True
+
+
+def sees_handoffs(middleware: Middleware) -> bool:
+    """Whether a guest asked to see hand-offs (class attribute ``sees_handoffs = True``)."""
+    return getattr(middleware, "sees_handoffs", False) is True
+
+
+def _bound(middleware: Middleware, name: str) -> Callable[..., Any] | None:
+    """``middleware``'s hook ``name``, or ``None`` when it is the base class's no-op. A
+    middleware without the hook at all gets one that fails on call, as Dramatiq's loop would
+    (it is logged, or propagates for a ``before_*`` hook raising ``MiddlewareError``)."""
+    hook = getattr(middleware, name, None)
+    if hook is None:
+        return lambda *args, **kwargs: getattr(middleware, name)(*args, **kwargs)
+    base = getattr(Middleware, name, None)
+    if base is not None and getattr(hook, "__func__", None) is base:
+        return None
+    return hook  # type: ignore[no-any-return]
+
+
+class HookTable:
+    """The hooks of one middleware list, by signal (``before_ack``, ...), built on first use:
+    in the order Dramatiq calls them (``after_*`` reversed), each with whether a handed-off
+    delivery skips it (a guest that does not see hand-offs)."""
+
+    def __init__(self, middleware: Sequence[Middleware], chain: Collection[int]) -> None:
+        self.middleware = list(middleware)
+        self._first_guest = guests_start(self.middleware, chain)
+        self._by_signal: dict[str, tuple[Hook, ...]] = {}
+
+    def __call__(self, signal: str) -> tuple[Hook, ...]:
+        hooks = self._by_signal.get(signal)
+        if hooks is None:
+            order = list(enumerate(self.middleware))
+            if signal.startswith("after_"):
+                order.reverse()
+            found = []
+            for index, each in order:
+                hook = _bound(each, signal)
+                if hook is not None:
+                    blind = index >= self._first_guest and not sees_handoffs(each)
+                    found.append((each, hook, blind))
+            hooks = self._by_signal[signal] = tuple(found)
+        return hooks
+
+
+def emit_before(broker: Broker, hooks: HookTable, signal: str, *args: Any, **kwargs: Any) -> None:
+    """Dramatiq's ``emit_before`` over ``hooks``; for ``before_process_message``, a delivery
+    handed off meanwhile skips the guests that do not see hand-offs."""
+    process = signal == "before_process_message"
+    for each, hook, blind in hooks(signal):
+        if process and blind and handed_off(args[0]):
+            continue
+        try:
+            hook(broker, *args, **kwargs)
+        except MiddlewareError:
+            raise
+        except Exception:
+            broker.logger.critical("Unexpected failure in %s of %r.", signal, each, exc_info=True)
+
+
+def emit_after(broker: Broker, hooks: HookTable, signal: str, *args: Any, **kwargs: Any) -> None:
+    """Dramatiq's ``emit_after`` over ``hooks``; the ``after_process_message`` of a
+    handed-off delivery goes to kumiko's chain and the guests that see hand-offs."""
+    skip_blind = signal == "after_process_message" and handed_off(args[0])
+    for each, hook, blind in hooks(signal):
+        if skip_blind and blind:
+            continue
+        try:
+            hook(broker, *args, **kwargs)
+        except Exception:
+            broker.logger.critical("Unexpected failure in %s of %r.", signal, each, exc_info=True)
+
+
+class NoCommandFallback:
+    """Mixed into kumiko's broker before ``RedisBroker``: an attribute the broker lacks is an
+    ``AttributeError``, not a command run through Dramatiq's dispatch script (every command
+    kumiko supports is a method of its own)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+
+def consumed_queues(worker: Worker) -> set[str] | None:
+    """The queues ``worker`` consumes (``None``: every declared queue)."""
+    queues: set[str] | None = worker.consumer_whitelist
+    return queues
+
+
+def set_consumed_queues(worker: Worker, queues: set[str]) -> None:
+    """Make ``worker`` consume ``queues`` (its consumer loop adds each when declared)."""
+    worker.consumer_whitelist = queues
+
+
+class AnyActorOptions(set[str]):
+    """A broker's ``actor_options`` that accepts every option name: ``dramatiq.actor``
+    computes ``set(options) - broker.actor_options``, which asks this reflected difference
+    first."""
+
+    def __rsub__(self, other: Any) -> set[str]:
+        return set()
+
+
+def name_interruptions(time_limit: TimeLimit, name: Callable[[int], str | None]) -> None:
+    """Make ``time_limit``'s "time limit exceeded" line say ``name(thread id)`` instead, when
+    that is not ``None`` (same logger, same level)."""
+    manager = time_limit.manager
+    manager.logger = _NamingLog(manager.logger, name)
+
+
+class _NamingLog:
+    """Stands in for the logger of a ``TimeLimit``'s timer (see :func:`name_interruptions`)."""
+
+    def __init__(self, logger: Any, name: Callable[[int], str | None]) -> None:
+        self._logger = logger
+        self._name = name
+
+    def warning(self, msg: str, *args: Any, **kwargs: Any) -> None:
+        if msg.startswith("Time limit exceeded") and len(args) == 1 and isinstance(args[0], int):
+            named = self._name(args[0])
+            if named is not None:
+                self._logger.warning("%s", named, **kwargs)
+                return
+        self._logger.warning(msg, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
+
+
+def argument_encoder(encoding: str, errors: str) -> Callable[[Any], bytes]:
+    """redis-py's encoder of command arguments (what its pure-Python packer takes)."""
+    encode: Callable[[Any], bytes] = Encoder(encoding, errors, False).encode  # type: ignore[no-untyped-call]
+    return encode

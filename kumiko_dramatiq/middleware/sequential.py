@@ -1,0 +1,324 @@
+"""Sequential jobs: the lease of ``concurrency="sequential"`` jobs, and the hand-off.
+
+At most one run of a sequential job at a time, across all workers and
+processes of a dataset; for a per-tenant job, one per tenant (its children
+lock per ``kumiko_tenant_id``; the fan-out wrapper takes no lock).
+
+Place in the chain: after ``Retries``, before ``Dedup``, ``Hooks`` and
+``TimeLimit``. So the lock is taken before ``on_job_start`` and before the
+time limit starts, and (``after_*`` hooks run in reverse) it is released
+after the terminal hooks and BEFORE ``Retries`` enqueues a retry: a retry
+waiting out its backoff holds no lock and takes it again when it runs.
+
+``before_process_message``
+    One Lua call (``lua/lock_acquire.lua``): ``SET lock token NX PX ttl``.
+    Acquired: the lease is kept in ``execution.lease`` and renewed by this
+    middleware's renewer thread. Held: a NEW message (``trigger="requeue"``,
+    same payload, tenant, dedup key and cron tick, ``build_message_options(job)``
+    and the failed attempts already spent), due after
+    ``sequential_retry_delay_ms`` (+0..20 % jitter), goes into the delivery's
+    settlement: the ack writes it in the same Lua call that acks the original
+    (``lua/settle.lua``, as it writes a retry), so a crash can neither lose the
+    hand-off nor write it twice, and a message redelivered after a crash simply
+    checks the lock again. Its id is noted in ``execution.handoff_id``, so the
+    actor body, the hooks and ``Retries`` do nothing. Logged at INFO. Any error (Redis down) raises
+    :class:`~kumiko_dramatiq.errors.SequentialLockError`, a ``MiddlewareError``:
+    the handler never runs without the lock, the attempt counts as failed.
+``after_process_message`` / ``after_skip_message``
+    Compare-and-delete of the lock if this delivery holds it, on every path
+    (success, failure, ``TimeLimitExceeded``, graceful shutdown). A failed
+    release is logged; the lock then expires within its TTL.
+``after_worker_shutdown``
+    Stops the renewer thread (idempotent; it restarts lazily if needed). A
+    run still going then (a stop that timed out) keeps its lock at most the TTL.
+
+Options read: ``job.options.concurrency``, ``job.options.per_tenant``;
+message options ``kumiko_tenant_id`` and ``kumiko_failures`` (through
+``execution.meta``), ``kumiko_dedup_key`` and ``kumiko_scheduled_at``
+(copied onto the hand-off). Message options written: only those of the
+hand-off message, all through :func:`~kumiko_dramatiq.messages.build_message`.
+Setting: ``lock_ttl_ms`` (``JobRunner(lock_ttl_ms=...)`` or ``KUMIKO_LOCK_TTL_MS``).
+Messages of other jobs return before any Redis call.
+
+Redis keys: :func:`keys.sequential_lock` (the lease: value = owner token
+``"<message id>:<uuid4 hex>"``, TTL ``lock_ttl_ms``, default 30 000 ms,
+renewed every TTL/3 by one multi-key Lua call for all leases of the process).
+A hand-off leaves no key of its own: it is enqueued by the ack.
+
+Bounds: a worker killed with ``kill -9`` leaves its lock for at most
+``lock_ttl_ms`` (the last renewal was at most TTL/3 earlier). A
+waiting message re-checks the lock once per ``sequential_retry_delay_ms``
+(never sooner): N waiters cost at most N lock checks and N enqueues per
+delay, never a hot loop. Waiters are not ordered (no FIFO).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import uuid
+from typing import Any
+
+from dramatiq.broker import Broker, MessageProxy
+from dramatiq.middleware import Middleware
+from dramatiq.worker import Worker
+
+from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.errors import SequentialLockError
+from kumiko_dramatiq.ids import handoff_message_id
+from kumiko_dramatiq.messages import build_message
+from kumiko_dramatiq.registry import JobDefinition
+from kumiko_dramatiq.worker.execution import Execution, Lease, execution_of
+from kumiko_dramatiq.worker.runtime import Runtime
+
+logger = logging.getLogger("kumiko_dramatiq")
+
+#: A hand-off waits ``delay * (1 + JITTER_FRACTION * u)``, u uniform in [0, 1).
+JITTER_FRACTION = 0.2
+
+#: Reply codes of ``lua/lock_acquire.lua``.
+HELD, ACQUIRED = 0, 1
+
+
+# -- pure decisions ------------------------------------------------------
+def is_locked(job: JobDefinition, is_wrapper: bool) -> bool:
+    """Whether a delivery of ``job`` takes the sequential lock (wrappers never do)."""
+    return job.options.concurrency == "sequential" and not is_wrapper
+
+
+def lock_tenant(job: JobDefinition, tenant_id: str | None) -> str | None:
+    """The tenant a lock is scoped to: the child's tenant for per-tenant jobs, else none."""
+    return tenant_id if job.options.per_tenant else None
+
+
+def handoff_delay_ms(base_ms: int, jitter: float) -> int:
+    """Delay of a hand-off: ``base_ms`` plus up to 20 % (``jitter`` in [0, 1)).
+
+    Never shorter than ``base_ms`` (the contract's "after
+    ``sequential_retry_delay_ms``"); the jitter spreads a burst of waiters
+    handed off together, so they do not re-check in lockstep.
+    """
+    return base_ms + int(base_ms * JITTER_FRACTION * jitter)
+
+
+def renew_interval_ms(ttl_ms: int) -> int:
+    """How often leases are extended: a third of the TTL, so two renewals may
+    fail before a lease of a live run expires."""
+    return max(1, ttl_ms // 3)
+
+
+def new_token(message_id: str) -> str:
+    """A lease owner token: the holder's message id plus a random part."""
+    return f"{message_id}:{uuid.uuid4().hex}"
+
+
+# -- the middleware ------------------------------------------------------
+class Sequential(Middleware):
+    """Takes, renews and releases the lease of sequential jobs; hands off when it is held.
+
+    See the module docstring for the full contract.
+    """
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.lock_ttl_ms = runtime.settings.lock_ttl_ms
+        self._renewer = LeaseRenewer(self)
+
+    # -- hooks -------------------------------------------------------------
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        execution = execution_of(message)
+        if execution is None or not is_locked(execution.job, execution.is_wrapper):
+            return
+        job = execution.job
+        prefix = self.runtime.queue_prefix
+        lock_key = keys.sequential_lock(
+            prefix, job.qualified_name, lock_tenant(job, execution.meta.tenant_id)
+        )
+        token = new_token(execution.message_id)
+        lua = self.runtime.broker.lua
+        try:
+            state = lua.lock_acquire(keys=[lock_key], args=[token, self.lock_ttl_ms])
+        except Exception as exc:
+            raise SequentialLockError(job.qualified_name, "taking the lock", lock_key, exc) from exc
+        if state == ACQUIRED:
+            execution.lease = Lease(lock_key, token)
+            self._renewer.hold(token, lock_key)
+            return
+        self._hand_off(execution, lock_key)
+
+    def after_process_message(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        self._release(execution_of(message))
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        self._release(execution_of(message))
+
+    def after_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
+        self._renewer.stop()
+
+    # -- internals ---------------------------------------------------------
+    def _hand_off(self, execution: Execution, lock_key: str) -> None:
+        job, meta, options = execution.job, execution.meta, execution.options
+        handoff_id = handoff_message_id(execution.message_id)
+        delay_ms = handoff_delay_ms(
+            self.runtime.settings.sequential_retry_delay_ms, random.random()
+        )
+        handoff = build_message(
+            job,
+            execution.delivery.args[0],
+            queue_prefix=self.runtime.queue_prefix,
+            trigger="requeue",
+            message_id=handoff_id,
+            tenant_id=options.tenant_id,
+            failures=options.failures,
+            dedup_key=options.dedup_key,
+            scheduled_at=options.scheduled_at,
+            origin_id=execution.origin_id,
+        )
+        broker = self.runtime.broker
+        prepared = broker.prepare(handoff, delay_ms)
+        broker.emit_before("enqueue", prepared, delay_ms)
+        # the ack writes it (and acks the original) in one Lua call
+        execution.delivery.settlement.handoff = (prepared, delay_ms)
+        execution.handoff_id = handoff_id
+        logger.info(
+            "%s %s: lock %s is held; handed off to %s (trigger requeue, attempt %d of %d), "
+            "which re-checks in %d ms",
+            job.qualified_name,
+            execution.message_id,
+            lock_key,
+            handoff_id,
+            meta.attempt,
+            meta.max_attempts,
+            delay_ms,
+            extra=execution.log_fields(),
+        )
+
+    def _release(self, execution: Execution | None) -> None:
+        if execution is None or execution.lease is None:
+            return
+        lease, execution.lease = execution.lease, None
+        # Drop it from the renewer first: a renewal racing the delete must not
+        # report a lease we gave up as "lost".
+        self._renewer.drop(lease.token)
+        try:
+            released = self.runtime.broker.lua.lock_release(
+                keys=[lease.lock_key], args=[lease.token]
+            )
+        except Exception as exc:
+            logger.warning(
+                "%s %s: could not release lock %s (%s: %s); it expires within %d ms",
+                execution.job.qualified_name,
+                execution.message_id,
+                lease.lock_key,
+                type(exc).__name__,
+                exc,
+                self.lock_ttl_ms,
+            )
+            return
+        if released != 1:
+            logger.warning(
+                "%s %s: lock %s was no longer ours at release (lease lost earlier); "
+                "another run may have overlapped this one",
+                execution.job.qualified_name,
+                execution.message_id,
+                lease.lock_key,
+            )
+
+
+class LeaseRenewer:
+    """One daemon thread per :class:`Sequential` that extends the leases this process holds.
+
+    Every ``renew_interval_ms(ttl)`` it extends all held leases in ONE Lua
+    call (``lua/lock_renew.lua``). A lease found owned by someone else is dropped and
+    logged as lost. Started on the first :meth:`hold`; :meth:`stop` is
+    idempotent and a later :meth:`hold` starts a fresh thread.
+    """
+
+    def __init__(self, owner: Sequential) -> None:
+        self._owner = owner
+        self._mutex = threading.Lock()
+        self._leases: dict[str, str] = {}  # token -> lock key
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    def hold(self, token: str, lock_key: str) -> None:
+        with self._mutex:
+            self._leases[token] = lock_key
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping = threading.Event()
+                self._thread = threading.Thread(
+                    target=self._run,
+                    args=(self._stopping,),
+                    name=f"kumiko-leases-{self._owner.runtime.queue_prefix}",
+                    daemon=True,
+                )
+                self._thread.start()
+
+    def drop(self, token: str) -> None:
+        with self._mutex:
+            self._leases.pop(token, None)
+
+    def held(self) -> dict[str, str]:
+        """A snapshot of the held leases (token -> lock key)."""
+        with self._mutex:
+            return dict(self._leases)
+
+    def stop(self) -> None:
+        with self._mutex:
+            thread, self._thread = self._thread, None
+            self._stopping.set()
+            abandoned = list(self._leases.values())
+        if abandoned:
+            logger.warning(
+                "stopping lease renewal while %d sequential run(s) still hold %s; "
+                "those locks expire within %d ms",
+                len(abandoned),
+                ", ".join(sorted(abandoned)),
+                self._owner.lock_ttl_ms,
+            )
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+
+    def _run(self, stopping: threading.Event) -> None:
+        interval_s = renew_interval_ms(self._owner.lock_ttl_ms) / 1000
+        while not stopping.wait(interval_s):
+            try:
+                self.renew_once()
+            except Exception as exc:
+                logger.warning(
+                    "could not renew sequential locks (%s: %s); leases expire within %d ms "
+                    "unless a later renewal succeeds",
+                    type(exc).__name__,
+                    exc,
+                    self._owner.lock_ttl_ms,
+                )
+
+    def renew_once(self) -> None:
+        """Extend every held lease now (one round trip); drop and log lost ones."""
+        leases = list(self.held().items())
+        if not leases:
+            return
+        reply = self._owner.runtime.broker.lua.lock_renew(
+            keys=[key for _, key in leases],
+            args=[*(token for token, _ in leases), self._owner.lock_ttl_ms],
+        )
+        for (token, lock_key), renewed in zip(leases, reply, strict=True):
+            if renewed == 1:
+                continue
+            with self._mutex:
+                still_held = self._leases.pop(token, None) is not None
+            if still_held:
+                logger.warning(
+                    "lost sequential lock %s (token %s): it expired or was taken over while "
+                    "its run continues",
+                    lock_key,
+                    token,
+                )

@@ -1,0 +1,116 @@
+"""The state one runner shares with its middleware and actors.
+
+A :class:`Runtime` belongs to exactly one broker (one ``JobRunner``); there is no
+module-level state, so runners with different prefixes coexist in one process. Middleware
+reads a delivery's state from the delivery itself
+(:func:`~kumiko_dramatiq.worker.execution.execution_of`); the actor body, which Dramatiq
+calls with the payload only, finds the execution of its thread through
+:meth:`Runtime.current`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kumiko_dramatiq.broker.broker import KumikoBroker
+from kumiko_dramatiq.context import JobContext, JobMeta
+from kumiko_dramatiq.registry import JobDefinition, Registry
+from kumiko_dramatiq.settings import Settings
+from kumiko_dramatiq.worker.execution import Execution, execution_of
+from kumiko_dramatiq.worker.loop import EventLoopThread
+
+logger = logging.getLogger("kumiko_dramatiq")
+
+StartHook = Callable[[str, str, JobMeta], Any]
+FailedHook = Callable[[str, str, JobMeta, BaseException], Any]
+TenantResolver = Callable[[], Any]
+
+
+@dataclass
+class HookSet:
+    """The runner's hook callbacks (any may be ``None``)."""
+
+    on_job_start: StartHook | None = None
+    on_job_complete: StartHook | None = None
+    on_job_failed: FailedHook | None = None
+
+
+class Runtime:
+    """Everything a runner's middleware and actors need, owned by one runner."""
+
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        settings: Settings,
+        app: Any,
+        hooks: HookSet,
+        get_active_tenant_ids: TenantResolver | None,
+    ) -> None:
+        self.registry = registry
+        self.settings = settings
+        self.app = app
+        self.hooks = hooks
+        self.get_active_tenant_ids = get_active_tenant_ids
+        self.loop = EventLoopThread(settings.queue_prefix)
+        self.broker: KumikoBroker
+
+    def attach(self, broker: KumikoBroker) -> None:
+        """Bind the runtime to the broker it serves (once, at construction)."""
+        self.broker = broker
+
+    @property
+    def queue_prefix(self) -> str:
+        return self.settings.queue_prefix
+
+    @property
+    def lane(self) -> str:
+        return self.settings.lane
+
+    @property
+    def queue_name(self) -> str:
+        """The queue this runner consumes."""
+        return self.settings.queue_name
+
+    def current(self) -> Execution | None:
+        """The execution the calling worker thread runs now, if any."""
+        return execution_of(self.broker.current())
+
+    def call_handler(self, job: JobDefinition, payload: dict[str, Any], ctx: JobContext) -> Any:
+        if job.is_async:
+            return self.loop.run(job.handler(payload, ctx))
+        return job.handler(payload, ctx)
+
+    def resolve_tenants(self) -> Iterable[Any]:
+        resolver = self.get_active_tenant_ids
+        if resolver is None:
+            raise RuntimeError("get_active_tenant_ids is not set")
+        result = resolver()
+        if hasattr(result, "__await__"):
+            result = self.loop.run(_await(result))
+        return result  # type: ignore[no-any-return]
+
+    def call_hook(self, name: str, *args: Any) -> None:
+        """Call hook ``name`` if set; a failing hook is logged, never raised."""
+        hook = getattr(self.hooks, name)
+        if hook is None:
+            return
+        try:
+            hook(*args)
+        except Exception:
+            logger.exception("hook %s raised for job %s (message %s)", name, args[0], args[1])
+
+    def context_for(self, execution: Execution) -> JobContext:
+        return JobContext(
+            job_name=execution.job.qualified_name,
+            message_id=execution.message_id,
+            meta=execution.meta,
+            app=self.app,
+        )
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable

@@ -1,0 +1,153 @@
+"""The seam to Dramatiq's and redis-py's internals (kumiko_dramatiq.broker.seam): each test
+pins one thing kumiko relies on, so that a release of the host library that changes it fails
+here, by name, instead of somewhere deep in a worker."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import dramatiq
+import pytest
+from dramatiq.broker import Broker
+from dramatiq.brokers.redis import RedisBroker
+from dramatiq.brokers.stub import StubBroker
+from dramatiq.middleware import Middleware, MiddlewareError, TimeLimit
+from dramatiq.worker import Worker
+
+from kumiko_dramatiq.broker.seam import (
+    AnyActorOptions,
+    HookTable,
+    NoCommandFallback,
+    argument_encoder,
+    consumed_queues,
+    emit_after,
+    emit_before,
+    name_interruptions,
+    set_consumed_queues,
+)
+
+
+class Noted(Middleware):
+    """Notes the hooks it gets; raises what it is told to in before_ack."""
+
+    def __init__(self, name: str, calls: list[str], raises: BaseException | None = None) -> None:
+        self.name = name
+        self.calls = calls
+        self.raises = raises
+
+    def before_ack(self, broker: Broker, message: Any) -> None:
+        self.calls.append(f"{self.name}.before_ack")
+        if self.raises is not None:
+            raise self.raises
+
+    def after_ack(self, broker: Broker, message: Any) -> None:
+        self.calls.append(f"{self.name}.after_ack")
+
+
+def _both(raises: BaseException | None) -> tuple[list[str], list[str], Any, Any]:
+    """Dramatiq's emit loops and kumiko's over the same middleware: calls and outcome."""
+    outcomes: list[Any] = []
+    calls: list[list[str]] = []
+    for ours in (False, True):
+        seen: list[str] = []
+        middleware: list[Middleware] = [Noted("a", seen, raises), Noted("b", seen)]
+        broker = StubBroker(middleware=middleware)
+        try:
+            if ours:
+                table = HookTable(broker.middleware, {id(m) for m in broker.middleware})
+                emit_before(broker, table, "before_ack", None)
+                emit_after(broker, table, "after_ack", None)
+            else:
+                broker.emit_before("ack", None)
+                broker.emit_after("ack", None)
+            outcomes.append(None)
+        except BaseException as exc:
+            outcomes.append(type(exc))
+        calls.append(seen)
+    return calls[0], calls[1], outcomes[0], outcomes[1]
+
+
+@pytest.mark.parametrize(
+    "raises", [None, ValueError("logged, loop goes on"), MiddlewareError("propagates")]
+)
+def test_kumikos_emit_loops_behave_as_dramatiqs(raises: BaseException | None) -> None:
+    dramatiqs_calls, kumikos_calls, dramatiqs_outcome, kumikos_outcome = _both(raises)
+    assert kumikos_calls == dramatiqs_calls
+    assert kumikos_outcome == dramatiqs_outcome
+
+
+def test_a_hook_a_middleware_does_not_override_is_the_base_classs_no_op() -> None:
+    # The hook table skips hooks that are Middleware's own: they must be no-ops
+    table = HookTable([Noted("a", [])], set())
+    assert [hook for _, hook, _ in table("before_ack")]
+    assert table("before_process_message") == ()
+    for name, member in inspect.getmembers(Middleware, inspect.isfunction):
+        if name.startswith(("before_", "after_")):
+            parameters = list(inspect.signature(member).parameters.values())[1:]
+            positional = [p for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD]
+            assert member(Middleware(), *[None] * len(positional)) is None, name
+
+
+def test_redis_broker_maps_unknown_names_onto_commands_and_kumikos_broker_does_not() -> None:
+    # RedisBroker.__getattr__ turns do_<anything> into a dispatch call: kumiko turns it off
+    assert "__getattr__" in RedisBroker.__dict__
+    assert "do_" in inspect.getsource(RedisBroker.__getattr__)
+
+    class Broker(NoCommandFallback, RedisBroker):
+        pass
+
+    broker = Broker.__new__(Broker)
+    with pytest.raises(AttributeError, match="do_nothing"):
+        broker.do_nothing  # noqa: B018
+
+
+def test_a_workers_queues_are_its_consumer_whitelist() -> None:
+    broker = StubBroker()
+    assert consumed_queues(Worker(broker)) is None
+    given = Worker(broker, queues={"a"})
+    assert consumed_queues(given) == {"a"}
+    set_consumed_queues(given, {"a", "b"})
+    assert given.consumer_whitelist == {"a", "b"}
+    # and the worker decides by it which queue gets a consumer
+    assert "consumer_whitelist" in inspect.getsource(Worker._add_consumer)
+
+
+def test_any_actor_options_lets_dramatiq_actor_accept_every_option() -> None:
+    broker = StubBroker()
+    with pytest.raises(ValueError, match="undefined"):
+        dramatiq.actor(broker=broker, actor_name="refused", not_an_option=1)(_nothing)
+    broker.actor_options = AnyActorOptions()
+    dramatiq.actor(broker=broker, actor_name="anything", not_an_option=1)(_nothing)
+    assert "anything" in broker.actors
+
+
+def _nothing() -> None:
+    return None
+
+
+def test_the_time_limit_interruption_line_can_be_named(caplog: pytest.LogCaptureFixture) -> None:
+    time_limit = TimeLimit(interval=1000)
+    manager = time_limit.manager
+    # Dramatiq's timer logs its interruption through the middleware's logger, in these words
+    assert manager.logger is time_limit.logger
+    assert "Time limit exceeded. Raising exception in worker thread %r." in inspect.getsource(
+        type(manager)
+    )
+    name_interruptions(time_limit, lambda thread: f"job of thread {thread}" if thread else None)
+    with caplog.at_level(logging.WARNING, logger=time_limit.logger.name):
+        manager.logger.warning("Time limit exceeded. Raising exception in worker thread %r.", 7)
+        manager.logger.warning("Time limit exceeded. Raising exception in worker thread %r.", 0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "job of thread 7",
+        "Time limit exceeded. Raising exception in worker thread 0.",
+    ]
+    assert {r.name for r in caplog.records} == {time_limit.logger.name}
+
+
+def test_redis_pys_argument_encoder_encodes_as_the_connection_would() -> None:
+    encode = argument_encoder("utf-8", "strict")
+    assert encode("é") == "é".encode()
+    assert encode(5) == b"5"
+    assert encode(b"raw") == b"raw"
