@@ -1,4 +1,4 @@
-"""Figures for the README's "Deploying" section, each on private servers started here.
+"""Figures for docs/deploying.md, each on private servers started here.
 
     python -m benchmarks.deploying                 # all three suites
     python -m benchmarks.deploying --only sizing   # or: replication, hosts

@@ -118,7 +118,7 @@ class BackoffPolicy(BaseModel):
 
 
 class JobOptions(BaseModel):
-    """The validated option set of one job. See the README's option table."""
+    """The validated option set of one job. See the option table in docs/jobs.md."""
 
     model_config = ConfigDict(
         frozen=True, extra="forbid", strict=True, arbitrary_types_allowed=True

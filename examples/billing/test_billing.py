@@ -1,4 +1,4 @@
-"""Tests of the billing example, in both styles of the README's "Testing your jobs".
+"""Tests of the billing example, in both styles of docs/testing.md.
 
 Run them with ``.venv/bin/pytest examples/billing`` (CI does). The end-to-end tests need a
 Redis: ``KUMIKO_TEST_REDIS_URL``, or a ``redis-server`` on ``PATH`` that the fixtures start.

@@ -9,7 +9,7 @@ the port and one merged view, and the scheduler serves too (:func:`serving`); ho
 happens when processes die, is :mod:`kumiko_dramatiq.ops.exposition`'s business.
 
 Metrics (:data:`SPECS`; no tenant label: 10,000 tenants would be 10,000 series per job, so
-per-tenant figures come from the run history, see the README)
+per-tenant figures come from the run history, see docs/history.md)
 
 ========================================= ================================================
 ``kumiko_runs_total{job,status,trigger,   attempts that ended: ``completed``, ``failed``

@@ -1,7 +1,7 @@
 """Pure cron tick planning: which due ticks to enqueue, coalesce or skip.
 
 No clock and no I/O: every function takes the instants it reasons about (``after``, ``now``),
-so a test asserts a schedule without waiting (see the README, "Testing your jobs"). The
+so a test asserts a schedule without waiting (see docs/testing.md). The
 scheduler (:mod:`kumiko_dramatiq.scheduler`) calls :func:`plan_ticks` on every wake-up.
 
 Misfires (documented default: ``Cron(..., misfire="coalesce", grace_s=60)``)

@@ -60,8 +60,7 @@ FILES: tuple[str, ...] = (
 )
 
 #: Tests kumiko's broker is MEANT to fail, by id (``file::test[param]``), with the reason. The
-#: one place these differences are listed; the README's "Moving an existing Dramatiq app onto
-#: kumiko" points here.
+#: one place these differences are listed; docs/dramatiq.md points here.
 INTENDED_DIFFERENCES: Mapping[str, str] = {}
 
 #: Tests left out unless ``--full``, to keep the suite near three minutes of CI time.

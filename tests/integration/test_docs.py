@@ -18,10 +18,8 @@ A block that cannot run on its own has a marker on the line just before it::
 A marker with an unknown prelude or without its reason, or one that is not right before a python
 block, fails. So does a block without a marker that needs a name it does not define.
 
-Until the package layout of issue 26 (docs/layout.md) is merged, a sample or a path that names one
-of its new modules fails with an ImportError or does not exist: it is xfailed then, and is checked
-for real once the layout is in (``LAYOUT_MERGED``). ``OLD_PATHS`` are the paths that moved, which
-only docs/upgrading.md may name.
+``OLD_PATHS`` are the paths that moved in issue 26 (docs/upgrading.md), which only
+docs/upgrading.md may name.
 """
 
 from __future__ import annotations
@@ -50,15 +48,6 @@ PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 #: The README is a front door, not the manual.
 README_MAX_LINES = 300
 
-LAYOUT_MERGED = importlib.util.find_spec("kumiko_dramatiq.middleware") is not None
-#: Module paths that exist only in the layout of issue 26.
-NEW_LAYOUT = re.compile(
-    r"kumiko_dramatiq[./](?:middleware|ops|worker|loader)\b"
-    r"|kumiko_dramatiq[./]broker[./]"
-    r"|from kumiko_dramatiq\.broker import (?:acl|keys|connection|seam)\b"
-    r"|kumiko_dramatiq[./]scheduler[./]ticks\b"
-    r"|kumiko_dramatiq\.options\.retry_delay_ms\b"
-)
 #: Paths that moved in issue 26: docs/upgrading.md names them as what they were; no other page may.
 OLD_PATHS = frozenset(
     {
@@ -429,12 +418,7 @@ def env(redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch) -> Iterato
 
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[block.id for block in PYTHON_BLOCKS])
 def test_the_sample_runs(block: Block, env: DocEnv) -> None:
-    try:
-        run_block(block, env)
-    except ImportError:
-        if LAYOUT_MERGED or not NEW_LAYOUT.search(block.source):
-            raise
-        pytest.xfail("names a module of the new layout (docs/layout.md), not merged yet")
+    run_block(block, env)
 
 
 @pytest.mark.parametrize("page", PAGES_READ, ids=[page.path for page in PAGES_READ])
@@ -553,10 +537,7 @@ def test_every_path_a_page_names_exists(page: Page) -> None:
     if page.path != UPGRADING:
         assert moved == [], f"{page.path} names paths that moved (see {UPGRADING})"
     missing = sorted(name for name in names - OLD_PATHS if not resolves(name))
-    expected = [name for name in missing if not LAYOUT_MERGED and NEW_LAYOUT.search(name)]
-    assert [name for name in missing if name not in expected] == []
-    if expected:
-        pytest.xfail(f"new layout (docs/layout.md) not merged yet: {expected}")
+    assert missing == []
 
 
 # -- the harness itself can fail --------------------------------------------------------------

@@ -4,7 +4,7 @@ Each scenario runs the same command sequence twice on the same keys: once throug
 Dramatiq's ``RedisBroker`` (its own ``dispatch.lua``), once through ``KumikoBroker``
 (kumiko's Lua), and compares every reply and the whole Redis state after every step. A
 Dramatiq release that changes its Redis layout or a command's semantics fails here, not in
-production; see the README, "Upgrading Dramatiq".
+production; see docs/upgrading.md.
 """
 
 from __future__ import annotations

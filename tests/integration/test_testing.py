@@ -190,7 +190,7 @@ billing_registry = Registry([billing])
 
 
 def test_a_dispatch_that_retries_twice_then_completes(kumiko_runner: RunnerFactory) -> None:
-    # The README's end-to-end example, as a user writes it (backoffs of 50 ms included).
+    # The end-to-end example of docs/testing.md, as a user writes it (backoffs of 50 ms included).
     runner = kumiko_runner(billing_registry)
     runner.dispatch("billing:job:charge", {"invoice": 7})
     runs = runner.drain()
