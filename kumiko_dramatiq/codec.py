@@ -21,9 +21,11 @@ these, all JSON-native so they survive the JSON round trip of delays and retries
                             :data:`MAX_CARRIER_ENTRIES` strings by name (absent = none)
 =========================== ===================================================================
 
-:meth:`KumikoOptions.decode` is strict: a missing required key or a value of the wrong type
-or range raises :class:`OptionsError`, never a default. Nothing else in the package spells a
-``kumiko_*`` key.
+:meth:`KumikoOptions.decode` is strict: a missing required key, a value of the wrong type or
+range, or one no declaration can produce (more than :data:`~kumiko_dramatiq.limits.MAX_RETRIES`
+retries, a backoff delay or worst-case retry window over 366 days) raises
+:class:`OptionsError`, never a default. Nothing else in the package spells a ``kumiko_*``
+key.
 """
 
 from __future__ import annotations
@@ -34,7 +36,14 @@ from datetime import datetime
 from typing import Any, Final, Literal, cast, get_args
 
 from kumiko_dramatiq.context import JobMeta, Trigger
-from kumiko_dramatiq.limits import dedup_key_problem, is_strict_int, tenant_id_problem
+from kumiko_dramatiq.limits import (
+    MAX_DURATION_MS,
+    MAX_RETRIES,
+    backoff_window_ms,
+    dedup_key_problem,
+    is_strict_int,
+    tenant_id_problem,
+)
 
 BackoffType = Literal["fixed", "exponential"]
 
@@ -160,6 +169,8 @@ class KumikoOptions:
         if not isinstance(options, Mapping):
             raise OptionsError("options", "must be a JSON object", options)
         retries = _count(options, RETRIES, required=True)
+        if retries > MAX_RETRIES:
+            raise OptionsError(RETRIES, f"must be at most {MAX_RETRIES}", retries)
         backoff = options.get(BACKOFF)
         if backoff is not None and backoff not in _BACKOFFS:
             raise OptionsError(BACKOFF, 'must be null, "fixed" or "exponential"', backoff)
@@ -169,6 +180,12 @@ class KumikoOptions:
                 raise OptionsError(BACKOFF_DELAY_MS, "must be null without a backoff", delay)
         elif not is_strict_int(delay) or delay <= 0:
             raise OptionsError(BACKOFF_DELAY_MS, "must be a positive integer", delay)
+        elif backoff_window_ms(retries, backoff, delay) > MAX_DURATION_MS:
+            raise OptionsError(
+                BACKOFF_DELAY_MS,
+                f"gives a retry window over {MAX_DURATION_MS} ms with {retries} retries",
+                delay,
+            )
         trigger = options.get(TRIGGER, ...)
         if trigger not in _TRIGGERS:
             raise OptionsError(TRIGGER, f"must be one of {sorted(_TRIGGERS)}", trigger)

@@ -58,9 +58,11 @@ class PayloadError(KumikoError, ValueError):
 class RedisUnavailableError(KumikoError, ConnectionError):
     """Redis did not answer within the configured bound."""
 
-    def __init__(self, redis_url: str, action: str, cause: BaseException | None = None) -> None:
+    def __init__(
+        self, redis_url: str, action: str, cause: BaseException | str | None = None
+    ) -> None:
         self.redis_url = redis_url
-        reason = f": {cause}" if cause is not None else ""
+        reason = "" if cause is None else ": " + " ".join(str(cause).split())
         super().__init__(f"Redis at {redact_url(redis_url)} is unavailable while {action}{reason}")
 
 

@@ -53,11 +53,18 @@ def unicode_problem(text: str) -> str | None:
 
 
 def check_payload(
-    job_name: str, payload: Any, *, max_bytes: int, path: str = "payload"
+    job_name: str,
+    payload: Any,
+    *,
+    max_bytes: int,
+    path: str = "payload",
+    encoded_bound: int | None = None,
 ) -> dict[str, Any]:
     """Return ``payload`` (``None`` -> ``{}``) if it is within the limits, else raise
     :class:`PayloadError` naming the job, the path of the bad value (rooted at ``path``,
-    say ``payloads[3]`` in a bulk dispatch) and the value."""
+    say ``payloads[3]`` in a bulk dispatch) and the value. ``encoded_bound``: an upper bound
+    of its encoded size when one is known (the size of the message it came in): the payload
+    is encoded to measure it only when that bound is over ``max_bytes``."""
     if payload is None:
         return {}
     if not isinstance(payload, dict):
@@ -99,6 +106,8 @@ def check_payload(
                 stack.extend((f"{at}[{i}]", item, depth + 1) for i, item in enumerate(value))
             continue
         raise PayloadError(job_name, at, "must be a JSON value", value)
+    if encoded_bound is not None and encoded_bound <= max_bytes:
+        return payload
     size = len(json.dumps(payload, allow_nan=False, separators=(",", ":")).encode())
     if size > max_bytes:
         raise PayloadError(
@@ -150,6 +159,17 @@ def tenant_id_problem(tenant_id: Any) -> str | None:
     if any(unicodedata.category(char) == "Cc" for char in tenant_id):
         return "must not contain control characters"
     return None
+
+
+def backoff_window_ms(retries: int, backoff: str | None, delay_ms: int | None) -> int:
+    """The worst-case time spent waiting out backoffs across ``retries`` retries: fixed
+    ``retries * delay_ms``, exponential ``delay_ms * (2**retries - 1)``; 0 without a
+    backoff. At most :data:`MAX_DURATION_MS` for anything a declaration can produce."""
+    if backoff is None or delay_ms is None or retries == 0:
+        return 0
+    if backoff == "fixed":
+        return retries * delay_ms
+    return int(delay_ms * (2**retries - 1))
 
 
 def is_strict_int(value: Any) -> TypeGuard[int]:

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kumiko_dramatiq.codec import BackoffType, encode_policy
 from kumiko_dramatiq.cron import Cron
 from kumiko_dramatiq.errors import JobConfigError
-from kumiko_dramatiq.limits import MAX_DURATION_MS, MAX_RETRIES, is_strict_int
+from kumiko_dramatiq.limits import MAX_DURATION_MS, MAX_RETRIES, backoff_window_ms, is_strict_int
 
 if TYPE_CHECKING:
     from kumiko_dramatiq.registry import JobDefinition
@@ -256,8 +256,6 @@ def retry_delay_ms(
 def retry_window_ms(options: JobOptions) -> int:
     """Worst-case time spent waiting out backoffs across all retries of a job."""
     backoff = options.backoff
-    if backoff is None or options.retries == 0:
+    if backoff is None:
         return 0
-    if backoff.type == "fixed":
-        return options.retries * backoff.delay_ms
-    return int(backoff.delay_ms * (2**options.retries - 1))
+    return backoff_window_ms(options.retries, backoff.type, backoff.delay_ms)

@@ -24,6 +24,7 @@ from dramatiq.worker import Worker
 from kumiko_dramatiq.broker.acl import check_server
 from kumiko_dramatiq.broker.broker import KumikoBroker, make_connection_pool
 from kumiko_dramatiq.broker.connection import client as redis_client
+from kumiko_dramatiq.broker.faults import kumiko_error
 from kumiko_dramatiq.broker.tls import tls_problem
 from kumiko_dramatiq.environment import resolve_settings
 from kumiko_dramatiq.errors import (
@@ -165,7 +166,11 @@ class JobRunner:
             max_deliveries=settings.max_deliveries,
             run_ttls_ms=run_ttls_ms(settings),
             history_cap=settings.history_cap,
-            message_policy=KumikoMessages(registry, rejected=dedup.release_rejected),
+            message_policy=KumikoMessages(
+                registry,
+                rejected=dedup.release_rejected,
+                max_payload_bytes=settings.max_payload_bytes,
+            ),
         )
         self.runtime.attach(self.broker)
         declare_actors(self.broker, self.runtime)
@@ -549,8 +554,8 @@ class JobRunner:
     def _redis(self, action: str) -> Iterator[None]:
         try:
             yield
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise RedisUnavailableError(self.redis_url, action, exc) from exc
+        except redis.RedisError as exc:
+            raise kumiko_error(self.redis_url, action, exc) from exc
 
     def _middleware(self, kind: type[Any]) -> Any:
         for middleware in self.broker.middleware:

@@ -254,7 +254,9 @@ class KumikoConsumer(Consumer):
         delivery = None
         policy = self.broker.message_policy
         if message is not None and problem is None:
-            delivery = Delivery(message, fetched_from=self.queue_name, redis_message_id=rid)
+            delivery = Delivery(
+                message, fetched_from=self.queue_name, redis_message_id=rid, encoded_bytes=len(body)
+            )
             if policy is not None:
                 problem = policy.admit(delivery)
         if message is None or delivery is None or problem is not None:

@@ -46,7 +46,14 @@ class Delivery(MessageProxy):
     per-delivery state (``execution``, opened at fetch by the broker's message policy:
     :mod:`kumiko_dramatiq.worker.execution`)."""
 
-    def __init__(self, message: Message[Any], *, fetched_from: str, redis_message_id: str) -> None:
+    def __init__(
+        self,
+        message: Message[Any],
+        *,
+        fetched_from: str,
+        redis_message_id: str,
+        encoded_bytes: int = 0,
+    ) -> None:
         super().__init__(message)
         self.message = message
         # the fields every hook reads, kept here (Dramatiq's proxy looks each one up through
@@ -60,6 +67,8 @@ class Delivery(MessageProxy):
         self.message_timestamp = message.message_timestamp
         self.fetched_from = fetched_from
         self.redis_message_id = redis_message_id
+        #: the size of the encoded message as fetched (0: not known)
+        self.encoded_bytes = encoded_bytes
         self.settlement = Settlement()
         #: kumiko's state of this delivery (an ``Execution``, opened by the broker's
         #: ``message_policy`` at fetch), ``None`` for a message of a plain actor

@@ -69,6 +69,10 @@ _BOOLEANS: Final = {"true": True, "yes": True, "1": True, "false": False, "no": 
 _CERT_REQS: Final = ("required", "optional", "none")
 
 
+#: The highest database number a Redis server can have (``databases`` is a 32-bit int).
+MAX_DATABASE: Final = 2**31 - 1
+
+
 def _number(value: str) -> int:
     if not (value.isascii() and value.isdigit()):
         raise ValueError("must be a whole number")
@@ -187,6 +191,11 @@ def _parse(url: Any) -> Target:
         if "db" in options:
             raise _Problem("names its database twice (path and ?db=): give one")
         options["db"] = int(db_path)
+    if options.get("db", 0) > MAX_DATABASE:
+        raise _Problem(
+            f"names database {options['db']}, beyond any Redis server's "
+            f"(0 to {MAX_DATABASE}, and below the server's `databases` setting)"
+        )
     if scheme == SENTINEL_SCHEME:
         return _sentinel_target(netloc, options)
     return _single_target(url, scheme, netloc, path, options)

@@ -292,15 +292,40 @@ class Scheduler:
         if plan.enqueue is not None:
             try:
                 self._enqueue(track.job, plan.enqueue)
-            except redis.RedisError as exc:
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # The command may have run (its reply lost): only the dataset knows. Read its
+                # last tick again soon, and catch up from there (the tick's id is guarded, so
+                # one that did land is never enqueued twice).
                 logger.error(
-                    "kumiko scheduler: %s: tick %s NOT enqueued (%s); it counts as missed",
+                    "kumiko scheduler: %s: tick %s not confirmed (%s); checking the dataset's "
+                    "last tick again in %.0f s",
                     track.job.qualified_name,
                     plan.enqueue.isoformat(),
                     exc,
+                    _CATCH_UP_RETRY_S,
                 )
+                self._retry_later(track, now)
+                return
+            except redis.RedisError as exc:
+                # Redis answered and refused the command: the tick was not written.
+                logger.error(
+                    "kumiko scheduler: %s: tick %s NOT enqueued, Redis refused it (%s); "
+                    "trying again in %.0f s",
+                    track.job.qualified_name,
+                    plan.enqueue.isoformat(),
+                    exc,
+                    _CATCH_UP_RETRY_S,
+                )
+                self._retry_later(track, now)
                 return
         track.after = now
+
+    def _retry_later(self, track: _Track, now: datetime) -> None:
+        """Forget what ``track`` knows and catch it up from the dataset's last tick soon."""
+        track.after = None
+        aps = self._aps
+        if aps is not None:
+            self._add_catch_up(aps, now + timedelta(seconds=_CATCH_UP_RETRY_S))
 
     def _enqueue(self, job: JobDefinition, tick: datetime) -> None:
         prefix = self.queue_prefix

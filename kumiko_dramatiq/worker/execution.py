@@ -25,6 +25,8 @@ from dramatiq.message import Message
 from kumiko_dramatiq.broker.delivery import Delivery
 from kumiko_dramatiq.codec import KumikoOptions, OptionsError
 from kumiko_dramatiq.context import JobMeta
+from kumiko_dramatiq.errors import PayloadError
+from kumiko_dramatiq.limits import DEFAULT_MAX_PAYLOAD_BYTES, check_payload
 
 if TYPE_CHECKING:
     from kumiko_dramatiq.registry import JobDefinition, Registry
@@ -96,28 +98,59 @@ class KumikoMessages:
     jobs: ``admit`` checks a fetched message and opens its :class:`Execution`; ``rejected``
     frees the dedup key of a message dead-lettered there."""
 
-    def __init__(self, registry: Registry, rejected: Callable[[Message[Any]], None]) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        rejected: Callable[[Message[Any]], None],
+        *,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    ) -> None:
         self.registry = registry
         self._rejected = rejected
+        self.max_payload_bytes = max_payload_bytes
 
     def admit(self, delivery: Delivery) -> str | None:
         message = delivery.message
         found = self.registry.actor(message.actor_name)
         if found is None:
             return None
+        job, is_wrapper = found
         try:
             options = KumikoOptions.decode(message.options)
         except OptionsError as exc:
             return f"{message.actor_name}: unreadable options ({exc})"
-        problem = _shape_problem(message.args, message.kwargs)
+        problem = _shape_problem(message.args, message.kwargs) or _tenant_problem(
+            job, is_wrapper, options
+        )
+        if problem is None:
+            try:
+                check_payload(
+                    message.actor_name,
+                    message.args[0],
+                    max_bytes=self.max_payload_bytes,
+                    encoded_bound=delivery.encoded_bytes or None,
+                )
+            except PayloadError as exc:
+                problem = str(exc).removeprefix(f"{message.actor_name}: ")
         if problem is not None:
             return f"{message.actor_name}: {problem}"
-        job, is_wrapper = found
         delivery.execution = Execution(job, delivery, options, is_wrapper)
         return None
 
     def rejected(self, message: Message[Any]) -> None:
         self._rejected(message)
+
+
+def _tenant_problem(job: JobDefinition, is_wrapper: bool, options: KumikoOptions) -> str | None:
+    """A tenant where the message cannot have one, or none where it must: only a per-tenant
+    job's children carry one (its wrapper resolves the tenants)."""
+    child = job.options.per_tenant and not is_wrapper
+    if child and options.tenant_id is None:
+        return "a per-tenant child must carry a tenant id"
+    if not child and options.tenant_id is not None:
+        kind = "a per-tenant wrapper" if is_wrapper else "a job that is not per-tenant"
+        return f"{kind} must not carry a tenant id, got {options.tenant_id!r:.80}"
+    return None
 
 
 def _shape_problem(args: Any, kwargs: Any) -> str | None:

@@ -139,6 +139,16 @@ def forged(prefix: str, change: dict[str, Any], options: dict[str, Any]) -> byte
         ({"options": ["not", "an", "object"]}, {}),
         ({"queue_name": "elsewhere"}, {}),
         ({"args": [{"fail": True}, "extra"]}, {}),
+        # values no declaration can produce
+        ({}, {"kumiko_retries": 10**18}),
+        ({}, {"kumiko_backoff": "fixed", "kumiko_backoff_delay_ms": 10**20, "kumiko_retries": 1}),
+        ({}, {"kumiko_backoff": "exponential", "kumiko_backoff_delay_ms": 1, "kumiko_retries": 60}),
+        ({}, {"kumiko_tenant_id": "acme"}),  # a job that is not per-tenant
+        # arguments outside the payload limits
+        ({"args": [{"n": 2**70}]}, {}),
+        ({"args": [{"s": "\ud800"}]}, {}),
+        ({"args": [{"deep": nested_list(101)}]}, {}),
+        ({"args": [{"big": "x" * (3 * 1024 * 1024)}]}, {}),
     ],
 )
 def test_a_forged_message_is_dead_lettered_at_fetch_and_the_worker_goes_on(
@@ -168,6 +178,52 @@ def test_a_forged_message_is_dead_lettered_at_fetch_and_the_worker_goes_on(
     for run in runner.runs(status="dead"):
         assert run.error_type == "MalformedMessage"
         assert run.error_message
+
+
+def per_tenant_registry() -> Registry:
+    feature = Feature("hard")
+
+    @feature.job("fan", per_tenant=True)
+    def fan(payload: dict[str, Any], ctx: JobContext) -> None: ...
+
+    return Registry([feature])
+
+
+@pytest.mark.parametrize(
+    ("actor", "options"),
+    [
+        ("hard:job:fan", {}),  # a per-tenant child without its tenant
+        ("hard:job:fan:fanout", {"kumiko_tenant_id": "acme"}),  # a wrapper carrying one
+    ],
+)
+def test_a_message_with_a_tenant_where_it_cannot_have_one_or_none_where_it_must_is_dead_lettered(
+    make_runner: RunnerFactory,
+    recorder: Recorder,
+    redis_client: redis.Redis,
+    prefix: str,
+    actor: str,
+    options: dict[str, Any],
+) -> None:
+    # Given a forged per-tenant child without a tenant (or a wrapper with one), then a good
+    # dispatch of the same job
+    registry = per_tenant_registry()
+    runner = make_runner(registry, get_active_tenant_ids=lambda: ["t1"], **recorder.hooks())
+    queue = f"{prefix}-worker"
+    body = build_message(registry.jobs["hard:job:fan"], {}, queue_prefix=prefix, trigger="manual")
+    raw = body.asdict()
+    raw["actor_name"] = actor
+    raw["options"] = {**raw["options"], **options}
+    runner.broker.do_enqueue(queue, "forged-1", json.dumps(raw).encode())
+    runner.dispatch("hard:job:fan", {})
+    # When a worker runs
+    runner.start()
+    wait_for(lambda: redis_client.zscore(f"dramatiq:{queue}.XQ", "forged-1") is not None, what="dl")
+    recorder.wait_until(
+        lambda r: [e.meta.tenant_id for e in r.of("complete")].count("t1") == 1,
+        what="the good fan-out",
+    )
+    # Then the forged one never ran: every run that started is the good wrapper or its child
+    assert sorted(str(e.meta.tenant_id) for e in recorder.of("start")) == ["None", "t1"]
 
 
 # -- poison messages ---------------------------------------------------------------------------
