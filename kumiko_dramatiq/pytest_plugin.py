@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
-from typing import Any, Final
+from typing import Any
 
 import pytest
 import redis
@@ -47,22 +47,12 @@ from kumiko_dramatiq.errors import redact_url
 from kumiko_dramatiq.registry import Registry
 from kumiko_dramatiq.runner import JobRunner
 from kumiko_dramatiq.testing import (
+    RUNNER_DEFAULTS,
     RunnerFactory,
     delete_dataset,
     new_queue_prefix,
     private_redis_server,
 )
-
-#: What ``kumiko_runner`` gives a runner unless the test says otherwise: few threads, a quick
-#: sequential hand-off, ``timeout_ms`` checked often, a short wait for Redis, and a short idle
-#: wait (it bounds how long ``stop()`` takes: 200 ms by default, 20 ms here).
-RUNNER_DEFAULTS: Final[dict[str, Any]] = {
-    "worker_threads": 4,
-    "sequential_retry_delay_ms": 50,
-    "timeout_check_ms": 100,
-    "boot_redis_timeout_ms": 2_000,
-    "idle_wait_ms": 20,
-}
 
 
 @pytest.fixture(scope="session")

@@ -67,6 +67,19 @@ RunnerFactory = Callable[..., JobRunner]
 SERVER_START_TIMEOUT_S: Final = 10.0
 
 
+#: What the pytest plugin's ``kumiko_runner`` gives a runner unless the test says otherwise:
+#: few threads, a quick sequential hand-off, ``timeout_ms`` checked often, a short wait for
+#: Redis, and a short idle wait (it bounds how long ``stop()`` takes: 200 ms by default, 20 ms
+#: here).
+RUNNER_DEFAULTS: Final[dict[str, Any]] = {
+    "worker_threads": 4,
+    "sequential_retry_delay_ms": 50,
+    "timeout_check_ms": 100,
+    "boot_redis_timeout_ms": 2_000,
+    "idle_wait_ms": 20,
+}
+
+
 def run_job(
     registry: Registry,
     job_name: str,

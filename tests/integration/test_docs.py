@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 
 from kumiko_dramatiq import Feature, JobContext, JobRunner, Registry
-from kumiko_dramatiq.pytest_plugin import RUNNER_DEFAULTS
+from kumiko_dramatiq.testing import RUNNER_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
