@@ -5,19 +5,30 @@ broker's message policy, :mod:`kumiko_dramatiq.worker.execution`), builds the
 ``JobContext`` and calls the handler, or,
 for a wrapper, fans out (:mod:`kumiko_dramatiq.worker.fanout`). Retries, locks, hooks
 and timeouts live in middleware.
+
+A typed job's body first validates the queued payload against the job's model
+(:func:`~kumiko_dramatiq.payloads.load_payload`; the handler receives the instance, a
+wrapper fans out its ``model_dump(mode="json")``). A payload that no longer validates
+fails the attempt with that ``PayloadError`` and marks it ``no_retry``
+(:meth:`~kumiko_dramatiq.worker.execution.Execution.no_retry`): it is dead-lettered at
+once, its run record and dead letter carrying the error.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from dramatiq import Actor
 
 from kumiko_dramatiq.broker.broker import KumikoBroker
+from kumiko_dramatiq.errors import PayloadError
 from kumiko_dramatiq.middleware.timeouts import check_elapsed
+from kumiko_dramatiq.payloads import STALE_NOTE, load_payload, payload_to_enqueue
 from kumiko_dramatiq.registry import JobDefinition
+from kumiko_dramatiq.worker.execution import Execution
 from kumiko_dramatiq.worker.fanout import fan_out
 from kumiko_dramatiq.worker.logs import hide_arguments
 from kumiko_dramatiq.worker.runtime import Runtime
@@ -57,7 +68,11 @@ def _job_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]]
         if execution is None or execution.handed_off:
             return
         started = time.monotonic()
-        runtime.call_handler(job, payload, runtime.context_for(execution))
+        argument = payload
+        if job.payload_model is not None:
+            with _refusing_stale(execution):
+                argument = load_payload(job, payload, note=STALE_NOTE)
+        runtime.call_handler(job, argument, runtime.context_for(execution))
         check_elapsed(job, started)
 
     run.__name__ = run.__qualname__ = job.qualified_name
@@ -69,7 +84,25 @@ def _wrapper_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, A
         execution = runtime.current()
         if execution is None or execution.handed_off:
             return
+        if job.payload_model is not None:
+            # The children get the model's dump of what validates now: the same model.
+            with _refusing_stale(execution):
+                payload = payload_to_enqueue(
+                    job,
+                    load_payload(job, payload, note=STALE_NOTE),
+                    max_bytes=runtime.settings.max_payload_bytes,
+                )
         fan_out(runtime, execution, payload)
 
     wrapper.__name__ = wrapper.__qualname__ = job.wrapper_actor_name
     return wrapper
+
+
+@contextmanager
+def _refusing_stale(execution: Execution) -> Iterator[None]:
+    """A ``PayloadError`` raised inside ends the message: no retry can fix a payload."""
+    try:
+        yield
+    except PayloadError:
+        execution.no_retry()
+        raise
