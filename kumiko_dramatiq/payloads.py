@@ -9,7 +9,8 @@ untyped: its handler receives the dict, exactly as before typed payloads.
 **How an annotation is read.** Only the payload parameter's annotation is evaluated, so a
 ``ctx: JobContext`` imported under ``TYPE_CHECKING`` costs nothing. A string annotation
 (``from __future__ import annotations``, a forward reference) is evaluated with
-``typing.get_type_hints`` in the handler's module globals, plus the names its closure holds.
+``typing.get_type_hints`` in the handler's module globals, plus the names its closure holds
+and, when the job is declared inside a function (a test), that function's local names.
 A string that does not resolve when the job is declared (a model defined below its handler)
 is tried again when the ``Registry`` is built; one that still does not resolve leaves the job
 untyped and logs one WARNING naming the job and the error (:func:`settle_payload_model`).
@@ -77,11 +78,14 @@ class UnresolvedHint(Exception):
 
 
 # -- which jobs are typed --------------------------------------------------------------------
-def payload_model_of(handler: Callable[..., Any]) -> type[BaseModel] | None:
+def payload_model_of(
+    handler: Callable[..., Any], scope: Mapping[str, Any] | None = None
+) -> type[BaseModel] | None:
     """The model a handler's payload parameter is annotated with, or ``None`` (untyped).
 
-    Raises :class:`UnresolvedHint` when that annotation is a string that does not evaluate in
-    the handler's namespace (see the module docstring).
+    ``scope``: more names a string annotation may use (the locals of the function that
+    declared the job). Raises :class:`UnresolvedHint` when that annotation is a string that
+    does not evaluate in the handler's namespace (see the module docstring).
     """
     try:
         signature = inspect.signature(handler)
@@ -95,7 +99,7 @@ def payload_model_of(handler: Callable[..., Any]) -> type[BaseModel] | None:
     if annotation is inspect.Parameter.empty:
         return None
     if isinstance(annotation, str):
-        annotation = _evaluate(handler, parameter.name, annotation)
+        annotation = _evaluate(handler, parameter.name, annotation, scope or {})
     return annotation if is_payload_model(annotation) else None
 
 
@@ -108,8 +112,11 @@ def is_payload_model(annotation: Any) -> bool:
     )
 
 
-def _evaluate(handler: Callable[..., Any], name: str, text: str) -> Any:
-    globalns, localns = _namespaces(handler)
+def _evaluate(
+    handler: Callable[..., Any], name: str, text: str, scope: Mapping[str, Any]
+) -> Any:
+    globalns, closure = _namespaces(handler)
+    localns = {**scope, **closure}
     holder = SimpleNamespace(__annotations__={name: text})
     try:
         return typing.get_type_hints(holder, globalns, localns, include_extras=True)[name]

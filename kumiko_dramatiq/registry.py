@@ -93,11 +93,12 @@ class JobDefinition:
         object.__setattr__(self, "is_async", inspect.iscoroutinefunction(self.handler))
         self.resolve_payload_model()
 
-    def resolve_payload_model(self) -> None:
+    def resolve_payload_model(self, scope: Mapping[str, Any] | None = None) -> None:
         """(Re)read the payload model from the handler's annotation
-        (:func:`kumiko_dramatiq.payloads.payload_model_of`)."""
+        (:func:`kumiko_dramatiq.payloads.payload_model_of`; ``scope``: more names it may
+        use)."""
         try:
-            model, problem = payload_model_of(self.handler), None
+            model, problem = payload_model_of(self.handler, scope), None
         except UnresolvedHint as exc:
             model, problem = None, str(exc)
         object.__setattr__(self, "payload_model", model)
@@ -155,6 +156,13 @@ class Feature:
             if qualified in self._jobs:
                 raise JobConfigError(qualified, "name", "is declared twice in this feature")
             definition = JobDefinition(self.name, name, handler, job_options)
+            if definition.payload_hint_problem is not None:
+                # declared inside a function (a test): its local names may hold the model
+                caller = inspect.currentframe()
+                caller = None if caller is None else caller.f_back
+                if caller is not None and caller.f_locals is not caller.f_globals:
+                    definition.resolve_payload_model(caller.f_locals)
+                del caller
             check_empty_payload(definition)
             self._jobs[qualified] = definition
             return handler
