@@ -55,6 +55,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Final
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import to_json
 
 from kumiko_dramatiq.cron import Cron
 from kumiko_dramatiq.errors import JobConfigError, PayloadError
@@ -112,9 +113,7 @@ def is_payload_model(annotation: Any) -> bool:
     )
 
 
-def _evaluate(
-    handler: Callable[..., Any], name: str, text: str, scope: Mapping[str, Any]
-) -> Any:
+def _evaluate(handler: Callable[..., Any], name: str, text: str, scope: Mapping[str, Any]) -> Any:
     globalns, closure = _namespaces(handler)
     localns = {**scope, **closure}
     holder = SimpleNamespace(__annotations__={name: text})
@@ -146,18 +145,94 @@ def _namespaces(handler: Callable[..., Any]) -> tuple[dict[str, Any], dict[str, 
 
 
 def settle_payload_model(job: JobDefinition) -> None:
-    """Resolve a payload annotation left pending at declaration, now that the app's modules
-    are loaded (``Registry`` calls this); still unresolved: untyped, one WARNING."""
-    if job.payload_hint_problem is None:
-        return
-    job.resolve_payload_model()
+    """Finish a job's payload model once the app's modules are loaded (``Registry`` calls
+    this for every job):
+
+    - an annotation left unresolved at declaration is resolved again; still unresolved:
+      the job is untyped, one WARNING;
+    - a model that is not fully defined yet (a nested model defined below it) is rebuilt;
+      one that cannot be is a ``JobConfigError``;
+    - :func:`dump_needs_check` decides, once, whether dispatch re-validates the dump;
+    - :func:`check_empty_payload`.
+    """
     if job.payload_hint_problem is not None:
-        logger.warning(
-            "%s: the payload annotation does not resolve (%s), so the job is untyped (its "
-            "handler receives a dict); define or import the model at module level",
-            job.qualified_name,
-            job.payload_hint_problem,
-        )
+        job.resolve_payload_model()
+        if job.payload_hint_problem is not None:
+            logger.warning(
+                "%s: the payload annotation does not resolve (%s), so the job is untyped (its "
+                "handler receives a dict); define or import the model at module level",
+                job.qualified_name,
+                job.payload_hint_problem,
+            )
+    model = job.payload_model
+    if model is None:
+        return
+    if not model.__pydantic_complete__:
+        try:
+            model.model_rebuild(raise_errors=True)
+        except Exception as exc:
+            raise JobConfigError(
+                job.qualified_name,
+                "payload model",
+                f"{model.__name__} is not fully defined: {_one_line(str(exc))}",
+            ) from None
+    job.set_payload_dump_check(dump_needs_check(model))
+    check_empty_payload(job)
+
+
+#: Core schema keys (with a truthy value) after which a model's ``model_dump(mode="json")``
+#: may not validate again: aliases, custom serializers, excluded or computed fields,
+#: strictness, validators that see the raw input.
+_RISKY_KEYS: Final = frozenset(
+    {
+        "validation_alias",
+        "serialization_alias",
+        "serialization",
+        "serialization_exclude",
+        "serialization_exclude_if",
+        "computed_fields",
+        "strict",
+        "custom_init",
+    }
+)
+_RISKY_TYPES: Final = frozenset({"function-before", "function-wrap", "function-plain"})
+
+
+def dump_needs_check(model: type[BaseModel]) -> bool:
+    """Whether dispatch must re-validate ``model``'s JSON dump before enqueuing it.
+
+    A plain model (fields, nested models, containers, defaults, after-validators) accepts
+    its own ``model_dump(mode="json")`` by construction: no check, no cost. Anything in its
+    pydantic core schema that can break that (:data:`_RISKY_KEYS`, before/wrap/plain
+    validators, ``ser_json_*``/``val_json_*`` settings) or a schema that cannot be read
+    means: check every dump (``Model.model_validate_json``), as a worker will read it.
+    """
+    try:
+        schema: Any = model.__pydantic_core_schema__
+        stack: list[Any] = [schema]
+    except Exception:
+        return True
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            if key in _RISKY_KEYS and value:
+                return True
+            if key == "type" and value in _RISKY_TYPES:
+                return True
+            if (
+                key == "config"
+                and isinstance(value, dict)
+                and any(k.startswith(("ser_json", "val_json")) for k in value)
+            ):
+                return True
+            if isinstance(value, dict | list):
+                stack.append(value)
+    return False
 
 
 def check_empty_payload(job: JobDefinition) -> None:
@@ -195,13 +270,28 @@ def payload_to_enqueue(
     model = job.payload_model
     if model is None:
         return check_payload(job.qualified_name, payload, max_bytes=max_bytes, path=path)
-    return model_to_enqueue(job.qualified_name, model, payload, max_bytes=max_bytes, path=path)
+    return model_to_enqueue(
+        job.qualified_name,
+        model,
+        payload,
+        max_bytes=max_bytes,
+        path=path,
+        check_dump=job.payload_dump_check,
+    )
 
 
 def model_to_enqueue(
-    job_name: str, model: type[BaseModel], payload: Any, *, max_bytes: int, path: str
+    job_name: str,
+    model: type[BaseModel],
+    payload: Any,
+    *,
+    max_bytes: int,
+    path: str,
+    check_dump: bool = True,
 ) -> dict[str, Any]:
-    """:func:`payload_to_enqueue` for a job typed with ``model``."""
+    """:func:`payload_to_enqueue` for a job typed with ``model``. ``check_dump``: re-validate
+    the dump as a worker will read it (:func:`dump_needs_check`; always for an instance,
+    which may have been built without validation)."""
     given_instance = isinstance(payload, BaseModel)
     if isinstance(payload, BaseModel):
         if not isinstance(payload, model):
@@ -226,8 +316,10 @@ def model_to_enqueue(
         except ValidationError as exc:
             raise validation_error(job_name, model, exc, path) from None
     body = check_payload(job_name, _dump(job_name, instance, path), max_bytes=max_bytes, path=path)
+    if not (check_dump or given_instance):
+        return body
     try:
-        model.model_validate_json(json.dumps(body, allow_nan=False))
+        model.model_validate_json(to_json(body))  # pydantic's encoder: 5x json.dumps's speed
     except ValidationError as exc:
         note = (
             None
@@ -275,7 +367,7 @@ def load_payload(job: JobDefinition, payload: dict[str, Any], *, note: str | Non
     if model is None:
         return payload
     try:
-        return model.model_validate_json(json.dumps(payload))
+        return model.model_validate_json(to_json(payload))
     except ValidationError as exc:
         raise validation_error(job.qualified_name, model, exc, "payload", note=note) from None
 

@@ -87,6 +87,9 @@ class JobDefinition:
     is_async: bool = field(init=False)
     payload_model: type[BaseModel] | None = field(init=False, default=None, compare=False)
     payload_hint_problem: str | None = field(init=False, default=None, compare=False)
+    #: Whether dispatch re-validates the model's dump (set by ``Registry``:
+    #: :func:`kumiko_dramatiq.payloads.dump_needs_check`; until then, yes).
+    payload_dump_check: bool = field(init=False, default=True, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "qualified_name", qualified_name(self.feature, self.name))
@@ -103,6 +106,10 @@ class JobDefinition:
             model, problem = None, str(exc)
         object.__setattr__(self, "payload_model", model)
         object.__setattr__(self, "payload_hint_problem", problem)
+
+    def set_payload_dump_check(self, check: bool) -> None:
+        """Set :attr:`payload_dump_check` (``Registry``, once the model is complete)."""
+        object.__setattr__(self, "payload_dump_check", check)
 
     @property
     def event_name(self) -> str | None:
@@ -163,7 +170,9 @@ class Feature:
                 if caller is not None and caller.f_locals is not caller.f_globals:
                     definition.resolve_payload_model(caller.f_locals)
                 del caller
-            check_empty_payload(definition)
+            model = definition.payload_model
+            if model is not None and model.__pydantic_complete__:
+                check_empty_payload(definition)  # at once; Registry checks the rest
             self._jobs[qualified] = definition
             return handler
 
@@ -187,9 +196,7 @@ class Registry:
             for qualified, job in feature.jobs.items():
                 if qualified in jobs:
                     raise JobConfigError(qualified, "name", "is declared by two features")
-                if job.payload_hint_problem is not None:
-                    settle_payload_model(job)
-                    check_empty_payload(job)
+                settle_payload_model(job)
                 jobs[qualified] = job
         self.jobs: Mapping[str, JobDefinition] = MappingProxyType(jobs)
         events: dict[str, list[JobDefinition]] = {}

@@ -11,7 +11,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Annotated, Any, Optional, TypedDict
 
 import pytest
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 
 from kumiko_dramatiq import (
     Cron,
@@ -26,6 +26,7 @@ from kumiko_dramatiq import (
 from kumiko_dramatiq.payloads import (
     STALE_NOTE,
     PayloadField,
+    dump_needs_check,
     load_payload,
     payload_to_enqueue,
     schema_fields,
@@ -517,3 +518,84 @@ def test_schema_types_read_enums_constants_and_unknowns() -> None:
     assert schema_type({}) == "any"
     assert schema_type({"type": ["string", "null"]}) == "string | null"
     assert schema_type({"allOf": [{"$ref": "#/$defs/Line"}]}) == "Line"
+
+
+# -- when dispatch re-validates the dump --------------------------------------------------------
+class WithBefore(BaseModel):
+    due: str
+
+    @field_validator("due", mode="before")
+    @classmethod
+    def german(cls, value: Any) -> Any:
+        return value
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True)
+    n: int
+
+
+class Computed(BaseModel):
+    n: int
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def double(self) -> int:
+        return 2 * self.n
+
+
+@pytest.mark.parametrize(
+    ("model", "checked"),
+    [
+        (Invoice, False),
+        (Defaults, False),
+        (Checked, False),  # an after-validator sees the validated value: nothing new
+        (Aliased, True),
+        (Both, True),
+        (WithBefore, True),
+        (Strict, True),
+        (Computed, True),
+    ],
+)
+def test_only_a_model_whose_dump_might_not_validate_again_is_checked_at_dispatch(
+    model: type[BaseModel], checked: bool
+) -> None:
+    assert dump_needs_check(model) is checked
+
+
+def test_a_model_whose_nested_model_is_defined_later_is_completed_by_the_registry() -> None:
+    assert not OUTER_COMPLETE_WHEN_DECLARED
+    registry = Registry([outer])
+    assert registry.jobs["outer:job:job"].payload_model is Outer
+    assert run_job(registry, "outer:job:job", {"inner": {"n": 1}}) == Outer(inner=Inner(n=1))
+
+
+class Outer(BaseModel):
+    inner: Inner
+
+
+def outer_handler(payload: Outer, ctx: JobContext) -> Outer:
+    return payload
+
+
+outer = Feature("outer")
+outer.job("job")(outer_handler)
+OUTER_COMPLETE_WHEN_DECLARED = Outer.__pydantic_complete__
+
+
+class Inner(BaseModel):
+    n: int
+
+
+class Broken(BaseModel):
+    part: NeverDefined  # type: ignore[name-defined]  # noqa: F821
+
+
+def test_a_model_that_cannot_be_completed_is_a_config_error() -> None:
+    def handler(payload: Broken, ctx: JobContext) -> None:
+        pass
+
+    feature = Feature("broken")
+    feature.job("job")(handler)
+    with pytest.raises(JobConfigError, match=r"broken:job:job: payload model Broken is not fully"):
+        Registry([feature])
