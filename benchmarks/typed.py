@@ -120,29 +120,25 @@ class TypedBench:
         def untyped_round() -> None:
             round_of("untyped", dispatch.plain, dispatch.plain_cpu_us, drain.plain)
 
-        def instance_round() -> None:
+        def dispatch_only(job: str, items: list[Any], rates: list[float], cpu: list[float]) -> None:
             prefix = f"bt{uuid.uuid4().hex[:6]}"
             runner = self.runner(prefix, None)
             with timed() as t:
-                for each in models:
-                    runner.dispatch("bench:job:typed", each)
-            instances.kumiko.append(n / t[0].wall_s)
-            instances.kumiko_cpu_us.append(t[0].cpu_s / n * 1e6)
-            runner.stop()
-            bench.flush(prefix)
-            prefix = f"bt{uuid.uuid4().hex[:6]}"
-            runner = self.runner(prefix, None)
-            with timed() as t:
-                for each in payloads:
-                    runner.dispatch("bench:job:untyped", each)
-            instances.plain.append(n / t[0].wall_s)
-            instances.plain_cpu_us.append(t[0].cpu_s / n * 1e6)
+                for each in items:
+                    runner.dispatch(f"bench:job:{job}", each)
+            rates.append(n / t[0].wall_s)
+            cpu.append(t[0].cpu_s / n * 1e6)
             runner.stop()
             bench.flush(prefix)
 
+        def instance_round() -> None:
+            dispatch_only("typed", models, instances.kumiko, instances.kumiko_cpu_us)
+
+        def dict_round() -> None:
+            dispatch_only("untyped", payloads, instances.plain, instances.plain_cpu_us)
+
         alternate(bench.rounds, typed_round, untyped_round)
-        for _ in range(bench.rounds):
-            instance_round()
+        alternate(bench.rounds, instance_round, dict_round)
         bench.comparisons += [dispatch, instances, drain]
         bench.extra["typed_payload_work_us_per_message"] = self.micro()
 

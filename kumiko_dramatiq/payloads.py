@@ -38,7 +38,8 @@ gate runs with the empty payload ``{}``; a model that rejects it is a ``JobConfi
 Errors are one line: the job, the field path (``payload.items[2].sku``, ``payloads[3].amount``
 in a bulk dispatch), pydantic's message for the first error (shortened), the bad value
 (at most 80 characters, never for a missing field or a whole-model error, so never the whole
-payload) and how many more errors there were.
+payload; at run time only with ``record_payloads``, as run records and dead letters hold no
+payload otherwise) and how many more errors there were.
 """
 
 from __future__ import annotations
@@ -360,16 +361,26 @@ def _dump(subject: str, instance: BaseModel, path: str) -> dict[str, Any]:
 
 
 # -- worker side -------------------------------------------------------------------------------
-def load_payload(job: JobDefinition, payload: dict[str, Any], *, note: str | None = None) -> Any:
+def load_payload(
+    job: JobDefinition,
+    payload: dict[str, Any],
+    *,
+    note: str | None = None,
+    show_value: bool = True,
+) -> Any:
     """What ``job``'s handler receives for the queued ``payload``: the dict (untyped), or
-    ``Model.model_validate_json`` of it; :class:`PayloadError` when it does not validate."""
+    ``Model.model_validate_json`` of it; :class:`PayloadError` when it does not validate.
+    ``show_value=False`` leaves the bad value out of the error: a worker's error goes to the
+    run record and the dead letter, which hold no payload unless ``record_payloads``."""
     model = job.payload_model
     if model is None:
         return payload
     try:
         return model.model_validate_json(to_json(payload))
     except ValidationError as exc:
-        raise validation_error(job.qualified_name, model, exc, "payload", note=note) from None
+        raise validation_error(
+            job.qualified_name, model, exc, "payload", note=note, show_value=show_value
+        ) from None
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -380,17 +391,18 @@ def validation_error(
     root: str,
     *,
     note: str | None = None,
+    show_value: bool = True,
 ) -> PayloadError:
     """One line for pydantic's ``error``: the first error's field path under ``root``, its
-    message (shortened) and bad value; how many more errors there were."""
+    message (shortened) and bad value (unless ``show_value`` is false); how many more errors
+    there were."""
     errors = error.errors(include_url=False, include_context=False)
     if not errors:  # pydantic always has one; a custom error type might not
-        return PayloadError(
-            job_name, root, f"is invalid for {model.__name__}: {_one_line(str(error))}", note=note
-        )
+        return PayloadError(job_name, root, f"is invalid for {model.__name__}", note=note)
     first = errors[0]
     loc: Sequence[Any] = first.get("loc", ())
-    value = first.get("input", ...) if loc and first.get("type") != "missing" else ...
+    shown = show_value and loc and first.get("type") != "missing"
+    value = first.get("input", ...) if shown else ...
     notes = [note] if note is not None else []
     if len(errors) > 1:
         more = len(errors) - 1

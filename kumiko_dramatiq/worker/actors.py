@@ -9,7 +9,8 @@ and timeouts live in middleware.
 A typed job's body first validates the queued payload against the job's model
 (:func:`~kumiko_dramatiq.payloads.load_payload`; the handler receives the instance, a
 wrapper fans out its ``model_dump(mode="json")``). A payload that no longer validates
-fails the attempt with that ``PayloadError`` and marks it ``no_retry``
+fails the attempt with that ``PayloadError`` (the bad value in it only with
+``record_payloads``: the error goes to the run record) and marks it ``no_retry``
 (:meth:`~kumiko_dramatiq.worker.execution.Execution.no_retry`): it is dead-lettered at
 once, its run record and dead letter carrying the error.
 """
@@ -63,6 +64,8 @@ def declare_actors(broker: KumikoBroker, runtime: Runtime) -> None:
 
 
 def _job_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]], None]:
+    show_value = runtime.settings.record_payloads
+
     def run(payload: dict[str, Any]) -> None:
         execution = runtime.current()
         if execution is None or execution.handed_off:
@@ -71,7 +74,7 @@ def _job_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]]
         argument = payload
         if job.payload_model is not None:
             with _refusing_stale(execution):
-                argument = load_payload(job, payload, note=STALE_NOTE)
+                argument = load_payload(job, payload, note=STALE_NOTE, show_value=show_value)
         runtime.call_handler(job, argument, runtime.context_for(execution))
         check_elapsed(job, started)
 
@@ -80,6 +83,8 @@ def _job_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]]
 
 
 def _wrapper_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]], None]:
+    show_value = runtime.settings.record_payloads
+
     def wrapper(payload: dict[str, Any]) -> None:
         execution = runtime.current()
         if execution is None or execution.handed_off:
@@ -89,7 +94,7 @@ def _wrapper_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, A
             with _refusing_stale(execution):
                 payload = payload_to_enqueue(
                     job,
-                    load_payload(job, payload, note=STALE_NOTE),
+                    load_payload(job, payload, note=STALE_NOTE, show_value=show_value),
                     max_bytes=runtime.settings.max_payload_bytes,
                 )
         fan_out(runtime, execution, payload)

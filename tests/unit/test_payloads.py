@@ -476,6 +476,14 @@ def test_a_queued_payload_that_no_longer_validates_is_refused_with_the_note() ->
     )
 
 
+def test_a_workers_refusal_leaves_the_value_out_unless_payloads_are_recorded() -> None:
+    job = job_of(typed_handler)
+    with pytest.raises(PayloadError) as caught:
+        load_payload(job, {"invoice": "INV-7", "amount": "secret-ish"}, show_value=False)
+    assert str(caught.value).startswith("t:job:job: payload.amount is invalid for Invoice:")
+    assert "secret-ish" not in str(caught.value)
+
+
 def test_no_retry_makes_any_attempt_the_final_one() -> None:
     meta = JobMeta(attempt=1, max_attempts=4, tenant_id=None, trigger="manual")
     assert not meta.final_attempt
