@@ -115,10 +115,10 @@ def is_payload_model(annotation: Any) -> bool:
 
 
 def _evaluate(handler: Callable[..., Any], name: str, text: str, scope: Mapping[str, Any]) -> Any:
-    globalns, closure = _namespaces(handler)
-    localns = {**scope, **closure}
     holder = SimpleNamespace(__annotations__={name: text})
     try:
+        globalns, closure = _namespaces(handler)
+        localns = {**scope, **closure}
         return typing.get_type_hints(holder, globalns, localns, include_extras=True)[name]
     except Exception as exc:
         raise UnresolvedHint(f"{text!r}: {type(exc).__name__}: {exc}") from None
@@ -141,7 +141,11 @@ def _namespaces(handler: Callable[..., Any]) -> tuple[dict[str, Any], dict[str, 
         globalns = dict(vars(module)) if module is not None else {}
     localns: dict[str, Any] = {}
     if inspect.isfunction(target):
-        localns = dict(inspect.getclosurevars(target).nonlocals)
+        for free, cell in zip(target.__code__.co_freevars, target.__closure__ or (), strict=False):
+            try:
+                localns[free] = cell.cell_contents
+            except ValueError:  # a name the enclosing function has not bound yet
+                continue
     return globalns, localns
 
 

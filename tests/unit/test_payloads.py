@@ -223,6 +223,22 @@ def test_a_model_held_by_the_handlers_closure_resolves() -> None:
     assert job_of(handler).payload_model is Local
 
 
+def test_a_closure_name_not_bound_yet_does_not_matter() -> None:
+    def handler(payload: Invoice, ctx: JobContext) -> Any:
+        return later(payload)  # `later` is bound below: its cell is empty at declaration
+
+    feature = Feature("cells")
+    feature.job("job")(handler)
+    feature.job("untyped")(lambda payload, ctx: later(payload))
+
+    def later(payload: Any) -> Any:
+        return payload
+
+    registry = Registry([feature])
+    assert registry.jobs["cells:job:job"].payload_model is Invoice
+    assert registry.jobs["cells:job:untyped"].payload_model is None
+
+
 def test_a_wrapped_handler_and_a_callable_object_are_read_through() -> None:
     def logged(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
