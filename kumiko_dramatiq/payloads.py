@@ -8,9 +8,11 @@ untyped: its handler receives the dict, exactly as before typed payloads.
 
 **How an annotation is read.** Only the payload parameter's annotation is evaluated, so a
 ``ctx: JobContext`` imported under ``TYPE_CHECKING`` costs nothing. A string annotation
-(``from __future__ import annotations``, a forward reference) is evaluated with
-``typing.get_type_hints`` in the handler's module globals, plus the names its closure holds
-and, when the job is declared inside a function (a test), that function's local names.
+(``from __future__ import annotations``, a forward reference) that names a class (``Order``,
+``models.Order``) is evaluated with ``typing.get_type_hints`` in the handler's module globals,
+plus the names its closure holds and, when the job is declared inside a function (a test),
+that function's local names; any other string (``dict[str, Any]``, ``Order | None``) cannot
+be a bare model and is not evaluated.
 A string that does not resolve when the job is declared (a model defined below its handler)
 is tried again when the ``Registry`` is built; one that still does not resolve leaves the job
 untyped and logs one WARNING naming the job and the error (:func:`settle_payload_model`).
@@ -101,8 +103,20 @@ def payload_model_of(
     if annotation is inspect.Parameter.empty:
         return None
     if isinstance(annotation, str):
-        annotation = _evaluate(handler, parameter.name, annotation, scope or {})
+        text = _unquoted(annotation)
+        if not all(part.isidentifier() for part in text.split(".")):
+            return None  # `dict[str, Any]`, `Order | None`: never a bare model, not evaluated
+        annotation = _evaluate(handler, parameter.name, text, scope or {})
     return annotation if is_payload_model(annotation) else None
+
+
+def _unquoted(text: str) -> str:
+    """``"'Order'"`` (a quoted forward reference under ``from __future__ import
+    annotations``) -> ``"Order"``."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1].strip()
+    return text
 
 
 def is_payload_model(annotation: Any) -> bool:

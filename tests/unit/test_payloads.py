@@ -192,6 +192,25 @@ def test_an_annotation_that_never_resolves_leaves_the_job_untyped_with_a_warning
     assert run_job(registry, "ghost:job:job", {"invoice": "x"}) == {"invoice": "x"}
 
 
+def test_a_string_that_is_not_a_class_name_is_not_evaluated(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def handler(payload: dict[str, OnlyForTypeCheckers], ctx: JobContext) -> Any:
+        return payload
+
+    with caplog.at_level(logging.WARNING, logger="kumiko_dramatiq"):
+        job = job_of(handler)
+    assert (job.payload_model, job.payload_hint_problem, caplog.messages) == (None, None, [])
+
+
+def test_a_quoted_forward_reference_resolves() -> None:
+    def handler(payload: Any, ctx: JobContext) -> Any:
+        return payload
+
+    handler.__annotations__["payload"] = "'Invoice'"
+    assert job_of(handler).payload_model is Invoice
+
+
 def test_only_the_payload_annotation_is_evaluated() -> None:
     def handler(payload: Invoice, ctx: ContextForTypeCheckers) -> Invoice:
         return payload
