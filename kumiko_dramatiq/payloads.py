@@ -25,14 +25,18 @@ imported under ``TYPE_CHECKING`` ran before typed payloads and must keep running
 (``Model.model_validate``); then ``model.model_dump(mode="json")`` is what is enqueued, after
 kumiko's own payload limits (:func:`~kumiko_dramatiq.limits.check_payload`) and one last
 check that the model accepts that JSON as the worker will read it
-(``Model.model_validate_json``), so nothing is enqueued that the worker would refuse (a model
-whose aliases do not survive its own ``model_dump`` is refused at the dispatch, naming why).
+(``Model.model_validate_json``; skipped for a plain model, :func:`is_plain_model`, which
+accepts its own dump by construction), so nothing is enqueued that the worker would refuse
+(a model whose aliases do not survive its own ``model_dump`` is refused at the dispatch,
+naming why).
 
-**Worker side** (:func:`load_payload`): the handler receives
-``Model.model_validate_json`` of the queued payload. One that no longer validates (the model
-changed under queued work) raises :class:`~kumiko_dramatiq.errors.PayloadError`; the actor
-marks the attempt ``no_retry`` (:class:`~kumiko_dramatiq.context.JobMeta`), so it is
-dead-lettered at once with that error in its run record and dead letter, spending no retry.
+**Worker side** (:func:`load_payload`): the handler receives the model validated from the
+queued payload, as JSON (``Model.model_validate_json``; for a plain model,
+:func:`is_plain_model`, the same from the decoded dict, at half the cost). One that no
+longer validates (the model changed under queued work) raises
+:class:`~kumiko_dramatiq.errors.PayloadError`; the actor marks the attempt ``no_retry``
+(:class:`~kumiko_dramatiq.context.JobMeta`), so it is dead-lettered at once with that error
+in its run record and dead letter, spending no retry.
 
 **Declaration** (:func:`check_empty_payload`): a cron job, a ``run_on_boot`` job or a boot
 gate runs with the empty payload ``{}``; a model that rejects it is a ``JobConfigError``.
@@ -171,7 +175,7 @@ def settle_payload_model(job: JobDefinition) -> None:
       the job is untyped, one WARNING;
     - a model that is not fully defined yet (a nested model defined below it) is rebuilt;
       one that cannot be is a ``JobConfigError``;
-    - :func:`dump_needs_check` decides, once, whether dispatch re-validates the dump;
+    - :func:`is_plain_model` decides, once, how its dumps and payloads are validated;
     - :func:`check_empty_payload`.
     """
     if job.payload_hint_problem is not None:
@@ -195,14 +199,13 @@ def settle_payload_model(job: JobDefinition) -> None:
                 "payload model",
                 f"{model.__name__} is not fully defined: {_one_line(str(exc))}",
             ) from None
-    job.set_payload_dump_check(dump_needs_check(model))
+    job.set_payload_model_plain(is_plain_model(model))
     check_empty_payload(job)
 
 
-#: Core schema keys (with a truthy value) after which a model's ``model_dump(mode="json")``
-#: may not validate again: aliases, custom serializers, excluded or computed fields,
-#: strictness, validators that see the raw input.
-_RISKY_KEYS: Final = frozenset(
+#: Core schema keys (with a truthy value) that make a model not plain: aliases, custom
+#: serializers, excluded or computed fields, strictness, a custom ``__init__``.
+_NOT_PLAIN_KEYS: Final = frozenset(
     {
         "validation_alias",
         "serialization_alias",
@@ -214,23 +217,40 @@ _RISKY_KEYS: Final = frozenset(
         "custom_init",
     }
 )
-_RISKY_TYPES: Final = frozenset({"function-before", "function-wrap", "function-plain"})
+#: Core schema types that make a model not plain: validators that see the raw input, and
+#: schemas that validate Python input differently from JSON.
+_NOT_PLAIN_TYPES: Final = frozenset(
+    {
+        "function-before",
+        "function-wrap",
+        "function-plain",
+        "json-or-python",
+        "lax-or-strict",
+        "is-instance",
+        "is-subclass",
+        "callable",
+    }
+)
 
 
-def dump_needs_check(model: type[BaseModel]) -> bool:
-    """Whether dispatch must re-validate ``model``'s JSON dump before enqueuing it.
+def is_plain_model(model: type[BaseModel]) -> bool:
+    """Whether ``model`` is plain: built from fields, nested models, containers, defaults and
+    after-validators over pydantic's own types (``int``, ``str``, ``datetime``, ``Decimal``,
+    ``UUID``, enums, literals, unions, ...).
 
-    A plain model (fields, nested models, containers, defaults, after-validators) accepts
-    its own ``model_dump(mode="json")`` by construction: no check, no cost. Anything in its
-    pydantic core schema that can break that (:data:`_RISKY_KEYS`, before/wrap/plain
-    validators, ``ser_json_*``/``val_json_*`` settings) or a schema that cannot be read
-    means: check every dump (``Model.model_validate_json``), as a worker will read it.
+    A plain model accepts its own ``model_dump(mode="json")`` by construction, and validates
+    a decoded JSON payload in Python mode exactly as ``model_validate_json`` would: so
+    dispatch does not re-validate its dump, and a worker validates the decoded dict directly
+    (half the cost). Anything in its pydantic core schema that can break either
+    (:data:`_NOT_PLAIN_KEYS`, :data:`_NOT_PLAIN_TYPES`, ``ser_json_*``/``val_json_*``
+    settings) or a schema that cannot be read makes it not plain: every dump is re-validated
+    as JSON, and a worker validates JSON (``Model.model_validate_json``).
     """
     try:
         schema: Any = model.__pydantic_core_schema__
         stack: list[Any] = [schema]
     except Exception:
-        return True
+        return False
     while stack:
         node = stack.pop()
         if isinstance(node, list):
@@ -239,19 +259,19 @@ def dump_needs_check(model: type[BaseModel]) -> bool:
         if not isinstance(node, dict):
             continue
         for key, value in node.items():
-            if key in _RISKY_KEYS and value:
-                return True
-            if key == "type" and value in _RISKY_TYPES:
-                return True
+            if key in _NOT_PLAIN_KEYS and value:
+                return False
+            if key == "type" and value in _NOT_PLAIN_TYPES:
+                return False
             if (
                 key == "config"
                 and isinstance(value, dict)
                 and any(k.startswith(("ser_json", "val_json")) for k in value)
             ):
-                return True
+                return False
             if isinstance(value, dict | list):
                 stack.append(value)
-    return False
+    return True
 
 
 def check_empty_payload(job: JobDefinition) -> None:
@@ -295,7 +315,7 @@ def payload_to_enqueue(
         payload,
         max_bytes=max_bytes,
         path=path,
-        check_dump=job.payload_dump_check,
+        check_dump=not job.payload_model_plain,
     )
 
 
@@ -309,8 +329,8 @@ def model_to_enqueue(
     check_dump: bool = True,
 ) -> dict[str, Any]:
     """:func:`payload_to_enqueue` for a job typed with ``model``. ``check_dump``: re-validate
-    the dump as a worker will read it (:func:`dump_needs_check`; always for an instance,
-    which may have been built without validation)."""
+    the dump as a worker will read it (unless :func:`is_plain_model`; always for an
+    instance, which may have been built without validation)."""
     given_instance = isinstance(payload, BaseModel)
     if isinstance(payload, BaseModel):
         if not isinstance(payload, model):
@@ -387,13 +407,17 @@ def load_payload(
     show_value: bool = True,
 ) -> Any:
     """What ``job``'s handler receives for the queued ``payload``: the dict (untyped), or
-    ``Model.model_validate_json`` of it; :class:`PayloadError` when it does not validate.
-    ``show_value=False`` leaves the bad value out of the error: a worker's error goes to the
-    run record and the dead letter, which hold no payload unless ``record_payloads``."""
+    the model validated from it (:func:`is_plain_model`: ``Model.model_validate`` of the
+    decoded dict; else ``Model.model_validate_json`` of its JSON); :class:`PayloadError`
+    when it does not validate. ``show_value=False`` leaves the bad value out of the error: a
+    worker's error goes to the run record and the dead letter, which hold no payload unless
+    ``record_payloads``."""
     model = job.payload_model
     if model is None:
         return payload
     try:
+        if job.payload_model_plain:
+            return model.model_validate(payload)
         return model.model_validate_json(to_json(payload))
     except ValidationError as exc:
         raise validation_error(

@@ -87,9 +87,10 @@ class JobDefinition:
     is_async: bool = field(init=False)
     payload_model: type[BaseModel] | None = field(init=False, default=None, compare=False)
     payload_hint_problem: str | None = field(init=False, default=None, compare=False)
-    #: Whether dispatch re-validates the model's dump (set by ``Registry``:
-    #: :func:`kumiko_dramatiq.payloads.dump_needs_check`; until then, yes).
-    payload_dump_check: bool = field(init=False, default=True, compare=False)
+    #: Whether the model is plain (:func:`kumiko_dramatiq.payloads.is_plain_model`; set by
+    #: ``Registry``, until then not): its dumps are not re-validated at dispatch and a worker
+    #: validates the decoded payload in Python mode.
+    payload_model_plain: bool = field(init=False, default=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "qualified_name", qualified_name(self.feature, self.name))
@@ -107,9 +108,9 @@ class JobDefinition:
         object.__setattr__(self, "payload_model", model)
         object.__setattr__(self, "payload_hint_problem", problem)
 
-    def set_payload_dump_check(self, check: bool) -> None:
-        """Set :attr:`payload_dump_check` (``Registry``, once the model is complete)."""
-        object.__setattr__(self, "payload_dump_check", check)
+    def set_payload_model_plain(self, plain: bool) -> None:
+        """Set :attr:`payload_model_plain` (``Registry``, once the model is complete)."""
+        object.__setattr__(self, "payload_model_plain", plain)
 
     @property
     def event_name(self) -> str | None:

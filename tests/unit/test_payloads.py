@@ -4,10 +4,12 @@ checks at declaration, what an enqueue path enqueues, what a handler receives, t
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Callable
 from datetime import UTC, datetime
 from decimal import Decimal
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional, TypedDict
 
 import pytest
@@ -26,7 +28,7 @@ from kumiko_dramatiq import (
 from kumiko_dramatiq.payloads import (
     STALE_NOTE,
     PayloadField,
-    dump_needs_check,
+    is_plain_model,
     load_payload,
     payload_to_enqueue,
     schema_fields,
@@ -587,23 +589,36 @@ class Computed(BaseModel):
         return 2 * self.n
 
 
+class PathLike(BaseModel):
+    where: Path
+
+
 @pytest.mark.parametrize(
-    ("model", "checked"),
+    ("model", "plain"),
     [
-        (Invoice, False),
-        (Defaults, False),
-        (Checked, False),  # an after-validator sees the validated value: nothing new
-        (Aliased, True),
-        (Both, True),
-        (WithBefore, True),
-        (Strict, True),
-        (Computed, True),
+        (Invoice, True),
+        (Defaults, True),
+        (Stamped, True),
+        (Checked, True),  # an after-validator sees the validated value: nothing new
+        (Aliased, False),
+        (Both, False),
+        (WithBefore, False),
+        (Strict, False),
+        (Computed, False),
+        (PathLike, False),  # validates Python input differently from JSON
     ],
 )
-def test_only_a_model_whose_dump_might_not_validate_again_is_checked_at_dispatch(
-    model: type[BaseModel], checked: bool
+def test_only_a_plain_model_skips_the_check_of_its_dump(
+    model: type[BaseModel], plain: bool
 ) -> None:
-    assert dump_needs_check(model) is checked
+    assert is_plain_model(model) is plain
+
+
+def test_a_plain_model_validates_a_decoded_payload_as_json_mode_would() -> None:
+    sample = Stamped(at=datetime(2024, 5, 1, 12, 30, 1, 5, tzinfo=UTC), price=Decimal("9.90"))
+    dumped = sample.model_dump(mode="json")
+    assert Stamped.model_validate(dumped) == Stamped.model_validate_json(json.dumps(dumped))
+    assert Stamped.model_validate(dumped) == sample
 
 
 def test_a_model_whose_nested_model_is_defined_later_is_completed_by_the_registry() -> None:
