@@ -49,6 +49,7 @@ from .harness import (
 from .latency import LatencyBench
 from .memory import MemoryBench
 from .metrics import MetricsBench
+from .typed import TypedBench
 
 WORKER_THREADS = 8
 WORKER_TIMEOUT_MS = 200
@@ -496,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
             "latency": LatencyBench(bench, args.latency_samples),
             "memory": MemoryBench(bench, args.memory_jobs),
             "metrics": MetricsBench(bench),
+            "typed": TypedBench(bench),
         }
         chosen = [s for s in args.only.split(",") if s] or list(suites)
         for name in chosen:

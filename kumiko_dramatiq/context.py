@@ -15,7 +15,10 @@ class JobMeta:
 
     ``attempt`` is 1-based; ``final_attempt`` is true when a failure of this
     attempt is not retried. ``trigger`` says how the message came to be; a
-    retry keeps its message id and its trigger.
+    retry keeps its message id and its trigger. ``no_retry`` is true when the
+    attempt failed in a way no retry can fix (a queued payload that no longer
+    validates against its job's payload model): then ``final_attempt`` is true
+    whatever ``attempt`` is.
     """
 
     attempt: int
@@ -24,10 +27,11 @@ class JobMeta:
     trigger: Trigger
     scheduled_at: datetime | None = None
     dedup_key: str | None = None
+    no_retry: bool = False
 
     @property
     def final_attempt(self) -> bool:
-        return self.attempt >= self.max_attempts
+        return self.no_retry or self.attempt >= self.max_attempts
 
 
 @dataclass(frozen=True)

@@ -46,13 +46,25 @@ class UnknownJobError(KumikoError, LookupError):
 
 
 class PayloadError(KumikoError, ValueError):
-    """A payload is not a JSON object of JSON values; nothing was enqueued."""
+    """A payload is not a JSON object of JSON values, or does not validate against its job's
+    payload model; nothing was enqueued.
 
-    def __init__(self, job_name: str, path: str, problem: str, value: Any) -> None:
+    ``path`` locates the bad value (``payload['items'][3]``, ``payloads[3].amount``);
+    ``value`` is left out of the message when not given (a missing field); ``note`` is
+    appended in parentheses.
+    """
+
+    def __init__(
+        self, job_name: str, path: str, problem: str, value: Any = ..., *, note: str | None = None
+    ) -> None:
         self.job_name = job_name
         self.path = path
+        self.problem = problem
         self.value = value
-        super().__init__(f"{job_name}: {path} {problem}, got {_short_repr(value)}")
+        self.note = note
+        got = "" if value is ... else f", got {_short_repr(value)}"
+        tail = "" if note is None else f" ({note})"
+        super().__init__(f"{job_name}: {path} {problem}{got}{tail}")
 
 
 class RedisUnavailableError(KumikoError, ConnectionError):

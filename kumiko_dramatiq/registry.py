@@ -13,6 +13,13 @@ A job is declared inside a feature::
 Options are validated when the decorator runs (``JobConfigError`` naming the
 job, the option and the bad value); ``Registry`` checks what spans features
 (duplicate qualified names).
+
+A handler whose payload parameter is annotated with a pydantic ``BaseModel``
+subclass makes its job typed (``JobDefinition.payload_model``): see
+:mod:`kumiko_dramatiq.payloads` for the rules. An annotation that does not
+resolve when the decorator runs (a model defined below its handler) is
+resolved again by ``Registry``, which also checks that a typed cron, boot-once
+or boot-gate job's model accepts ``{}``.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from pydantic import BaseModel
+
 from kumiko_dramatiq.errors import JobConfigError
 from kumiko_dramatiq.limits import MAX_DURATION_MS
 from kumiko_dramatiq.options import (
@@ -32,6 +41,12 @@ from kumiko_dramatiq.options import (
     lane_queue,
     parse_job_options,
     retry_window_ms,
+)
+from kumiko_dramatiq.payloads import (
+    UnresolvedHint,
+    check_empty_payload,
+    payload_model_of,
+    settle_payload_model,
 )
 
 if TYPE_CHECKING:
@@ -44,7 +59,8 @@ QUALIFIED_NAME_RE = re.compile(rf"{_NAME_RE.pattern}:job:{_NAME_RE.pattern}")
 #: A per-tenant job's wrapper actor is named ``qualified_name + WRAPPER_SUFFIX``.
 WRAPPER_SUFFIX = ":fanout"
 
-Handler = Callable[[dict[str, Any], "JobContext"], Any]
+#: A handler: ``(payload, ctx)``; the payload is a dict, or the job's payload model.
+Handler = Callable[[Any, "JobContext"], Any]
 H = TypeVar("H", bound=Callable[..., Any])
 
 
@@ -55,7 +71,13 @@ def qualified_name(feature: str, job: str) -> str:
 
 @dataclass(frozen=True)
 class JobDefinition:
-    """One declared job: its names, its handler and its validated options."""
+    """One declared job: its names, its handler and its validated options.
+
+    ``payload_model`` is the pydantic model its handler's payload parameter is annotated
+    with (a typed job), or ``None`` (untyped: the handler receives the dict).
+    ``payload_hint_problem`` says why that annotation did not resolve (then the job is
+    untyped), or is ``None``.
+    """
 
     feature: str
     name: str
@@ -63,10 +85,32 @@ class JobDefinition:
     options: JobOptions
     qualified_name: str = field(init=False)
     is_async: bool = field(init=False)
+    payload_model: type[BaseModel] | None = field(init=False, default=None, compare=False)
+    payload_hint_problem: str | None = field(init=False, default=None, compare=False)
+    #: Whether the model is plain (:func:`kumiko_dramatiq.payloads.is_plain_model`; set by
+    #: ``Registry``, until then not): its dumps are not re-validated at dispatch and a worker
+    #: validates the decoded payload in Python mode.
+    payload_model_plain: bool = field(init=False, default=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "qualified_name", qualified_name(self.feature, self.name))
         object.__setattr__(self, "is_async", inspect.iscoroutinefunction(self.handler))
+        self.resolve_payload_model()
+
+    def resolve_payload_model(self, scope: Mapping[str, Any] | None = None) -> None:
+        """(Re)read the payload model from the handler's annotation
+        (:func:`kumiko_dramatiq.payloads.payload_model_of`; ``scope``: more names it may
+        use)."""
+        try:
+            model, problem = payload_model_of(self.handler, scope), None
+        except UnresolvedHint as exc:
+            model, problem = None, str(exc)
+        object.__setattr__(self, "payload_model", model)
+        object.__setattr__(self, "payload_hint_problem", problem)
+
+    def set_payload_model_plain(self, plain: bool) -> None:
+        """Set :attr:`payload_model_plain` (``Registry``, once the model is complete)."""
+        object.__setattr__(self, "payload_model_plain", plain)
 
     @property
     def event_name(self) -> str | None:
@@ -119,7 +163,18 @@ class Feature:
                 raise JobConfigError(qualified, "handler", "must be callable", handler)
             if qualified in self._jobs:
                 raise JobConfigError(qualified, "name", "is declared twice in this feature")
-            self._jobs[qualified] = JobDefinition(self.name, name, handler, job_options)
+            definition = JobDefinition(self.name, name, handler, job_options)
+            if definition.payload_hint_problem is not None:
+                # declared inside a function (a test): its local names may hold the model
+                caller = inspect.currentframe()
+                caller = None if caller is None else caller.f_back
+                if caller is not None and caller.f_locals is not caller.f_globals:
+                    definition.resolve_payload_model(caller.f_locals)
+                del caller
+            model = definition.payload_model
+            if model is not None and model.__pydantic_complete__:
+                check_empty_payload(definition)  # at once; Registry checks the rest
+            self._jobs[qualified] = definition
             return handler
 
         return register
@@ -142,6 +197,7 @@ class Registry:
             for qualified, job in feature.jobs.items():
                 if qualified in jobs:
                     raise JobConfigError(qualified, "name", "is declared by two features")
+                settle_payload_model(job)
                 jobs[qualified] = job
         self.jobs: Mapping[str, JobDefinition] = MappingProxyType(jobs)
         events: dict[str, list[JobDefinition]] = {}

@@ -20,6 +20,7 @@ from typing import Any
 
 import redis
 from dramatiq.worker import Worker
+from pydantic import BaseModel
 
 from kumiko_dramatiq.broker.acl import check_server
 from kumiko_dramatiq.broker.broker import KumikoBroker, make_connection_pool
@@ -35,7 +36,7 @@ from kumiko_dramatiq.errors import (
     RedisUnavailableError,
     UnknownJobError,
 )
-from kumiko_dramatiq.limits import check_dedup_key, check_delay_ms, check_payload
+from kumiko_dramatiq.limits import check_dedup_key, check_delay_ms
 from kumiko_dramatiq.messages import build_message
 from kumiko_dramatiq.middleware import build_middleware
 from kumiko_dramatiq.middleware.boot import Boot
@@ -51,6 +52,7 @@ from kumiko_dramatiq.ops.admin import Admin, DeadLetter, DedupInfo, JobInfo, Loc
 from kumiko_dramatiq.ops.draining import Drain
 from kumiko_dramatiq.ops.history import STATUSES, JobRun, RunHistory, RunStatus, run_ttls_ms
 from kumiko_dramatiq.options import Retention, retry_window_ms
+from kumiko_dramatiq.payloads import event_payload, payload_to_enqueue
 from kumiko_dramatiq.registry import JobDefinition, Registry
 from kumiko_dramatiq.scheduler import Scheduler
 from kumiko_dramatiq.settings import UNSET, Unset
@@ -213,20 +215,22 @@ class JobRunner:
     def dispatch(
         self,
         job_name: str,
-        payload: dict[str, Any] | None = None,
+        payload: dict[str, Any] | BaseModel | None = None,
         *,
         dedup_key: str | None = None,
         delay_ms: int | None = None,
     ) -> str:
         """Enqueue one run of ``job_name``; return its message id.
 
-        For a per-tenant job this is the wrapper's id. Raises
+        For a per-tenant job this is the wrapper's id. A typed job (its handler takes a
+        pydantic model) takes a dict or an instance of its model, validated here, and
+        enqueues ``model_dump(mode="json")`` (:mod:`kumiko_dramatiq.payloads`). Raises
         ``UnknownJobError`` or ``PayloadError`` before anything is enqueued,
         and ``RedisUnavailableError`` when Redis does not answer.
         """
         job = self._job(job_name)
         name = job.qualified_name
-        body = check_payload(name, payload, max_bytes=self.settings.max_payload_bytes)
+        body = payload_to_enqueue(job, payload, max_bytes=self.settings.max_payload_bytes)
         delay_ms = check_delay_ms(name, delay_ms)
         if dedup_key is not None:
             dedup_key = check_dedup_key(name, "dedup_key", dedup_key)
@@ -242,16 +246,17 @@ class JobRunner:
     def dispatch_many(
         self,
         job_name: str,
-        payloads: Iterable[dict[str, Any] | None],
+        payloads: Iterable[dict[str, Any] | BaseModel | None],
         *,
         dedup_keys: Iterable[str] | None = None,
         delay_ms: int | None = None,
     ) -> list[str]:
         """Enqueue one run of ``job_name`` per payload, in order; return their message ids.
 
-        Every payload (and dedup key: ``dedup_keys`` gives one per payload) is checked before
-        anything is enqueued: a bad one raises ``PayloadError`` naming its index
-        (``payloads[3]``, ``dedup_keys[3]``), and nothing is enqueued. Then the messages go
+        Every payload (and dedup key: ``dedup_keys`` gives one per payload) is checked (a
+        typed job's validated against its model) before anything is enqueued: a bad one
+        raises ``PayloadError`` naming its index and field (``payloads[3]``,
+        ``payloads[3].amount``, ``dedup_keys[3]``), and nothing is enqueued. Then the messages go
         in batches of :data:`DISPATCH_BATCH`, one Lua call each (each batch all or nothing),
         with everything ``dispatch`` gives a message: options, retries, per-tenant wrapper,
         delay, and dedup keys decided exactly as ``dispatch`` decides them (a key given twice
@@ -259,10 +264,9 @@ class JobRunner:
         """
         job = self._job(job_name)
         name = job.qualified_name
+        max_bytes = self.settings.max_payload_bytes
         bodies = [
-            check_payload(
-                name, payload, max_bytes=self.settings.max_payload_bytes, path=f"payloads[{i}]"
-            )
+            payload_to_enqueue(job, payload, max_bytes=max_bytes, path=f"payloads[{i}]")
             for i, payload in enumerate(payloads)
         ]
         delay_ms = check_delay_ms(name, delay_ms)
@@ -297,32 +301,43 @@ class JobRunner:
                 ids += [str(message.message_id) for message in messages]
         return ids
 
-    def handle_event(self, event_name: str, payload: dict[str, Any] | None = None) -> list[str]:
+    def handle_event(
+        self, event_name: str, payload: dict[str, Any] | BaseModel | None = None
+    ) -> list[str]:
         """Dispatch every job whose trigger is ``Event(event_name)``; return their ids.
 
-        The payload, and the dedup key of every job whose ``Event`` names a
-        key function, are checked for all of them before any is enqueued; a
-        keyed job goes through its dedup key. An event no job listens to
-        returns ``[]``.
+        The payload (a dict, or a pydantic model instance, taken as its
+        ``model_dump(mode="json")``) is checked, validated against the model of every typed
+        job the event starts, and the dedup key of every job whose ``Event`` names a key
+        function (which receives the dict) is computed, all before any is enqueued; a typed
+        job enqueues its model's dump, a keyed job goes through its dedup key. An event no
+        job listens to returns ``[]``.
         """
         jobs = self.registry.jobs_for_event(event_name)
         if not jobs:
             return []
-        body = check_payload(
-            f"event {event_name}", payload, max_bytes=self.settings.max_payload_bytes
-        )
+        max_bytes = self.settings.max_payload_bytes
+        body = event_payload(event_name, payload, max_bytes=max_bytes)
+        bodies = [
+            body
+            if job.payload_model is None
+            else payload_to_enqueue(job, body, max_bytes=max_bytes)
+            for job in jobs
+        ]
         dedup_keys = event_dedup_keys(jobs, body)
         ids: list[str] = []
-        for job, dedup_key in zip(jobs, dedup_keys, strict=True):
+        for job, job_body, dedup_key in zip(jobs, bodies, dedup_keys, strict=True):
             with self._redis(f"handling event {event_name}"):
                 if dedup_key is not None:
                     ids.append(
                         dispatch_with_key(
-                            self.runtime, job, body, dedup_key, trigger="event", delay_ms=None
+                            self.runtime, job, job_body, dedup_key, trigger="event", delay_ms=None
                         )
                     )
                     continue
-                message = build_message(job, body, queue_prefix=self.queue_prefix, trigger="event")
+                message = build_message(
+                    job, job_body, queue_prefix=self.queue_prefix, trigger="event"
+                )
                 self.broker.enqueue(message)
             ids.append(str(message.message_id))
         return ids

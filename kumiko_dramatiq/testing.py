@@ -33,6 +33,7 @@ from typing import Any, Final
 
 import redis
 from dramatiq.message import generate_unique_id
+from pydantic import BaseModel
 
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.keys import consumer_acks, queue_list
@@ -45,7 +46,8 @@ from kumiko_dramatiq.errors import (
     UnknownJobError,
 )
 from kumiko_dramatiq.ids import child_message_id
-from kumiko_dramatiq.limits import check_payload, tenant_id_problem
+from kumiko_dramatiq.limits import tenant_id_problem
+from kumiko_dramatiq.payloads import load_payload, payload_to_enqueue
 from kumiko_dramatiq.registry import JobDefinition, Registry
 from kumiko_dramatiq.runner import JobRunner
 from kumiko_dramatiq.worker.loop import EventLoopThread
@@ -83,7 +85,7 @@ RUNNER_DEFAULTS: Final[dict[str, Any]] = {
 def run_job(
     registry: Registry,
     job_name: str,
-    payload: dict[str, Any] | None = None,
+    payload: dict[str, Any] | BaseModel | None = None,
     *,
     tenant_id: str | None = None,
     attempt: int = 1,
@@ -97,7 +99,9 @@ def run_job(
     trigger ``"manual"``, a fresh message id, ``ctx.app`` = ``app``. The payload is checked
     exactly as ``dispatch`` checks it (the same function, with the ``max_payload_bytes`` a
     ``JobRunner`` built from this environment would use), then handed over as a worker hands
-    it: a copy decoded from JSON. ``async def`` handlers run to completion on an event loop
+    it: a copy decoded from JSON, or for a typed job (its handler takes a pydantic model; a
+    dict or an instance is accepted) the model validated from that JSON, as a worker
+    validates it. ``async def`` handlers run to completion on an event loop
     of their own (a fresh ``asyncio.run``, or a loop thread when called from running async
     code).
 
@@ -116,7 +120,7 @@ def run_job(
     job = _job(registry, job_name)
     name = job.qualified_name
     max_bytes = resolve_settings({}).max_payload_bytes
-    body = check_payload(name, payload, max_bytes=max_bytes)
+    body = payload_to_enqueue(job, payload, max_bytes=max_bytes)
     max_attempts = job.options.retries + 1
     if (
         not isinstance(attempt, int)
@@ -147,7 +151,7 @@ def run_job(
         )
     meta = JobMeta(attempt=attempt, max_attempts=max_attempts, tenant_id=tenant_id, trigger=trigger)
     ctx = JobContext(job_name=name, message_id=message_id, meta=meta, app=app)
-    delivered = json.loads(json.dumps(body))
+    delivered = load_payload(job, json.loads(json.dumps(body)))
     if job.is_async:
         return _run_coroutine(job.handler(delivered, ctx))
     return job.handler(delivered, ctx)

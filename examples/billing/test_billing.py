@@ -32,6 +32,11 @@ def test_send_invoice_raises_while_the_gateway_fails_and_sends_after(
     assert "invoice INV-7 sent to ada@example.com (attempt 2)" in caplog.messages
 
 
+def test_send_invoice_refuses_a_payload_its_model_refuses() -> None:
+    with pytest.raises(PayloadError, match=r"send_invoice: payload\.email is invalid for Invoice"):
+        run_job(registry, "billing:job:send_invoice", {"invoice": "INV-7"})
+
+
 def test_record_payment_refuses_a_payload_that_dispatch_would_refuse() -> None:
     with pytest.raises(PayloadError, match=r"record_payment: payload\['amount'\] must be a finite"):
         run_job(
@@ -42,7 +47,7 @@ def test_record_payment_refuses_a_payload_that_dispatch_would_refuse() -> None:
 def test_the_async_nightly_summary_runs(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="examples.billing"):
         run_job(registry, "reports:job:nightly_summary")
-    assert caplog.messages == ["nightly summary for tick None"]
+    assert caplog.messages == ["nightly summary in EUR for tick None"]
 
 
 # -- schedules: pure functions that take `now` (freezegun only pins what "now" is) --------------

@@ -55,6 +55,7 @@ from kumiko_dramatiq.ids import boot_message_id
 from kumiko_dramatiq.messages import build_message
 from kumiko_dramatiq.ops.history import RunHistory, RunStatus, error_fields, record_write
 from kumiko_dramatiq.options import retry_delay_ms
+from kumiko_dramatiq.payloads import empty_payload, load_payload
 from kumiko_dramatiq.registry import QUALIFIED_NAME_RE, JobDefinition, Registry
 from kumiko_dramatiq.settings import PREFIX_PATTERN
 from kumiko_dramatiq.worker.runtime import Runtime
@@ -88,8 +89,8 @@ def run_gate(
 
     Every attempt calls ``on_job_start`` and then ``on_job_complete`` or
     ``on_job_failed`` (with ``meta.final_attempt`` on the last one), under one
-    message id per gate run. The handler gets ``payload == {}`` and
-    ``ctx.app``.
+    message id per gate run. The handler gets ``payload == {}`` (a typed gate: its
+    model validated from ``{}``) and ``ctx.app``.
     """
     backoff = job.options.backoff
     max_attempts = job.options.max_attempts
@@ -162,14 +163,18 @@ def _record_gate(
 
 def _attempt(runtime: Runtime, job: JobDefinition, ctx: JobContext) -> BaseException | None:
     """One attempt of a gate: ``None`` on success, else the error it failed with."""
+
+    def call() -> None:
+        runtime.call_handler(job, load_payload(job, empty_payload(job)), ctx)
+
     timeout_ms = job.options.timeout_ms
     if timeout_ms is None:
         try:
-            runtime.call_handler(job, {}, ctx)
+            call()
         except Exception as exc:
             return exc
         return None
-    return _attempt_with_timeout(lambda: runtime.call_handler(job, {}, ctx), job, timeout_ms)
+    return _attempt_with_timeout(call, job, timeout_ms)
 
 
 def _attempt_with_timeout(
@@ -276,7 +281,8 @@ class Boot(Middleware):
        gate's own error) and nothing after it runs;
     2. every ``run_on_boot`` job of the lane: the message built by
        ``build_message(job, {}, trigger="boot", message_id=ids.boot_message_id(job,
-       prefix))`` (a per-tenant job's wrapper) goes through
+       prefix))`` (a per-tenant job's wrapper; a typed job's ``{}`` is its model's dump of
+       ``{}``, :func:`~kumiko_dramatiq.payloads.empty_payload`) goes through
        ``broker.enqueue_step`` with the ``boot_once`` script (``lua/boot_once.lua``):
        check the marker, enqueue through the id guard, set the marker, in one Lua
        call. So it is enqueued once per dataset (Redis DB + queue prefix)
@@ -330,7 +336,10 @@ class Boot(Middleware):
         runtime = self.runtime
         prefix = runtime.queue_prefix
         message_id = boot_message_id(job.qualified_name, prefix)
-        message = build_message(job, {}, queue_prefix=prefix, trigger="boot", message_id=message_id)
+        payload = empty_payload(job, max_bytes=runtime.settings.max_payload_bytes)
+        message = build_message(
+            job, payload, queue_prefix=prefix, trigger="boot", message_id=message_id
+        )
         broker = runtime.broker
         try:
             _, reply = broker.enqueue_step(

@@ -56,6 +56,7 @@ from kumiko_dramatiq.cron import Cron
 from kumiko_dramatiq.middleware.presence import ProcessInfo, live_processes
 from kumiko_dramatiq.ops.history import JobRun, RunHistory, run_ttls_ms
 from kumiko_dramatiq.options import LANES, lane_queue
+from kumiko_dramatiq.payloads import PayloadField, schema_fields
 from kumiko_dramatiq.registry import JobDefinition, Registry
 from kumiko_dramatiq.settings import Settings
 
@@ -108,12 +109,18 @@ class JobInfo:
     next_fire: datetime | None
     last_fire: datetime | None
     paused: bool
+    #: A typed job's payload model (its class name) and the fields of its JSON schema;
+    #: ``None`` for an untyped job (:mod:`kumiko_dramatiq.payloads`).
+    payload_model: str | None = None
+    payload_schema: list[PayloadField] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = dict(self.__dict__)
         for name in ("next_fire", "last_fire"):
             value = out[name]
             out[name] = None if value is None else value.isoformat()
+        if self.payload_schema is not None:
+            out["payload_schema"] = [each.to_json() for each in self.payload_schema]
         return out
 
 
@@ -260,6 +267,7 @@ class Admin:
             trigger = options.trigger
             next_fire = trigger.next_fire_time(now) if isinstance(trigger, Cron) else None
             raw_last = last_by_job.get(job.qualified_name)
+            model = job.payload_model
             infos.append(
                 JobInfo(
                     name=job.qualified_name,
@@ -279,6 +287,8 @@ class Admin:
                     if raw_last is None
                     else datetime.fromtimestamp(int(raw_last), UTC),
                     paused=job.qualified_name in paused,
+                    payload_model=None if model is None else model.__name__,
+                    payload_schema=None if model is None else schema_fields(model),
                 )
             )
         return infos

@@ -6,7 +6,8 @@ kumiko_dramatiq.scheduler``).
 
     status                       per lane: queued, delayed, running, dead, parked; live
                                  workers and schedulers; paused jobs
-    jobs                         declared jobs: options, lane, next/last cron fire, paused
+    jobs                         declared jobs: options, lane, next/last cron fire, paused;
+                                 each typed job's payload fields (name, type, required)
     runs [--job J] [--status S] [--tenant T] [--message ID] [--origin ID]
          [--since ISO] [--before ISO] [--limit N]       run records, newest first
     dead [--job J] [--limit N]   dead letters with their last error and traceback
@@ -93,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
         return sub
 
     command("status", "queues per lane, live workers and schedulers, paused jobs")
-    command("jobs", "declared jobs: options, lane, next and last cron fire, paused")
+    command(
+        "jobs", "declared jobs: options, lane, next and last cron fire, paused, payload schemas"
+    )
     runs = command("runs", "run records, newest first")
     runs.add_argument("--job", help="qualified job name")
     runs.add_argument("--status", choices=STATUSES)
@@ -216,6 +219,26 @@ def _jobs(runner: JobRunner, args: argparse.Namespace) -> Result:
         ["job", "lane", "trigger", "retries", "concurrency", "next fire", "last fire", "paused"],
         rows,
     )
+    fields = []
+    for j in jobs:
+        if j.payload_model is None:
+            continue
+        if not j.payload_schema:
+            fields.append([j.name, j.payload_model, "(no JSON schema)", "", ""])
+        for n, f in enumerate(j.payload_schema or ()):
+            first = n == 0
+            fields.append(
+                [
+                    j.name if first else "",
+                    j.payload_model if first else "",
+                    f.name,
+                    f.type,
+                    "yes" if f.required else "no",
+                ]
+            )
+    if fields:
+        payloads = table(["typed job", "payload model", "field", "type", "required"], fields)
+        text = f"{text}\n\n{payloads}"
     return {"jobs": [j.to_json() for j in jobs]}, text, EXIT_OK
 
 

@@ -34,7 +34,8 @@ The message
     ``build_message(job, {}, trigger="cron", message_id=<tick id>)`` (so it carries
     ``build_message_options(job)``), plus ``kumiko_scheduled_at``: the tick, ISO 8601 with
     its UTC offset, in the cron's time zone (``JobContext.scheduled_at``). A per-tenant job's
-    tick starts its fan-out wrapper.
+    tick starts its fan-out wrapper. A typed job's ``{}`` is its model's dump of ``{}``
+    (:func:`~kumiko_dramatiq.payloads.empty_payload`; ``Registry`` proved it validates).
 
 Misfires
     See :mod:`kumiko_dramatiq.scheduler.ticks`. One log line per decision (INFO for coalesced ticks,
@@ -74,9 +75,11 @@ from kumiko_dramatiq import ids
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.broker import KumikoBroker
 from kumiko_dramatiq.cron import Cron
+from kumiko_dramatiq.errors import PayloadError
 from kumiko_dramatiq.messages import build_message
 from kumiko_dramatiq.middleware.presence import Registration
 from kumiko_dramatiq.options import Retention
+from kumiko_dramatiq.payloads import empty_payload
 from kumiko_dramatiq.registry import JobDefinition, Registry
 from kumiko_dramatiq.scheduler.ticks import TickPlan, effective_grace_s, plan_ticks
 
@@ -318,6 +321,14 @@ class Scheduler:
                 )
                 self._retry_later(track, now)
                 return
+            except PayloadError as exc:
+                # The job's model no longer accepts its tick's payload: no retry can help.
+                logger.error(
+                    "kumiko scheduler: %s: tick %s NOT enqueued (%s); it counts as missed",
+                    track.job.qualified_name,
+                    plan.enqueue.isoformat(),
+                    exc,
+                )
         track.after = now
 
     def _retry_later(self, track: _Track, now: datetime) -> None:
@@ -331,7 +342,12 @@ class Scheduler:
         prefix = self.queue_prefix
         tick_id = ids.cron_tick_id(job.qualified_name, tick)
         message = build_message(
-            job, {}, queue_prefix=prefix, trigger="cron", message_id=tick_id, scheduled_at=tick
+            job,
+            empty_payload(job),
+            queue_prefix=prefix,
+            trigger="cron",
+            message_id=tick_id,
+            scheduled_at=tick,
         )
         _, reply = self.broker.enqueue_step(
             message,

@@ -5,19 +5,31 @@ broker's message policy, :mod:`kumiko_dramatiq.worker.execution`), builds the
 ``JobContext`` and calls the handler, or,
 for a wrapper, fans out (:mod:`kumiko_dramatiq.worker.fanout`). Retries, locks, hooks
 and timeouts live in middleware.
+
+A typed job's body first validates the queued payload against the job's model
+(:func:`~kumiko_dramatiq.payloads.load_payload`; the handler receives the instance, a
+wrapper fans out its ``model_dump(mode="json")``). A payload that no longer validates
+fails the attempt with that ``PayloadError`` (the bad value in it only with
+``record_payloads``: the error goes to the run record) and marks it ``no_retry``
+(:meth:`~kumiko_dramatiq.worker.execution.Execution.no_retry`): it is dead-lettered at
+once, its run record and dead letter carrying the error.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from dramatiq import Actor
 
 from kumiko_dramatiq.broker.broker import KumikoBroker
+from kumiko_dramatiq.errors import PayloadError
 from kumiko_dramatiq.middleware.timeouts import check_elapsed
+from kumiko_dramatiq.payloads import STALE_NOTE, load_payload, payload_to_enqueue
 from kumiko_dramatiq.registry import JobDefinition
+from kumiko_dramatiq.worker.execution import Execution
 from kumiko_dramatiq.worker.fanout import fan_out
 from kumiko_dramatiq.worker.logs import hide_arguments
 from kumiko_dramatiq.worker.runtime import Runtime
@@ -52,12 +64,18 @@ def declare_actors(broker: KumikoBroker, runtime: Runtime) -> None:
 
 
 def _job_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]], None]:
+    show_value = runtime.settings.record_payloads
+
     def run(payload: dict[str, Any]) -> None:
         execution = runtime.current()
         if execution is None or execution.handed_off:
             return
         started = time.monotonic()
-        runtime.call_handler(job, payload, runtime.context_for(execution))
+        argument = payload
+        if job.payload_model is not None:
+            with _refusing_stale(execution):
+                argument = load_payload(job, payload, note=STALE_NOTE, show_value=show_value)
+        runtime.call_handler(job, argument, runtime.context_for(execution))
         check_elapsed(job, started)
 
     run.__name__ = run.__qualname__ = job.qualified_name
@@ -65,11 +83,31 @@ def _job_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]]
 
 
 def _wrapper_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]], None]:
+    show_value = runtime.settings.record_payloads
+
     def wrapper(payload: dict[str, Any]) -> None:
         execution = runtime.current()
         if execution is None or execution.handed_off:
             return
+        if job.payload_model is not None:
+            # The children get the model's dump of what validates now: the same model.
+            with _refusing_stale(execution):
+                payload = payload_to_enqueue(
+                    job,
+                    load_payload(job, payload, note=STALE_NOTE, show_value=show_value),
+                    max_bytes=runtime.settings.max_payload_bytes,
+                )
         fan_out(runtime, execution, payload)
 
     wrapper.__name__ = wrapper.__qualname__ = job.wrapper_actor_name
     return wrapper
+
+
+@contextmanager
+def _refusing_stale(execution: Execution) -> Iterator[None]:
+    """A ``PayloadError`` raised inside ends the message: no retry can fix a payload."""
+    try:
+        yield
+    except PayloadError:
+        execution.no_retry()
+        raise

@@ -16,7 +16,7 @@ not declare pass untouched and have none. Nothing travels in untyped attributes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from dramatiq.broker import MessageProxy
@@ -84,6 +84,13 @@ class Execution:
     @property
     def handed_off(self) -> bool:
         return self.handoff_id is not None
+
+    def no_retry(self) -> None:
+        """Make this attempt the message's last whatever its count: it fails in a way no
+        retry can fix (its payload no longer validates). Sets ``meta.no_retry``, so
+        ``Retries`` dead-letters it, ``Dedup`` frees its key and the hooks and the run
+        record see a final attempt."""
+        self.meta = replace(self.meta, no_retry=True)
 
 
 def execution_of(message: MessageProxy | None) -> Execution | None:

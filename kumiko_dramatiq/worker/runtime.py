@@ -79,7 +79,8 @@ class Runtime:
         """The execution the calling worker thread runs now, if any."""
         return execution_of(self.broker.current())
 
-    def call_handler(self, job: JobDefinition, payload: dict[str, Any], ctx: JobContext) -> Any:
+    def call_handler(self, job: JobDefinition, payload: Any, ctx: JobContext) -> Any:
+        """Run ``job``'s handler with ``payload`` (the dict, or a typed job's model instance)."""
         if job.is_async:
             return self.loop.run(job.handler(payload, ctx))
         return job.handler(payload, ctx)
