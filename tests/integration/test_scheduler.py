@@ -347,3 +347,39 @@ def test_stopping_the_runner_stops_its_scheduler(
     recorder.wait_until(lambda r: bool(r.of("complete")), what="a cron run")
     runner.stop()
     assert not [t for t in threading.enumerate() if t.name == "APScheduler"]
+
+
+def test_a_tick_whose_reply_was_lost_is_not_called_missed_and_runs_once(
+    make_runner: RunnerFactory,
+    redis_client: redis.Redis,
+    prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given a scheduler whose first two tick writes reach Redis but lose their reply (the
+    # connection drops after the command ran: a stalled Redis, a killed connection)
+    scheduler = _scheduler(make_runner(cron_app.registry))
+    real_step = scheduler.broker.enqueue_step
+    lost = [2]
+
+    def step_then_lose_the_reply(*args: Any, **kwargs: Any) -> Any:
+        reply = real_step(*args, **kwargs)
+        if lost[0] > 0:
+            lost[0] -= 1
+            raise redis.ConnectionError("Connection lost after the command ran")
+        return reply
+
+    monkeypatch.setattr(scheduler.broker, "enqueue_step", step_then_lose_the_reply)
+    # When it runs for a few ticks
+    with caplog.at_level("ERROR", logger="kumiko_dramatiq"):
+        scheduler.start()
+        try:
+            wait_for(lambda: lost[0] == 0 and len(ticks(redis_client, prefix)) >= 4, what="ticks")
+        finally:
+            scheduler.stop()
+    # Then it never said a tick was not enqueued: it said it could not confirm it, and each
+    # tick is on the queue exactly once, none missing
+    said = [record.getMessage() for record in caplog.records]
+    assert not [line for line in said if "NOT enqueued" in line]
+    assert len([line for line in said if "not confirmed" in line]) == 2
+    assert_contiguous(assert_each_tick_once(queued(redis_client, f"{prefix}-worker")))
