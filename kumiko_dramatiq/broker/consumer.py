@@ -321,6 +321,9 @@ class KumikoConsumer(Consumer):
                 self.broker.do_ack(self.queue_name, rid)
                 return
             settlement = message.settlement
+            if settlement.requeue:
+                self.broker.do_requeue(self.queue_name, rid)
+                return
             outcome: Outcome = "ack"
             follow_up = settlement.retry or settlement.handoff
             if follow_up is not None:

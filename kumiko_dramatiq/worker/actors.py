@@ -3,8 +3,10 @@
 An actor body is thin: it reads the delivery's ``Execution`` (opened at fetch by the
 broker's message policy, :mod:`kumiko_dramatiq.worker.execution`), builds the
 ``JobContext`` and calls the handler, or,
-for a wrapper, fans out (:mod:`kumiko_dramatiq.worker.fanout`). Retries, locks, hooks
-and timeouts live in middleware.
+for a wrapper, fans out (:mod:`kumiko_dramatiq.worker.fanout`), through the execution's
+:class:`~kumiko_dramatiq.worker.interrupts.Interruptible` (so a fence or a stop can interrupt
+exactly the handler, never the middleware around it). Retries, locks, hooks and timeouts live
+in middleware.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kumiko_dramatiq.broker.broker import KumikoBroker
 from kumiko_dramatiq.middleware.timeouts import check_elapsed
 from kumiko_dramatiq.registry import JobDefinition
 from kumiko_dramatiq.worker.fanout import fan_out
+from kumiko_dramatiq.worker.fencing import LeaseLost
 from kumiko_dramatiq.worker.logs import hide_arguments
 from kumiko_dramatiq.worker.runtime import Runtime
 
@@ -34,7 +37,8 @@ def declare_actors(broker: KumikoBroker, runtime: Runtime) -> None:
             actor_name=job.qualified_name,
             queue_name=queue,
             priority=0,
-            options={"time_limit": time_limit},
+            # a fenced run (LeaseLost) is logged by the fence, not again as an unhandled error
+            options={"time_limit": time_limit, "throws": (LeaseLost,)},
         )
         if not runtime.settings.log_payloads:
             hide_arguments(actor.logger)
@@ -57,7 +61,8 @@ def _job_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]]
         if execution is None or execution.handed_off:
             return
         started = time.monotonic()
-        runtime.call_handler(job, payload, runtime.context_for(execution))
+        context = runtime.context_for(execution)
+        execution.interruptible.run(lambda: runtime.call_handler(job, payload, context))
         check_elapsed(job, started)
 
     run.__name__ = run.__qualname__ = job.qualified_name
@@ -69,7 +74,7 @@ def _wrapper_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, A
         execution = runtime.current()
         if execution is None or execution.handed_off:
             return
-        fan_out(runtime, execution, payload)
+        execution.interruptible.run(lambda: fan_out(runtime, execution, payload))
 
     wrapper.__name__ = wrapper.__qualname__ = job.wrapper_actor_name
     return wrapper

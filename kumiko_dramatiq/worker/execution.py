@@ -25,6 +25,8 @@ from dramatiq.message import Message
 from kumiko_dramatiq.broker.delivery import Delivery
 from kumiko_dramatiq.codec import KumikoOptions, OptionsError
 from kumiko_dramatiq.context import JobMeta
+from kumiko_dramatiq.worker.fencing import LeaseLost
+from kumiko_dramatiq.worker.interrupts import Interruptible
 
 if TYPE_CHECKING:
     from kumiko_dramatiq.registry import JobDefinition, Registry
@@ -53,6 +55,9 @@ class Execution:
     #: The message this one handed its run off to (``Sequential``, lock held): the actor
     #: body, the hooks and the retries then do nothing and no attempt is spent.
     handoff_id: str | None = None
+    #: The handler call, which another thread may interrupt (a lease that could not be
+    #: renewed, :mod:`kumiko_dramatiq.worker.fencing`).
+    interruptible: Interruptible = field(default_factory=Interruptible)
 
     def __post_init__(self) -> None:
         self.meta = self.options.meta()
@@ -82,6 +87,15 @@ class Execution:
     @property
     def handed_off(self) -> bool:
         return self.handoff_id is not None
+
+    @property
+    def fenced(self) -> bool:
+        """Whether the run was cut short because its lease could not be renewed
+        (:class:`~kumiko_dramatiq.worker.fencing.LeaseLost`): like a run cut short by a crash,
+        it spends no attempt, calls no failure hook and comes back; its lease is not released
+        (it is no longer the run's). A run that completed as the interruption came is not."""
+        run = self.interruptible
+        return run.raised and run.interrupted_by is LeaseLost
 
 
 def execution_of(message: MessageProxy | None) -> Execution | None:
