@@ -74,8 +74,6 @@ from kumiko_dramatiq.broker.consumer import KumikoConsumer
 from kumiko_dramatiq.broker.delivery import Delivery, LaneFetch, MessagePolicy, Outcome, RunWrite
 from kumiko_dramatiq.broker.keys import queue_list, queue_messages
 from kumiko_dramatiq.broker.lua import LuaScripts
-from kumiko_dramatiq.broker.lua import commands as lua_commands
-from kumiko_dramatiq.broker.lua import source as lua_source
 from kumiko_dramatiq.broker.replies import as_list, text
 from kumiko_dramatiq.broker.seam import (
     HookTable,
@@ -85,7 +83,6 @@ from kumiko_dramatiq.broker.seam import (
     emit_before,
     set_consumed_queues,
 )
-from kumiko_dramatiq.errors import RedisAccessError
 from kumiko_dramatiq.options import LANES, lane_queue
 
 logger = logging.getLogger("kumiko_dramatiq")
@@ -635,50 +632,6 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             queue_messages(message.queue_name, self.namespace),
             queue_list(message.queue_name, self.namespace),
         )
-
-    def check_access(self, redis_url: str) -> None:
-        """Raise :class:`~kumiko_dramatiq.errors.RedisAccessError` (one line) if Redis answers
-        but refuses what kumiko needs: the credentials, the database number, or any command
-        kumiko runs (``SCRIPT LOAD``, ``EVALSHA``, ``MGET``, ``DEL`` and every command of its
-        scripts, probed on keys of both namespaces by ``lua/probe.lua``). Connection errors
-        propagate as they are (see ``JobRunner.wait_for_redis``)."""
-        client = self.client
-        try:
-            client.ping()
-        except redis.AuthenticationError as exc:
-            raise RedisAccessError(redis_url, f"refuses the credentials: {exc}") from None
-        except redis.ResponseError as exc:
-            raise RedisAccessError(redis_url, f"refuses the connection: {exc}") from None
-        probe_keys = [
-            queue_list(f"{self.queue_prefix}-kumiko-probe", self.namespace),
-            keys.probe(self.queue_prefix),
-        ]
-        steps: list[tuple[str, Callable[[], Any]]] = [
-            ("SCRIPT LOAD", lambda: client.script_load(lua_source("probe"))),
-            ("EVALSHA", lambda: self.lua.probe(keys=probe_keys, args=lua_commands())),
-            ("MGET", lambda: client.mget(probe_keys)),
-            ("DEL", lambda: client.delete(*probe_keys)),
-        ]
-        for command, step in steps:
-            try:
-                reply = step()
-            except redis.exceptions.NoPermissionError as exc:
-                if "key" in str(exc):
-                    raise RedisAccessError(
-                        redis_url,
-                        f"does not let this user access the keys kumiko needs "
-                        f"({self.namespace}:* and kumiko:{self.queue_prefix}:*): {exc}",
-                    ) from None
-                raise RedisAccessError(
-                    redis_url, f"does not let this user run {command}, which kumiko needs: {exc}"
-                ) from None
-            if command == "EVALSHA" and reply:
-                refused, key, error = (text(item) for item in reply[:3])
-                raise RedisAccessError(
-                    redis_url,
-                    f"does not let this user run {refused.upper()} on {key}, which kumiko "
-                    f"needs: {error}",
-                )
 
     def boot_process(self) -> None:
         """Emit ``process_boot``, as Dramatiq's CLI does in each worker process. An in-process
