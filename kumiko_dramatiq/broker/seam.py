@@ -31,6 +31,11 @@ that breaks when the host library changes what it relies on; see docs/upgrading.
    raised. :class:`kumiko_dramatiq.worker.interrupts.Interruptible` is built on them.
 8. **A connection's socket** (:func:`has_socket`): redis-py's ``Connection._sock`` is
    ``None`` while a connection is not connected (it connects on its next command).
+9. **redis-py's Sentinel connection**, which
+   :class:`~kumiko_dramatiq.broker.connection.KumikoSentinelConnection` extends: it
+   (re)connects through ``connect_to(address)`` with the primary's address from its pool,
+   and turns a ``READONLY`` reply into a ``ConnectionError`` raised while handling it (the
+   ``ReadOnlyError`` is its ``__context__``).
 
 Guests: the middleware added to a kumiko broker after it was built, and what they see.
 

@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from typing import Any
+from unittest import mock
 
 import dramatiq
 import pytest
@@ -18,6 +19,9 @@ from dramatiq.brokers.redis import RedisBroker
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import Middleware, MiddlewareError, TimeLimit
 from dramatiq.worker import Worker
+from redis.connection import AbstractConnection
+from redis.exceptions import ReadOnlyError
+from redis.sentinel import SentinelManagedConnection
 
 from kumiko_dramatiq.broker.seam import (
     AnyActorOptions,
@@ -213,3 +217,38 @@ def test_a_redis_connection_has_a_socket_only_while_connected() -> None:
     assert has_socket(connection) is False
     connection._sock = object()  # type: ignore[assignment]
     assert has_socket(connection) is True
+
+
+# -- redis-py's Sentinel connection, which KumikoSentinelConnection builds on ----------------
+class _MasterProxy:
+    """Stands in for redis-py's pool proxy: a master pool whose primary is at port 1."""
+
+    is_master = True
+    check_connection = False
+    service_name = "mymaster"
+
+    def get_master_address(self) -> tuple[str, int]:
+        return ("127.0.0.1", 1)
+
+
+def test_a_sentinel_connection_connects_through_connect_to_with_the_primarys_address() -> None:
+    seen: list[tuple[str, int]] = []
+
+    class Noted(SentinelManagedConnection):
+        def connect_to(self, address: tuple[str, int]) -> None:
+            seen.append(address)
+
+    Noted(connection_pool=_MasterProxy()).connect()  # type: ignore[no-untyped-call]
+    assert seen == [("127.0.0.1", 1)]
+
+
+def test_a_readonly_reply_on_a_sentinel_connection_is_a_connection_error_from_it() -> None:
+    connection = SentinelManagedConnection(connection_pool=_MasterProxy())  # type: ignore[no-untyped-call]
+    with (
+        mock.patch.object(
+            AbstractConnection, "read_response", side_effect=ReadOnlyError("READONLY replica")
+        ),
+        pytest.raises(redis.ConnectionError) as caught,
+    ):
+        connection.read_response()
+    assert isinstance(caught.value.__context__, ReadOnlyError)
