@@ -61,6 +61,7 @@ from uuid import UUID, uuid4, uuid5
 import redis
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.common import current_millis, dq_name, q_name
+from dramatiq.errors import ConnectionClosed
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware
 from dramatiq.worker import Worker
@@ -509,18 +510,25 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         rid = str(uuid5(_MOVED_NAMESPACE, f"{delayed_rid}>{message.queue_name}"))
         prepared = self.prepare(message, None, redis_message_id=rid)
         self.emit_before("enqueue", prepared, None)
-        moved = self._call(
-            self.lua.move,
-            self.thread_client(),
-            keys=[self.namespace, keys.cancelled(self.queue_prefix, str(message.message_id))],
-            args=[
-                *self._head(dq_name(prepared.queue_name), maintenance=False),
-                delayed_rid,
-                prepared.queue_name,
-                rid,
-                prepared.encode(),
-            ],
-        )
+        try:
+            moved = self._call(
+                self.lua.move,
+                self.thread_client(),
+                keys=[self.namespace, keys.cancelled(self.queue_prefix, str(message.message_id))],
+                args=[
+                    *self._head(dq_name(prepared.queue_name), maintenance=False),
+                    delayed_rid,
+                    prepared.queue_name,
+                    rid,
+                    prepared.encode(),
+                ],
+            )
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # Only Dramatiq's consumer thread moves a held message: as a broker connection
+            # error its consumer is closed (which puts the held delayed messages back, or
+            # leaves them to the next consumer) and restarted; any other error would end
+            # the thread for good (Dramatiq's close() lets only this kind through).
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         self._held_delayed.discard(delayed_rid)
         self._moved.add(delayed_rid)
         if moved == 1:
