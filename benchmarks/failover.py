@@ -89,11 +89,8 @@ class Ledger:
 
     def in_flight(self, at: float) -> int:
         with self.lock:
-            return sum(
-                1
-                for message_id, starts in self.starts.items()
-                if starts[0] <= at and not any(t <= at for t in self.completions.get(message_id, []))
-            )
+            ended = {m for m, ends in self.completions.items() if any(t <= at for t in ends)}
+            return sum(1 for m, starts in self.starts.items() if starts[0] <= at and m not in ended)
 
 
 class Producer(threading.Thread):

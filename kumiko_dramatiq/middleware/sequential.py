@@ -57,9 +57,10 @@ A hand-off leaves no key of its own: it is enqueued by the ack.
 
 Bounds: a worker killed with ``kill -9`` leaves its lock for at most
 ``lock_ttl_ms`` (the last renewal was at most TTL/3 earlier). A run cut off
-from Redis survives an outage shorter than ``(0.75 - 1/3) * ttl`` (renewals
-every TTL/3, retried every TTL/10 after a failure) and is interrupted by one
-longer than ``0.75 * ttl`` (12.5 s and 22.5 s at the default 30 s). A
+from Redis is interrupted by an outage longer than ``0.75 * ttl``; it survives
+one shorter than ``(0.75 - 1/3 - 1/10) * ttl`` less the socket timeout (renewals
+every TTL/3, retried every TTL/10 after a failure, each waiting up to
+``boot_redis_timeout_ms``). A
 waiting message re-checks the lock once per ``sequential_retry_delay_ms``
 (never sooner): N waiters cost at most N lock checks and N enqueues per
 delay, never a hot loop. Waiters are not ordered (no FIFO).
