@@ -705,10 +705,12 @@ def make_connection_pool(redis_url: str, timeout_s: float) -> redis.ConnectionPo
     """A runner's pool: connect and read timeouts of ``timeout_s``, and one quick reconnect
     on a dropped connection, never on a timeout (redis-py's default retries ten times,
     timeouts included, which turns an unreachable Redis into a minute-long hang). Any URL
-    form of :mod:`kumiko_dramatiq.broker.connection` (TLS, Sentinel, ...)."""
+    form of :mod:`kumiko_dramatiq.broker.connection` (TLS, Sentinel, ...); a Sentinel pool
+    follows the sentinels' fail-over events (:mod:`kumiko_dramatiq.broker.failover`)."""
     return connection_pool(
         redis_url,
         timeout_s=timeout_s,
+        follow_failovers=True,
         retry=Retry(
             ExponentialBackoff(cap=0.5, base=0.05), 1, supported_errors=(redis.ConnectionError,)
         ),

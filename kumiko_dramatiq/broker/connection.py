@@ -216,11 +216,17 @@ class SentinelPool(SentinelConnectionPool):
 
 
 def connection_pool(
-    redis_url: str, *, timeout_s: float, retry: Retry | None = None
+    redis_url: str,
+    *,
+    timeout_s: float,
+    retry: Retry | None = None,
+    follow_failovers: bool = False,
 ) -> redis.ConnectionPool:
     """A pool for ``redis_url`` (any form above) with connect and read timeouts of
     ``timeout_s`` and ``retry`` as its commands' retry policy (``None``: no retry).
-    ``JobConfigError`` for a bad URL; opens no connection."""
+    ``follow_failovers``: a Sentinel pool subscribes to the sentinels' fail-over events once it
+    connects (a runner's pool; a one-off client does not). ``JobConfigError`` for a bad URL;
+    opens no connection."""
     target = parse(redis_url)
     policy = Retry(NoBackoff(), 0) if retry is None else retry
     settings: dict[str, Any] = {
@@ -256,6 +262,7 @@ def connection_pool(
         list(target.sentinels),
         {**target.sentinel_auth, "socket_connect_timeout": timeout_s, "socket_timeout": timeout_s},
         ask=lambda: sentinel.reports(master),
+        listen=follow_failovers,
     )
     return SentinelPool(
         master,

@@ -117,7 +117,9 @@ class PrimaryWatch:
     """The fail-over state of one Sentinel-monitored primary in this process (see the
     module docstring): ``generation``, the barrier, the demoted addresses, and the threads
     that listen to the sentinels. ``ask`` returns what each sentinel that answers says now
-    (the primary's address or ``None``, and whether a fail-over is in progress)."""
+    (the primary's address or ``None``, and whether a fail-over is in progress). ``listen``:
+    subscribe to the sentinels (a runner's pool); a one-off client (a start-up probe, a
+    command-line tool) does not, and follows fail-overs by its replies only."""
 
     def __init__(
         self,
@@ -125,8 +127,11 @@ class PrimaryWatch:
         sentinels: Sequence[Address],
         sentinel_kwargs: dict[str, Any],
         ask: Callable[[], list[tuple[Address | None, bool]]],
+        *,
+        listen: bool = True,
     ) -> None:
         self.master = master
+        self.listen = listen
         self.sentinels = list(sentinels)
         self.sentinel_kwargs = dict(sentinel_kwargs)
         self._ask = ask
@@ -229,7 +234,7 @@ class PrimaryWatch:
 
     def ensure_listening(self) -> None:
         """Listen to every sentinel (one daemon thread each), once per process."""
-        if self._pid == os.getpid() and not self._stop.is_set():
+        if not self.listen or (self._pid == os.getpid() and not self._stop.is_set()):
             return
         with self._lock:
             if self._pid == os.getpid() and not self._stop.is_set():
