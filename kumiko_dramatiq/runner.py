@@ -22,11 +22,11 @@ import redis
 from dramatiq.worker import Worker
 from pydantic import BaseModel
 
-from kumiko_dramatiq.broker.acl import check_server
+from kumiko_dramatiq.broker.acl import check_server, cluster_problem
 from kumiko_dramatiq.broker.broker import KumikoBroker, make_connection_pool
 from kumiko_dramatiq.broker.connection import client as redis_client
 from kumiko_dramatiq.broker.faults import kumiko_error
-from kumiko_dramatiq.broker.tls import tls_problem
+from kumiko_dramatiq.broker.tls import scheme_problem, tls_problem
 from kumiko_dramatiq.environment import resolve_settings
 from kumiko_dramatiq.errors import (
     JobConfigError,
@@ -531,9 +531,11 @@ class JobRunner:
         """Ping Redis until it answers; ``RedisUnavailableError`` after
         ``boot_redis_timeout_ms``, ``RedisAccessError`` at once when it refuses the
         credentials or the database number, or TLS fails for good (a certificate that does
-        not verify: :func:`~kumiko_dramatiq.broker.tls.tls_problem`)."""
+        not verify: :func:`~kumiko_dramatiq.broker.tls.tls_problem`; a ``redis://`` URL on a
+        TLS port or the other way round: :func:`~kumiko_dramatiq.broker.tls.scheme_problem`)."""
         deadline = time.monotonic() + self.boot_redis_timeout_ms / 1000
         last_error: BaseException | None = None
+        diagnosed = False
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -545,10 +547,15 @@ class JobRunner:
             except redis.AuthenticationError as exc:
                 raise RedisAccessError(self.redis_url, f"refuses the credentials: {exc}") from None
             except redis.ResponseError as exc:
-                raise RedisAccessError(self.redis_url, f"refuses the connection: {exc}") from None
+                problem = cluster_problem(exc) or f"refuses the connection: {exc}"
+                raise RedisAccessError(self.redis_url, problem) from None
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 if (tls := tls_problem(exc)) is not None:
                     raise RedisAccessError(self.redis_url, tls) from None
+                if not diagnosed:  # a plain URL on a TLS port, or the other way round?
+                    diagnosed = True
+                    if (wrong := scheme_problem(self.redis_url, exc)) is not None:
+                        raise RedisAccessError(self.redis_url, wrong) from None
                 last_error = exc
                 time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
             finally:

@@ -249,12 +249,23 @@ REPLICATOR = ("replicator", "replicator-pw")
 
 @dataclass
 class SentinelGroup:
-    """A primary, its replica and three sentinels monitoring them as ``master``."""
+    """A primary, its replicas (``replica`` is the first) and three sentinels monitoring
+    them as ``master``."""
 
     master: str
     primary: Server
-    replica: Server
+    replicas: list[Server]
     sentinels: list[Server]
+
+    @property
+    def replica(self) -> Server:
+        return self.replicas[0]
+
+    def data_nodes(self) -> list[Server]:
+        return [self.primary, *self.replicas]
+
+    def node_on(self, port: int) -> Server:
+        return next(server for server in self.data_nodes() if server.port == port)
 
     def url(self, db: int = 0) -> str:
         hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
@@ -287,46 +298,56 @@ class SentinelGroup:
         wait_for_replication(self.primary)
 
     def stop(self) -> None:
-        for server in [*self.sentinels, self.replica, self.primary]:
+        for server in [*self.sentinels, *self.replicas, self.primary]:
             server.stop()
 
 
 @contextlib.contextmanager
 def sentinel_group(
-    directory: Path, *, down_after_ms: int = 500, primary_args: Sequence[str] = ()
+    directory: Path,
+    *,
+    down_after_ms: int = 500,
+    primary_args: Sequence[str] = (),
+    replicas: int = 1,
+    data_args: Sequence[str] = (),
 ) -> Iterator[SentinelGroup]:
-    """Start primary + replica + 3 sentinels (quorum 2) on private ports; stop them after.
+    """Start primary + ``replicas`` replicas + 3 sentinels (quorum 2) on private ports; stop
+    them after. ``primary_args`` go to the primary, ``data_args`` to every data node (settings
+    a promoted replica must have too).
 
     ``down_after_ms`` is each sentinel's ``down-after-milliseconds``: how long the primary
     may be silent before a fail-over starts. The sentinels' files are written as Sentinel
-    itself would have rewritten them once they had met (their ids, the replica, each other),
+    itself would have rewritten them once they had met (their ids, the replicas, each other),
     so they agree at once instead of after their first rounds of hello messages (~10 s)."""
     require("redis-sentinel", "redis-sentinel")
     master = "kumiko-test"
     user, password = REPLICATOR
+    # every data node has the replicator user, so that any of them can be a primary
+    replicator = ["--user", user, "on", f">{password}", "+psync", "+replconf", "+ping"]
+    auth = ["--masteruser", user, "--masterauth", password]
     primary = start_server(
         "primary",
         directory,
-        args=[*primary_args, *FAST_SYNC, "--masteruser", user, "--masterauth", password],
+        args=[*primary_args, *data_args, *FAST_SYNC, *auth, *replicator],
     )
-    admin = primary.client()
-    admin.acl_setuser(
-        user, enabled=True, passwords=[f"+{password}"], commands=["+psync", "+replconf", "+ping"]
-    )
-    admin.close()
-    replica = start_server(
-        "replica",
-        directory,
-        args=[
-            *FAST_SYNC,
-            *("--replicaof", "127.0.0.1", str(primary.port)),
-            *("--masteruser", user, "--masterauth", password),
-        ],
-    )
+    started = [
+        start_server(
+            "replica" if n == 0 else f"replica{n}",
+            directory,
+            args=[
+                *data_args,
+                *FAST_SYNC,
+                *("--replicaof", "127.0.0.1", str(primary.port)),
+                *auth,
+                *replicator,
+            ],
+        )
+        for n in range(replicas)
+    ]
     sentinels: list[Server] = []
-    group = SentinelGroup(master, primary, replica, sentinels)
+    group = SentinelGroup(master, primary, started, sentinels)
     try:
-        wait_for_replication(primary)
+        wait_for_replication(primary, replicas)
         ports = [free_port() for _ in range(3)]
         ids = [f"{n + 1:040x}" for n in range(3)]
         for n, port in enumerate(ports):
@@ -336,7 +357,7 @@ def sentinel_group(
                 f"sentinel down-after-milliseconds {master} {down_after_ms}",
                 f"sentinel failover-timeout {master} 3000",
                 f"sentinel parallel-syncs {master} 1",
-                f"sentinel known-replica {master} 127.0.0.1 {replica.port}",
+                *(f"sentinel known-replica {master} 127.0.0.1 {r.port}" for r in started),
                 *(
                     f"sentinel known-sentinel {master} 127.0.0.1 {other} {ids[m]}"
                     for m, other in enumerate(ports)
@@ -354,15 +375,17 @@ def sentinel_group(
         group.stop()
 
 
-def wait_for_replication(primary: Server, timeout_s: float = START_TIMEOUT_S) -> None:
-    """Until the primary has a replica online."""
+def wait_for_replication(
+    primary: Server, replicas: int = 1, timeout_s: float = START_TIMEOUT_S
+) -> None:
+    """Until the primary has ``replicas`` replicas online."""
     client = primary.client()
     deadline = time.monotonic() + timeout_s
     try:
         while True:
             info: dict[str, Any] = client.info("replication")
             slaves = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
-            if any(s.get("state") == "online" for s in slaves):
+            if sum(1 for s in slaves if s.get("state") == "online") >= replicas:
                 return
             if time.monotonic() > deadline:
                 raise AssertionError(f"the replica never came online: {info}")
@@ -381,7 +404,7 @@ def wait_for_sentinels_to_agree(group: SentinelGroup, timeout_s: float = 15) -> 
             try:
                 state: Any = client.sentinel_master(group.master)
                 if (
-                    int(state.get("num-slaves", 0)) >= 1
+                    int(state.get("num-slaves", 0)) >= len(group.replicas)
                     and int(state.get("num-other-sentinels", 0)) >= 2
                 ):
                     ready += 1
@@ -395,9 +418,9 @@ def wait_for_sentinels_to_agree(group: SentinelGroup, timeout_s: float = 15) -> 
 
 
 def wait_for_fail_over(group: SentinelGroup, timeout_s: float = 30) -> float:
-    """Until the sentinels name the replica as the primary; returns when (monotonic)."""
+    """Until the sentinels name a replica as the primary; returns when (monotonic)."""
     deadline = time.monotonic() + timeout_s
-    while group.current_primary_port() != group.replica.port:
+    while group.current_primary_port() not in {r.port for r in group.replicas}:
         if time.monotonic() > deadline:
             raise AssertionError(
                 f"no fail-over after {timeout_s}s: {group.sentinels[0].log[-2000:]}"

@@ -17,30 +17,40 @@ later, add ``+client|setinfo`` too: redis-py announces its name and version on e
 connection and ignores a refusal, which then only fills ``ACL LOG``.
 
 :func:`check_server` is the start-up check every worker, scheduler and ``kumiko`` command runs
-(:meth:`JobRunner.check_redis`, the ``Boot`` middleware of CLI workers): the broker's probe of
-``SCRIPT LOAD``, ``EVALSHA``, ``MGET``, ``DEL`` and every script command on keys of both
-namespaces (:meth:`~kumiko_dramatiq.broker.KumikoBroker.check_access`), then
-:func:`check_client_commands` for the commands sent from Python. ``PING`` and ``SELECT``
-are checked by connecting at all (a connection that cannot run them fails, naming
-the command). The first refusal stops the start with one
-:class:`~kumiko_dramatiq.errors.RedisAccessError` line naming the command (or the keys); a TLS
-failure (:func:`~kumiko_dramatiq.broker.tls.tls_problem`, and a TLS connection the server
-closes at once, :func:`~kumiko_dramatiq.broker.tls.tls_hint`) is one such line too.
+(:meth:`JobRunner.check_redis`, the ``Boot`` middleware of CLI workers). ``PING`` and ``SELECT``
+are checked by connecting at all; ``SCRIPT LOAD`` and ``EVALSHA`` by loading and running the
+probe (``lua/probe.lua``), which checks every other command of :func:`commands` with
+``redis.acl_check_cmd`` (Redis 7): the keyless ones once, the others on one key of each shape
+the process touches (:func:`sample_keys`: kumiko's keys, Dramatiq's namespace key, the queue
+list, message hash, delay queue, dead letters, doorbells and this worker's ack sets of both
+lanes and of every plain actor's queue declared on the broker, and the shared heartbeats).
+Nothing is run, read or written, so the check costs the same on an empty Redis and on one with
+millions of keys (one script of about a thousand permission checks, under a millisecond). Then
+one ``MGET`` of two keys of different hash slots: a Redis Cluster node refuses it
+(:func:`cluster_problem`). The first problem stops the start with one
+:class:`~kumiko_dramatiq.errors.RedisAccessError` line naming what to change: the key pattern
+to add (``~dramatiq:__heartbeats__``), the command (``+client|setname``), that Cluster is not
+supported; a TLS failure (:func:`~kumiko_dramatiq.broker.tls.tls_problem`, and a TLS connection
+the server closes at once, :func:`~kumiko_dramatiq.broker.tls.tls_hint`) is one such line too.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable
 from typing import Any, Final
 
 import redis
+from dramatiq.common import dq_name, q_name
 
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.broker import KumikoBroker
-from kumiko_dramatiq.broker.keys import queue_bell
 from kumiko_dramatiq.broker.lua import commands as lua_commands
-from kumiko_dramatiq.broker.tls import tls_hint, tls_problem
+from kumiko_dramatiq.broker.lua import source as lua_source
+from kumiko_dramatiq.broker.replies import text
+from kumiko_dramatiq.broker.tls import scheme_problem, tls_hint, tls_problem
 from kumiko_dramatiq.errors import RedisAccessError
+from kumiko_dramatiq.options import LANES, lane_queue
 
 #: The commands kumiko sends from Python (not from a Lua script), and what for. Subcommands
 #: are spelt as ACL spells them (``client|id``).
@@ -59,7 +69,7 @@ CLIENT_COMMANDS: Final[dict[str, str]] = {
     "client|setname": "names the doorbell connection (kumiko-bell:<queue>) for CLIENT LIST",
     "client|unblock": "wakes consumers waiting on a doorbell at shutdown",
     # reads and writes outside scripts: status, listings, presence, run history
-    "del": "presence records, reset-boot, the start-up probe",
+    "del": "presence records, reset-boot",
     "get": "status, locks, dedup records, dead-letter details",
     "hget": "run records",
     "hgetall": "run records, dedup records",
@@ -68,9 +78,10 @@ CLIENT_COMMANDS: Final[dict[str, str]] = {
     "hscan": "drain: messages in flight",
     "llen": "status: queued messages",
     "lrange": "parked messages of paused jobs",
-    "mget": "presence, boot markers, the start-up probe",
+    "mget": "presence, boot markers, the start-up check's Cluster probe",
     "pexpire": "presence records",
     "pttl": "locks and dedup records: time left",
+    "role": "a connection to a Sentinel-managed primary checks it is one",
     "sadd": "pause",
     "scan": "locks and dedup listings",
     "scard": "status: running messages",
@@ -86,10 +97,6 @@ CLIENT_COMMANDS: Final[dict[str, str]] = {
     "zrevrangebyscore": "run history and dead letters by time",
     "zscore": "dead letter lookups",
 }
-
-#: Commands checked by connecting (a connection that may not run them fails at once, the
-#: error naming the command), and those :meth:`KumikoBroker.check_access` checks itself.
-_CHECKED_ELSEWHERE: Final = frozenset({"ping", "select", "script|load", "evalsha", "mget", "del"})
 
 
 def commands() -> list[str]:
@@ -120,143 +127,138 @@ def setuser(user: str, queue_prefix: str | None = None, password: str = "<passwo
 
 # -- the start-up check ---------------------------------------------------------------------
 def check_server(broker: KumikoBroker, redis_url: str) -> None:
-    """Raise :class:`RedisAccessError` (one line) if Redis refuses anything kumiko needs
-    (see the module docstring). Other connection errors propagate as they are."""
+    """Raise :class:`RedisAccessError` (one line) if Redis refuses anything kumiko needs, or
+    is a Redis Cluster node (see the module docstring). Other connection errors propagate as
+    they are."""
     try:
-        broker.check_access(redis_url)
-        check_client_commands(broker.client, redis_url, broker.queue_prefix, broker.namespace)
-    except (redis.ConnectionError, OSError) as exc:
-        problem = tls_problem(exc) or tls_hint(exc)
+        _check(broker, redis_url)
+    except redis.ResponseError as exc:
+        cluster = cluster_problem(exc)
+        if cluster is not None:
+            raise RedisAccessError(redis_url, cluster) from None
+        raise
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        problem = tls_problem(exc) or tls_hint(exc) or scheme_problem(redis_url, exc)
         if problem is not None:
             raise RedisAccessError(redis_url, problem) from None
         raise
 
 
-def check_client_commands(
-    client: redis.Redis, redis_url: str, queue_prefix: str, namespace: str = keys.NAMESPACE
-) -> None:
-    """Run each command of :data:`CLIENT_COMMANDS` that nothing else checks, with harmless
-    arguments on probe keys of both namespaces (deleted after), in a few round trips; raise
-    :class:`RedisAccessError` naming the first refused. Connection errors propagate."""
-    probes = [
-        keys.probe(queue_prefix) + ":client",
-        queue_bell(f"{queue_prefix}-kumiko-probe", namespace),
-    ]
+def _check(broker: KumikoBroker, redis_url: str) -> None:
+    client = broker.client
     try:
-        _check_namespace_key(client, redis_url, namespace)
-        _check_data_commands(client, redis_url, probes)
-        _check_transactions(client, redis_url, probes[0] + ":v")
-        _check_consumer_commands(client, redis_url, probes[1])
-    finally:
-        client.delete(*probes, *(key + suffix for key in probes for suffix in _PROBE_SUFFIXES))
-
-
-#: Harmless calls of each data command on a probe key (each type its own key; ``scan``
-#: takes a pattern).
-_DATA_PROBES: Final[dict[str, Callable[[Any, str], Any]]] = {
-    "get": lambda pipe, key: pipe.get(key + ":v"),
-    "set": lambda pipe, key: pipe.set(key + ":v", "v", px=60_000),
-    "pexpire": lambda pipe, key: pipe.pexpire(key + ":v", 60_000),
-    "pttl": lambda pipe, key: pipe.pttl(key + ":v"),
-    "scan": lambda pipe, key: pipe.scan(0, match=key + ":v", count=1),
-    "hget": lambda pipe, key: pipe.hget(key + ":h", "f"),
-    "hgetall": lambda pipe, key: pipe.hgetall(key + ":h"),
-    "hlen": lambda pipe, key: pipe.hlen(key + ":h"),
-    "hmget": lambda pipe, key: pipe.hmget(key + ":h", ["f"]),
-    "hscan": lambda pipe, key: pipe.hscan(key + ":h", 0, count=1),
-    "llen": lambda pipe, key: pipe.llen(key + ":l"),
-    "lrange": lambda pipe, key: pipe.lrange(key + ":l", 0, 0),
-    "sadd": lambda pipe, key: pipe.sadd(key + ":s", "m"),
-    "scard": lambda pipe, key: pipe.scard(key + ":s"),
-    "sismember": lambda pipe, key: pipe.sismember(key + ":s", "m"),
-    "smembers": lambda pipe, key: pipe.smembers(key + ":s"),
-    "zadd": lambda pipe, key: pipe.zadd(key + ":z", {"m": 0}),
-    "zcard": lambda pipe, key: pipe.zcard(key + ":z"),
-    "zcount": lambda pipe, key: pipe.zcount(key + ":z", 0, 0),
-    "zrange": lambda pipe, key: pipe.zrange(key + ":z", 0, 0),
-    "zrem": lambda pipe, key: pipe.zrem(key + ":z", "m"),
-    "zrevrange": lambda pipe, key: pipe.zrevrange(key + ":z", 0, 0),
-    "zrevrangebyscore": lambda pipe, key: pipe.zrevrangebyscore(key + ":z", 0, 0),
-    "zscore": lambda pipe, key: pipe.zscore(key + ":z", "m"),
-}
-#: The suffixes of the probe keys those calls use.
-_PROBE_SUFFIXES: Final = (":v", ":h", ":l", ":s", ":z")
-_CONSUMER_COMMANDS: Final = ("client|setname", "client|id", "client|unblock", "rpush", "blpop")
-
-#: Every command the start-up check tries (or checks by connecting): a test keeps
-#: :data:`CLIENT_COMMANDS` inside it.
-CHECKED_COMMANDS: Final = frozenset(
-    {*_CHECKED_ELSEWHERE, *_DATA_PROBES, "multi", "exec", *_CONSUMER_COMMANDS}
-)
-
-
-def _check_namespace_key(client: redis.Redis, redis_url: str, namespace: str) -> None:
-    try:
-        client.exists(namespace)
+        client.ping()
+    except redis.AuthenticationError as exc:
+        raise RedisAccessError(redis_url, f"refuses the credentials: {exc}") from None
     except redis.exceptions.NoPermissionError as exc:
-        raise RedisAccessError(
-            redis_url,
-            f"does not let this user access the key {namespace!r}, which every broker script "
-            f"of kumiko names (add ~{namespace} to its key patterns): {exc}",
-        ) from None
-
-
-def _check_data_commands(client: redis.Redis, redis_url: str, probes: list[str]) -> None:
-    pipe = client.pipeline(transaction=False)
-    sent: list[str] = []
-    for command, probe in _DATA_PROBES.items():
-        for key in probes:
-            probe(pipe, key)
-            sent.append(command)
-    for command, reply in zip(sent, pipe.execute(raise_on_error=False), strict=True):
-        if isinstance(reply, redis.exceptions.NoPermissionError):
-            raise _refusal(redis_url, command, reply)
-        if isinstance(reply, redis.ConnectionError):
-            raise reply
-
-
-def _check_transactions(client: redis.Redis, redis_url: str, key: str) -> None:
-    pipe = client.pipeline(transaction=True)
-    pipe.get(key)
-    try:
-        pipe.execute()
-    except redis.ResponseError as exc:
-        # a refused MULTI leaves a lone EXEC; a refused EXEC aborts the transaction
-        text = str(exc)
-        if "EXEC without MULTI" in text:
-            raise _refusal(redis_url, "multi", exc) from None
-        if "NOPERM" in text or isinstance(exc, redis.exceptions.NoPermissionError):
-            raise _refusal(redis_url, "exec", exc) from None
-        raise
-
-
-def _check_consumer_commands(client: redis.Redis, redis_url: str, bell: str) -> None:
-    # on a connection of its own, as a doorbell wait: named, its id read, woken (not
-    # blocked, so a no-op), then a BLPOP on a list holding one item (it returns at once)
-    probe = redis.Redis(connection_pool=client.connection_pool, single_connection_client=True)
+        raise _refusal(redis_url, "ping", exc) from None
+    samples = sample_keys(broker)
     steps: list[tuple[str, Callable[[], Any]]] = [
-        ("client|setname", lambda: probe.client_setname("kumiko-probe")),
-        ("client|id", probe.client_id),
-        ("client|unblock", lambda: probe.client_unblock(0)),
-        ("rpush", lambda: probe.rpush(bell, "1")),
-        ("blpop", lambda: probe.blpop([bell], timeout=1)),
+        ("script|load", lambda: client.script_load(lua_source("probe"))),
+        ("evalsha", lambda: broker.lua.probe(keys=[], args=["\n".join(samples), *commands()])),
     ]
-    try:
-        for command, step in steps:
-            try:
-                step()
-            except redis.exceptions.NoPermissionError as exc:
-                raise _refusal(redis_url, command, exc) from None
-    finally:
-        probe.close()
+    findings: Any = None
+    for command, step in steps:
+        try:
+            findings = step()
+        except redis.exceptions.NoPermissionError as exc:
+            raise _refusal(redis_url, command, exc) from None
+        except redis.ResponseError as exc:
+            if "acl_check_cmd" in str(exc):
+                raise RedisAccessError(
+                    redis_url,
+                    "is older than Redis 7: kumiko needs Redis 7 or later (its start-up check "
+                    "asks redis.acl_check_cmd)",
+                ) from None
+            raise
+    problem = _finding_problem([text(item) for item in findings], samples)
+    if problem is not None:
+        raise RedisAccessError(redis_url, problem)
+    # Two keys of different hash slots in one command: a Redis Cluster node refuses it
+    # (CROSSSLOT or MOVED), as it would refuse every broker script.
+    client.mget([keys.probe(broker.queue_prefix), broker.namespace])
+
+
+def sample_keys(broker: KumikoBroker) -> dict[str, str]:
+    """One key of each shape a process of ``broker`` touches (for the start-up check), each
+    with the ACL key pattern that grants it: kumiko's own keys, Dramatiq's namespace key, the
+    queue list, message hash, delay queue, dead letters and doorbells of both lanes and of
+    every other queue declared on the broker (plain ``@dramatiq.actor`` queues), this
+    worker's ack sets of them, and the shared heartbeats."""
+    prefix, namespace = broker.queue_prefix, broker.namespace
+    queues = [lane_queue(prefix, lane) for lane in LANES]
+    queues += sorted(
+        {q_name(queue) for queue in broker.get_declared_queues()} - set(queues),
+    )
+    found = [keys.probe(prefix), keys.inflight(prefix), namespace, keys.heartbeats(namespace)]
+    for queue in queues:
+        for each in (queue, dq_name(queue)):
+            found += [
+                keys.queue_list(each, namespace),
+                keys.queue_messages(each, namespace),
+                keys.queue_bell(each, namespace),
+                keys.consumer_acks(broker.broker_id, each, namespace),
+            ]
+        found += [keys.dead_letters(queue, namespace), keys.dead_letter_messages(queue, namespace)]
+    return {key: _pattern_of(key, prefix) for key in dict.fromkeys(found)}
+
+
+def _pattern_of(key: str, queue_prefix: str) -> str:
+    """The documented key pattern that grants ``key`` (the dataset's, else the broad ones)."""
+    for pattern in [*key_patterns(queue_prefix), *key_patterns(None)]:
+        if fnmatch.fnmatchcase(key, pattern):
+            return pattern
+    return key
+
+
+def _finding_problem(findings: list[str], samples: dict[str, str]) -> str | None:
+    """What the probe's findings (``[kind, command, key, ...]``) mean, in one line: a missing
+    key pattern first, then a missing command, then a command refused on one key."""
+    entries = [tuple(findings[i : i + 3]) for i in range(0, len(findings), 3)]
+    for kind in ("unknown", "key", "command", "pair"):
+        for found, command, key in entries:
+            if found != kind:
+                continue
+            name = command.upper().replace("|", " ")
+            if kind == "unknown":
+                return f"cannot be checked for {name}: kumiko's probe has no entry for it (a bug)"
+            if kind == "key":
+                return (
+                    f"does not let this user access the key {key!r}, which kumiko uses (add "
+                    f"~{samples.get(key, key)} to its key patterns)"
+                )
+            if kind == "command":
+                return (
+                    f"does not let this user run {name}, which kumiko needs (add +{command} to "
+                    "its rules)"
+                )
+            return f"does not let this user run {name} on the key {key!r}, which kumiko needs"
+    return None
+
+
+def cluster_problem(exc: BaseException) -> str | None:
+    """If ``exc`` is how a Redis Cluster node answers a command kumiko sends, that in one
+    line; else ``None``."""
+    if isinstance(exc, redis.exceptions.MasterDownError):
+        return None  # a replica cut off from its primary, not Cluster
+    cluster = (
+        redis.exceptions.ClusterDownError,
+        redis.exceptions.AskError,
+        redis.exceptions.TryAgainError,
+        redis.exceptions.ClusterCrossSlotError,
+    )
+    message = str(exc)
+    if isinstance(exc, cluster) or "cluster mode" in message or message.startswith("CROSSSLOT"):
+        return (
+            f"is a Redis Cluster node ({message.splitlines()[0][:80]}): kumiko needs a standalone "
+            "Redis or a Sentinel-managed primary (redis+sentinel://); its scripts touch keys of "
+            "many hash slots"
+        )
+    return None
 
 
 def _refusal(redis_url: str, command: str, exc: BaseException) -> RedisAccessError:
     name = command.upper().replace("|", " ")
-    if "key" in str(exc).lower():
-        return RedisAccessError(
-            redis_url, f"does not let this user access the keys kumiko needs ({name}): {exc}"
-        )
     return RedisAccessError(
         redis_url, f"does not let this user run {name}, which kumiko needs: {exc}"
     )

@@ -61,6 +61,7 @@ from uuid import UUID, uuid4, uuid5
 import redis
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.common import current_millis, dq_name, q_name
+from dramatiq.errors import ConnectionClosed
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware
 from dramatiq.worker import Worker
@@ -74,8 +75,6 @@ from kumiko_dramatiq.broker.consumer import KumikoConsumer
 from kumiko_dramatiq.broker.delivery import Delivery, LaneFetch, MessagePolicy, Outcome, RunWrite
 from kumiko_dramatiq.broker.keys import queue_list, queue_messages
 from kumiko_dramatiq.broker.lua import LuaScripts
-from kumiko_dramatiq.broker.lua import commands as lua_commands
-from kumiko_dramatiq.broker.lua import source as lua_source
 from kumiko_dramatiq.broker.replies import as_list, text
 from kumiko_dramatiq.broker.seam import (
     HookTable,
@@ -85,7 +84,6 @@ from kumiko_dramatiq.broker.seam import (
     emit_before,
     set_consumed_queues,
 )
-from kumiko_dramatiq.errors import RedisAccessError
 from kumiko_dramatiq.options import LANES, lane_queue
 
 logger = logging.getLogger("kumiko_dramatiq")
@@ -512,18 +510,25 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         rid = str(uuid5(_MOVED_NAMESPACE, f"{delayed_rid}>{message.queue_name}"))
         prepared = self.prepare(message, None, redis_message_id=rid)
         self.emit_before("enqueue", prepared, None)
-        moved = self._call(
-            self.lua.move,
-            self.thread_client(),
-            keys=[self.namespace, keys.cancelled(self.queue_prefix, str(message.message_id))],
-            args=[
-                *self._head(dq_name(prepared.queue_name), maintenance=False),
-                delayed_rid,
-                prepared.queue_name,
-                rid,
-                prepared.encode(),
-            ],
-        )
+        try:
+            moved = self._call(
+                self.lua.move,
+                self.thread_client(),
+                keys=[self.namespace, keys.cancelled(self.queue_prefix, str(message.message_id))],
+                args=[
+                    *self._head(dq_name(prepared.queue_name), maintenance=False),
+                    delayed_rid,
+                    prepared.queue_name,
+                    rid,
+                    prepared.encode(),
+                ],
+            )
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # Only Dramatiq's consumer thread moves a held message: as a broker connection
+            # error its consumer is closed (which puts the held delayed messages back, or
+            # leaves them to the next consumer) and restarted; any other error would end
+            # the thread for good (Dramatiq's close() lets only this kind through).
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         self._held_delayed.discard(delayed_rid)
         self._moved.add(delayed_rid)
         if moved == 1:
@@ -636,50 +641,6 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             queue_list(message.queue_name, self.namespace),
         )
 
-    def check_access(self, redis_url: str) -> None:
-        """Raise :class:`~kumiko_dramatiq.errors.RedisAccessError` (one line) if Redis answers
-        but refuses what kumiko needs: the credentials, the database number, or any command
-        kumiko runs (``SCRIPT LOAD``, ``EVALSHA``, ``MGET``, ``DEL`` and every command of its
-        scripts, probed on keys of both namespaces by ``lua/probe.lua``). Connection errors
-        propagate as they are (see ``JobRunner.wait_for_redis``)."""
-        client = self.client
-        try:
-            client.ping()
-        except redis.AuthenticationError as exc:
-            raise RedisAccessError(redis_url, f"refuses the credentials: {exc}") from None
-        except redis.ResponseError as exc:
-            raise RedisAccessError(redis_url, f"refuses the connection: {exc}") from None
-        probe_keys = [
-            queue_list(f"{self.queue_prefix}-kumiko-probe", self.namespace),
-            keys.probe(self.queue_prefix),
-        ]
-        steps: list[tuple[str, Callable[[], Any]]] = [
-            ("SCRIPT LOAD", lambda: client.script_load(lua_source("probe"))),
-            ("EVALSHA", lambda: self.lua.probe(keys=probe_keys, args=lua_commands())),
-            ("MGET", lambda: client.mget(probe_keys)),
-            ("DEL", lambda: client.delete(*probe_keys)),
-        ]
-        for command, step in steps:
-            try:
-                reply = step()
-            except redis.exceptions.NoPermissionError as exc:
-                if "key" in str(exc):
-                    raise RedisAccessError(
-                        redis_url,
-                        f"does not let this user access the keys kumiko needs "
-                        f"({self.namespace}:* and kumiko:{self.queue_prefix}:*): {exc}",
-                    ) from None
-                raise RedisAccessError(
-                    redis_url, f"does not let this user run {command}, which kumiko needs: {exc}"
-                ) from None
-            if command == "EVALSHA" and reply:
-                refused, key, error = (text(item) for item in reply[:3])
-                raise RedisAccessError(
-                    redis_url,
-                    f"does not let this user run {refused.upper()} on {key}, which kumiko "
-                    f"needs: {error}",
-                )
-
     def boot_process(self) -> None:
         """Emit ``process_boot``, as Dramatiq's CLI does in each worker process. An in-process
         worker (``JobRunner.start()``) must do it itself: ``Worker.start()`` does not, and
@@ -744,10 +705,12 @@ def make_connection_pool(redis_url: str, timeout_s: float) -> redis.ConnectionPo
     """A runner's pool: connect and read timeouts of ``timeout_s``, and one quick reconnect
     on a dropped connection, never on a timeout (redis-py's default retries ten times,
     timeouts included, which turns an unreachable Redis into a minute-long hang). Any URL
-    form of :mod:`kumiko_dramatiq.broker.connection` (TLS, Sentinel, ...)."""
+    form of :mod:`kumiko_dramatiq.broker.connection` (TLS, Sentinel, ...); a Sentinel pool
+    follows the sentinels' fail-over events (:mod:`kumiko_dramatiq.broker.failover`)."""
     return connection_pool(
         redis_url,
         timeout_s=timeout_s,
+        follow_failovers=True,
         retry=Retry(
             ExponentialBackoff(cap=0.5, base=0.05), 1, supported_errors=(redis.ConnectionError,)
         ),

@@ -323,6 +323,9 @@ class KumikoConsumer(Consumer):
                 self.broker.do_ack(self.queue_name, rid)
                 return
             settlement = message.settlement
+            if settlement.requeue:
+                self.broker.do_requeue(self.queue_name, rid)
+                return
             outcome: Outcome = "ack"
             follow_up = settlement.retry or settlement.handoff
             if follow_up is not None:
@@ -369,12 +372,22 @@ class KumikoConsumer(Consumer):
             self._done(rid)
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
+        """Put ``messages`` (and what this consumer fetched but did not hand out) back on
+        the queue. Redis not answering: a delay queue's messages are left to the next
+        consumer of the queue in this process (as :meth:`close` does); any other raises
+        Dramatiq's ``ConnectionClosed``, which its consumer thread survives (a raw Redis
+        error raised while it closes a consumer would end the thread)."""
         rids = [_redis_id(message) for message in messages]
         rids += [rid for rid, _ in self._cache]
         self._cache.clear()
         if not rids:
             return
-        self.broker.do_requeue(self.queue_name, *rids)
+        try:
+            self.broker.do_requeue(self.queue_name, *rids)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if not self._delayed:
+                raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+            self.broker._abandoned.setdefault(self.queue_name, set()).update(rids)
         for rid in rids:
             self._done(rid)
 

@@ -32,12 +32,16 @@ class Settlement:
     ``handoff``: likewise, a sequential job's hand-off (a new message) when its lock is held;
     ``completed``: the message completed, so the ack also writes its "already completed"
     marker (at most one of the three is set); ``run``: the run record to write.
+    ``requeue``: the run was cut short (fenced: its lease could not be renewed), so instead of
+    an ack the message goes back to its queue as if never delivered (``lua/requeue.lua``),
+    like a run cut short by a crash; nothing else is written.
     """
 
     retry: tuple[Message[Any], int | None] | None = None
     handoff: tuple[Message[Any], int | None] | None = None
     completed: bool = False
     run: RunWrite | None = None
+    requeue: bool = False
 
 
 class Delivery(MessageProxy):

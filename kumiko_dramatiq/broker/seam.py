@@ -24,6 +24,18 @@ that breaks when the host library changes what it relies on; see docs/upgrading.
    the one argument.
 6. **redis-py's argument encoder** (:func:`argument_encoder`), from ``redis._parsers``, which
    the command packer falls back on.
+7. **Asynchronous exceptions** (:func:`raise_in_thread`, :func:`clear_pending_in_thread`):
+   CPython's ``PyThreadState_SetAsyncExc``, the mechanism Dramatiq's ``TimeLimit`` uses too,
+   through ``ctypes``. An exception set for a thread is raised in it the next time it runs
+   Python bytecode (not inside a blocking C call); setting ``NULL`` clears one not yet
+   raised. :class:`kumiko_dramatiq.worker.interrupts.Interruptible` is built on them.
+8. **A connection's socket** (:func:`has_socket`): redis-py's ``Connection._sock`` is
+   ``None`` while a connection is not connected (it connects on its next command).
+9. **redis-py's Sentinel connection**, which
+   :class:`~kumiko_dramatiq.broker.connection.KumikoSentinelConnection` extends: it
+   (re)connects through ``connect_to(address)`` with the primary's address from its pool,
+   and turns a ``READONLY`` reply into a ``ConnectionError`` raised while handling it (the
+   ``ReadOnlyError`` is its ``__context__``).
 
 Guests: the middleware added to a kumiko broker after it was built, and what they see.
 
@@ -65,6 +77,7 @@ on each emit, a C-level list comparison).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -224,3 +237,24 @@ def argument_encoder(encoding: str, errors: str) -> Callable[[Any], bytes]:
     """redis-py's encoder of command arguments (what its pure-Python packer takes)."""
     encode: Callable[[Any], bytes] = Encoder(encoding, errors, False).encode  # type: ignore[no-untyped-call]
     return encode
+
+
+def raise_in_thread(thread_id: int, exception: type[BaseException]) -> bool:
+    """Raise ``exception`` in the thread ``thread_id`` as an asynchronous exception (CPython's
+    ``PyThreadState_SetAsyncExc``): it is raised there the next time that thread runs Python
+    bytecode. ``False`` when no such thread exists."""
+    found = ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), ctypes.py_object(exception)
+    )
+    return bool(found == 1)
+
+
+def clear_pending_in_thread(thread_id: int) -> None:
+    """Drop an asynchronous exception set for ``thread_id`` and not raised yet (a no-op when
+    there is none)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), None)
+
+
+def has_socket(connection: Any) -> bool:
+    """Whether a redis-py connection is connected now (``Connection._sock``)."""
+    return getattr(connection, "_sock", None) is not None

@@ -24,12 +24,15 @@ here is refused (a typo never passes silently):
   the system's), ``ssl_ca_path`` (a directory of them), ``ssl_certfile`` and ``ssl_keyfile``
   (a client certificate, for servers with ``tls-auth-clients yes``; the key may be inside the
   certificate file), ``ssl_cert_reqs`` (``required``, the default: the server's certificate
-  must verify; ``optional``; ``none``: not checked — encryption without authentication of
-  the server), ``ssl_check_hostname`` (``true``, the default with ``required``: the
-  certificate must name the host of the URL; ``false``). Files are checked when the URL is
-  validated (``JobRunner`` construction): a missing or unreadable one is an error naming the
-  option and the path. An encrypted private key is not supported (no password in URLs beyond
-  the user's);
+  must verify; ``optional``: the same for a client, since Python's ``ssl`` verifies the
+  server's certificate whenever it asks for one and a TLS server always sends one; ``none``:
+  not checked — encryption without authentication of the server), ``ssl_check_hostname``
+  (``true``, the default with ``required``: the certificate must name the host of the URL;
+  ``false``). Files are checked when the URL is validated (``JobRunner`` construction): a
+  missing or unreadable one is an error naming the option and the path, and the client
+  certificate and its key are loaded once, so a key that does not match, or an encrypted
+  key, is refused there, in one line, without prompting for a pass phrase (an encrypted key
+  is not supported: no password in URLs beyond the user's);
 - ``redis+sentinel://`` only: ``master`` (required: the name Sentinel monitors),
   ``sentinel_username`` and ``sentinel_password`` (when the sentinels themselves require
   ``AUTH``; never shown in errors). TLS with Sentinel is not supported.
@@ -48,6 +51,7 @@ pool works against the new primary.
 from __future__ import annotations
 
 import os
+import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -274,6 +278,37 @@ def _tls_defaults(connection: dict[str, Any]) -> None:
         connection["ssl_check_hostname"] = reqs == "required"
     if "ssl_keyfile" in connection and "ssl_certfile" not in connection:
         raise _Problem("option ssl_keyfile needs ssl_certfile (the client certificate)")
+    if "ssl_certfile" in connection:
+        _check_client_certificate(connection["ssl_certfile"], connection.get("ssl_keyfile"))
+
+
+class _Encrypted(Exception):
+    """Raised by the pass-phrase callback: the key is encrypted (never prompted for)."""
+
+
+def _refuse_pass_phrase() -> str:
+    raise _Encrypted
+
+
+def _check_client_certificate(certfile: str, keyfile: str | None) -> None:
+    """The client certificate and its key load, and the key is not encrypted: OpenSSL would
+    ask for its pass phrase on the terminal at every connection (or fail over and over
+    without one). Loading with a pass-phrase callback that refuses never prompts."""
+    option = "ssl_keyfile" if keyfile is not None else "ssl_certfile"
+    path = keyfile if keyfile is not None else certfile
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_cert_chain(certfile, keyfile, password=_refuse_pass_phrase)
+    except _Encrypted:
+        raise _Problem(
+            f"option {option} names an encrypted private key ({path}), which kumiko cannot "
+            "unlock: give it a key without a pass phrase (openssl pkey -in KEY -out PLAIN)"
+        ) from None
+    except ssl.SSLError as exc:
+        raise _Problem(
+            f"options ssl_certfile and {option} do not load as a certificate and its private "
+            f"key ({exc.reason or exc}): {certfile}, {path}"
+        ) from None
 
 
 def _port(host: str, default: int) -> tuple[str, int]:

@@ -50,7 +50,12 @@ from kumiko_dramatiq.broker.acl import check_server
 from kumiko_dramatiq.broker.connection import client as redis_client
 from kumiko_dramatiq.broker.connection import describe
 from kumiko_dramatiq.context import JobContext, JobMeta
-from kumiko_dramatiq.errors import BootGateError, JobConfigError, RedisUnavailableError
+from kumiko_dramatiq.errors import (
+    BootGateError,
+    JobConfigError,
+    RedisUnavailableError,
+    redact_url,
+)
 from kumiko_dramatiq.ids import boot_message_id
 from kumiko_dramatiq.messages import build_message
 from kumiko_dramatiq.ops.history import RunHistory, RunStatus, error_fields, record_write
@@ -319,7 +324,14 @@ class Boot(Middleware):
             check_server(self.runtime.broker, self.runtime.settings.redis_url)
             self.run(broker)
         except Exception as exc:
-            logger.critical("kumiko worker for %s did not start: %s", self.runtime.queue_name, exc)
+            url = redact_url(self.runtime.settings.redis_url)
+            where = "" if url in str(exc) else f" (Redis at {url})"
+            logger.critical(
+                "kumiko worker for %s did not start%s: %s",
+                self.runtime.queue_name,
+                where,
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )
             raise SystemExit(BOOT_FAILED_EXIT_STATUS) from exc
 
     def run(self, broker: Broker) -> None:

@@ -271,7 +271,9 @@ class Dedup(Middleware):
       the follow-up through ``KumikoBroker.enqueue_step`` (one more Lua call that
       writes the message and makes it the live job) ; a failure that will be
       retried sets ``queued`` (the retry keeps the id); a sequential hand-off
-      points the record at the requeued message, ``queued``.
+      points the record at the requeued message, ``queued``; a run fenced because its lease
+      could not be renewed leaves the record as it is (the message runs again on its id,
+      as after a crash).
     - ``after_skip_message`` (any skip) and :meth:`release_rejected` (a malformed
       message dead-lettered at fetch, before it ran): the job ended for good, as above.
 
@@ -322,8 +324,8 @@ class Dedup(Middleware):
         exception: BaseException | None = None,
     ) -> None:
         execution = execution_of(message)
-        if execution is None:
-            return
+        if execution is None or execution.fenced:
+            return  # a fenced run comes back on the same id: its record stays as it is
         keyed = self._keyed(execution.job, execution.is_wrapper, execution.options.dedup_key)
         if keyed is None:
             return

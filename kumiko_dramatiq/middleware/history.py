@@ -140,7 +140,8 @@ class History(Middleware):
     Before ``Retries`` in the chain (after ``Boot``, ``Metrics``, ``Tracing``), so its
     ``after_process_message`` runs after
     ``Retries`` decided (a retry on the settlement = failed; ``message.failed`` = dead). A
-    hand-off writes no record. Touches no Redis key itself (the settle call does).
+    hand-off writes no record, nor does a fenced run (its message runs again). Touches no Redis
+    key itself (the settle call does).
     """
 
     def __init__(self, settings: Settings) -> None:
@@ -160,6 +161,8 @@ class History(Middleware):
         if execution.handed_off:
             message.settlement.run = handoff_record(execution)
             return
+        if execution.fenced:
+            return  # no attempt ended: the message goes back to its queue (Sequential)
         status: RunStatus = "completed"
         if exception is not None:
             status = "dead" if message.failed else "failed"

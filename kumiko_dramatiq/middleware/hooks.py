@@ -2,7 +2,9 @@
 
 Called in the worker for every attempt (per-tenant wrappers too, under the job's qualified
 name with ``tenant_id=None``); ``on_job_failed`` on every failed attempt, timeouts included,
-with ``meta.final_attempt``. A sequential hand-off calls none of them. A hook that raises is
+with ``meta.final_attempt``. A sequential hand-off calls none of them; a run fenced because its
+lease could not be renewed calls ``on_job_start`` only (it spent no attempt and runs again, like a
+run cut short by a crash). A hook that raises is
 logged and ignored. Placed just before ``TimeLimit``: ``on_job_start`` runs after the lock is
 taken, and the after-hooks run before the lock is released and the retry is prepared, so
 hooks of one message id never interleave. Touches no Redis key.
@@ -40,7 +42,7 @@ class Hooks(Middleware):
         exception: BaseException | None = None,
     ) -> None:
         execution = execution_of(message)
-        if execution is None or execution.handed_off:
+        if execution is None or execution.handed_off or execution.fenced:
             return
         name, message_id, meta = execution.job.qualified_name, execution.message_id, execution.meta
         if exception is None:

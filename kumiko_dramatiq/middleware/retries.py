@@ -17,7 +17,8 @@ Everything about retries is here:
   runs now) and leaves it on the delivery's :class:`~kumiko_dramatiq.broker.Settlement`;
   the final failure is dead-lettered (``message.fail()`` -> ``<queue>.XQ``, kept
   ``Retention.failed_age_s``). A timeout (``TimeLimitExceeded``) is a failed attempt like any
-  other; a sequential hand-off spends none;
+  other; a sequential hand-off spends none, nor does a run fenced because its lease could not
+  be renewed (it goes back to its queue, like a run cut short by a crash);
 - **the ack-with-retry step** (``lua/settle.lua``, run by the consumer's ack): the ack of
   the failed attempt and the enqueue of its retry are ONE Lua call, so a worker killed before
   it leaves neither (the attempt is redelivered and runs again) and one killed after it leaves
@@ -108,7 +109,7 @@ class Retries(Middleware):
             )
             return
         execution = execution_of(message)
-        if exception is None or execution is None or execution.handed_off:
+        if exception is None or execution is None or execution.handed_off or execution.fenced:
             return
         meta, options = execution.meta, execution.options
         payload = f" payload={message.args[0]!r}" if self.log_payloads else ""

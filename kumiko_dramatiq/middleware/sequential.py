@@ -12,8 +12,13 @@ waiting out its backoff holds no lock and takes it again when it runs.
 
 ``before_process_message``
     One Lua call (``lua/lock_acquire.lua``): ``SET lock token NX PX ttl``.
-    Acquired: the lease is kept in ``execution.lease`` and renewed by this
-    middleware's renewer thread. Held: a NEW message (``trigger="requeue"``,
+    Acquired: the lease is kept in ``execution.lease``, renewed by this
+    middleware's renewer thread and fenced (:mod:`kumiko_dramatiq.worker.fencing`):
+    counted from when the command that took or last renewed it was sent, a lease
+    that could not be renewed for ``0.75 * ttl`` interrupts its run
+    (``LeaseLost``), and a run still executing at ``0.9 * ttl`` ends its worker
+    process, so two runs never overlap, also when the holder is cut off from
+    Redis. Held: a NEW message (``trigger="requeue"``,
     same payload, tenant, dedup key and cron tick, ``build_message_options(job)``
     and the failed attempts already spent), due after
     ``sequential_retry_delay_ms`` (+0..20 % jitter), goes into the delivery's
@@ -27,10 +32,15 @@ waiting out its backoff holds no lock and takes it again when it runs.
 ``after_process_message`` / ``after_skip_message``
     Compare-and-delete of the lock if this delivery holds it, on every path
     (success, failure, ``TimeLimitExceeded``, graceful shutdown). A failed
-    release is logged; the lock then expires within its TTL.
+    release is logged; the lock then expires within its TTL. A run fenced
+    (``execution.fenced``) does not release it (it is no longer its own: it
+    expires) and asks its ack to put the message back on its queue
+    (``Settlement.requeue``): like a run cut short by a crash it spends no
+    attempt, calls no failure hook and runs again later (the ack is retried until
+    Redis answers; a worker that dies first leaves it to crash recovery).
 ``after_worker_shutdown``
-    Stops the renewer thread (idempotent; it restarts lazily if needed). A
-    run still going then (a stop that timed out) keeps its lock at most the TTL.
+    Asks the renewer thread to stop. A run still going then (a stop that timed
+    out) keeps its lease renewed until it ends; then the thread ends.
 
 Options read: ``job.options.concurrency``, ``job.options.per_tenant``;
 message options ``kumiko_tenant_id`` and ``kumiko_failures`` (through
@@ -46,7 +56,11 @@ renewed every TTL/3 by one multi-key Lua call for all leases of the process).
 A hand-off leaves no key of its own: it is enqueued by the ack.
 
 Bounds: a worker killed with ``kill -9`` leaves its lock for at most
-``lock_ttl_ms`` (the last renewal was at most TTL/3 earlier). A
+``lock_ttl_ms`` (the last renewal was at most TTL/3 earlier). A run cut off
+from Redis is interrupted by an outage longer than ``0.75 * ttl``; it survives
+one shorter than ``(0.75 - 1/3 - 1/10) * ttl`` less the socket timeout (renewals
+every TTL/3, retried every TTL/10 after a failure, each waiting up to
+``boot_redis_timeout_ms``). A
 waiting message re-checks the lock once per ``sequential_retry_delay_ms``
 (never sooner): N waiters cost at most N lock checks and N enqueues per
 delay, never a hot loop. Waiters are not ordered (no FIFO).
@@ -57,6 +71,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -70,6 +85,8 @@ from kumiko_dramatiq.ids import handoff_message_id
 from kumiko_dramatiq.messages import build_message
 from kumiko_dramatiq.registry import JobDefinition
 from kumiko_dramatiq.worker.execution import Execution, Lease, execution_of
+from kumiko_dramatiq.worker.fencing import Fence, fence_deadlines, lost_deadlines
+from kumiko_dramatiq.worker.interrupts import Interruptible
 from kumiko_dramatiq.worker.runtime import Runtime
 
 logger = logging.getLogger("kumiko_dramatiq")
@@ -108,6 +125,12 @@ def renew_interval_ms(ttl_ms: int) -> int:
     return max(1, ttl_ms // 3)
 
 
+def retry_interval_ms(ttl_ms: int) -> int:
+    """How soon a failed renewal is tried again: a tenth of the TTL, so a short
+    outage costs no run (see :func:`kumiko_dramatiq.worker.fencing.fence_deadlines`)."""
+    return max(1, ttl_ms // 10)
+
+
 def new_token(message_id: str) -> str:
     """A lease owner token: the holder's message id plus a random part."""
     return f"{message_id}:{uuid.uuid4().hex}"
@@ -137,13 +160,20 @@ class Sequential(Middleware):
         )
         token = new_token(execution.message_id)
         lua = self.runtime.broker.lua
+        sent_at = time.monotonic()  # the lease runs from here at the latest
         try:
             state = lua.lock_acquire(keys=[lock_key], args=[token, self.lock_ttl_ms])
         except Exception as exc:
             raise SequentialLockError(job.qualified_name, "taking the lock", lock_key, exc) from exc
         if state == ACQUIRED:
             execution.lease = Lease(lock_key, token)
-            self._renewer.hold(token, lock_key)
+            self._renewer.hold(
+                token,
+                lock_key,
+                sent_at=sent_at,
+                run=execution.interruptible,
+                what=f"{job.qualified_name} {execution.message_id} (lock {lock_key})",
+            )
             return
         self._hand_off(execution, lock_key)
 
@@ -205,9 +235,21 @@ class Sequential(Middleware):
         if execution is None or execution.lease is None:
             return
         lease, execution.lease = execution.lease, None
-        # Drop it from the renewer first: a renewal racing the delete must not
-        # report a lease we gave up as "lost".
-        self._renewer.drop(lease.token)
+        # Drop it from the renewer and the fence first: a renewal racing the delete must
+        # not report a lease we gave up as "lost".
+        self._renewer.release(lease.token)
+        if execution.fenced:
+            execution.delivery.settlement.requeue = True
+            logger.warning(
+                "%s %s was interrupted: its lease of lock %s could not be renewed; the lock is "
+                "left to expire, the message goes back to its queue and runs again (no attempt "
+                "spent)",
+                execution.job.qualified_name,
+                execution.message_id,
+                lease.lock_key,
+                extra=execution.log_fields(),
+            )
+            return
         try:
             released = self.runtime.broker.lua.lock_release(
                 keys=[lease.lock_key], args=[lease.token]
@@ -234,37 +276,62 @@ class Sequential(Middleware):
 
 
 class LeaseRenewer:
-    """One daemon thread per :class:`Sequential` that extends the leases this process holds.
+    """One daemon thread per :class:`Sequential` that extends the leases this process holds,
+    and moves the fence of their runs (:class:`~kumiko_dramatiq.worker.fencing.Fence`).
 
-    Every ``renew_interval_ms(ttl)`` it extends all held leases in ONE Lua
-    call (``lua/lock_renew.lua``). A lease found owned by someone else is dropped and
-    logged as lost. Started on the first :meth:`hold`; :meth:`stop` is
-    idempotent and a later :meth:`hold` starts a fresh thread.
+    Every ``renew_interval_ms(ttl)`` it extends all held leases in ONE Lua call
+    (``lua/lock_renew.lua``); after a failed call it tries again every
+    ``retry_interval_ms(ttl)``. Each renewal moves its runs' fence deadlines
+    (:func:`~kumiko_dramatiq.worker.fencing.fence_deadlines` from when the call was sent); a
+    lease found gone (expired, or another owner's) is dropped, logged as lost, and fences its
+    run at once. Started on the first :meth:`hold`; it ends when it finds nothing to renew,
+    and a later :meth:`hold` starts a fresh one. A lease still held when the worker stops (a
+    run that outlived the stop) is renewed until its run ends.
     """
 
     def __init__(self, owner: Sequential) -> None:
         self._owner = owner
-        self._mutex = threading.Lock()
+        self._mutex = threading.Condition()
         self._leases: dict[str, str] = {}  # token -> lock key
         self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
 
-    def hold(self, token: str, lock_key: str) -> None:
+    @property
+    def _fence(self) -> Fence:
+        return self._owner.runtime.fence
+
+    def hold(
+        self, token: str, lock_key: str, *, sent_at: float, run: Interruptible, what: str
+    ) -> None:
+        """Renew ``lock_key`` (owned by ``token``, taken by a command sent at ``sent_at``,
+        monotonic) and fence ``run`` by it until :meth:`release`."""
+        interrupt_at, end_at = fence_deadlines(sent_at, self._owner.lock_ttl_ms)
+        self._fence.guard(
+            token,
+            run,
+            interrupt_at=interrupt_at,
+            end_at=end_at,
+            what=what,
+            on_interrupt=lambda: self.drop(token),
+        )
         with self._mutex:
             self._leases[token] = lock_key
             if self._thread is None or not self._thread.is_alive():
-                self._stopping = threading.Event()
                 self._thread = threading.Thread(
                     target=self._run,
-                    args=(self._stopping,),
                     name=f"kumiko-leases-{self._owner.runtime.queue_prefix}",
                     daemon=True,
                 )
                 self._thread.start()
 
     def drop(self, token: str) -> None:
+        """Stop renewing ``token``'s lease (its run was fenced, or is ending)."""
         with self._mutex:
             self._leases.pop(token, None)
+
+    def release(self, token: str) -> None:
+        """The run of ``token`` ended: stop renewing its lease and fencing it."""
+        self.drop(token)
+        self._fence.release(token)
 
     def held(self) -> dict[str, str]:
         """A snapshot of the held leases (token -> lock key)."""
@@ -272,53 +339,67 @@ class LeaseRenewer:
             return dict(self._leases)
 
     def stop(self) -> None:
+        """The worker stopped: the thread ends once it holds nothing (a run that outlived
+        the stop keeps its lease renewed until it ends)."""
         with self._mutex:
-            thread, self._thread = self._thread, None
-            self._stopping.set()
-            abandoned = list(self._leases.values())
-        if abandoned:
+            outliving = sorted(self._leases.values())
+        if outliving:
             logger.warning(
-                "stopping lease renewal while %d sequential run(s) still hold %s; "
-                "those locks expire within %d ms",
-                len(abandoned),
-                ", ".join(sorted(abandoned)),
-                self._owner.lock_ttl_ms,
+                "the worker stopped while %d sequential run(s) still hold %s; their leases "
+                "are renewed until they end",
+                len(outliving),
+                ", ".join(outliving),
             )
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5)
 
-    def _run(self, stopping: threading.Event) -> None:
-        interval_s = renew_interval_ms(self._owner.lock_ttl_ms) / 1000
-        while not stopping.wait(interval_s):
+    def _run(self) -> None:
+        ttl_ms = self._owner.lock_ttl_ms
+        delay_s = renew_interval_ms(ttl_ms) / 1000
+        while True:
+            with self._mutex:
+                if self._leases:
+                    self._mutex.wait(delay_s)
+                if not self._leases:
+                    self._thread = None
+                    return
             try:
                 self.renew_once()
+                delay_s = renew_interval_ms(ttl_ms) / 1000
             except Exception as exc:
+                delay_s = retry_interval_ms(ttl_ms) / 1000
                 logger.warning(
-                    "could not renew sequential locks (%s: %s); leases expire within %d ms "
-                    "unless a later renewal succeeds",
+                    "could not renew sequential locks (%s: %s); trying again in %d ms, their "
+                    "runs are interrupted %d ms after the last renewal that went through",
                     type(exc).__name__,
                     exc,
-                    self._owner.lock_ttl_ms,
+                    retry_interval_ms(ttl_ms),
+                    int(ttl_ms * 0.75),
                 )
 
     def renew_once(self) -> None:
-        """Extend every held lease now (one round trip); drop and log lost ones."""
+        """Extend every held lease now (one round trip); fence the runs of lost ones."""
         leases = list(self.held().items())
         if not leases:
             return
+        ttl_ms = self._owner.lock_ttl_ms
+        sent_at = time.monotonic()
         reply = self._owner.runtime.broker.lua.lock_renew(
             keys=[key for _, key in leases],
-            args=[*(token for token, _ in leases), self._owner.lock_ttl_ms],
+            args=[*(token for token, _ in leases), ttl_ms],
         )
+        now = time.monotonic()
         for (token, lock_key), renewed in zip(leases, reply, strict=True):
             if renewed == 1:
+                interrupt_at, end_at = fence_deadlines(sent_at, ttl_ms)
+                self._fence.extend(token, interrupt_at=interrupt_at, end_at=end_at)
                 continue
             with self._mutex:
                 still_held = self._leases.pop(token, None) is not None
             if still_held:
                 logger.warning(
                     "lost sequential lock %s (token %s): it expired or was taken over while "
-                    "its run continues",
+                    "its run continues; interrupting the run",
                     lock_key,
                     token,
                 )
+                interrupt_at, end_at = lost_deadlines(now, ttl_ms)
+                self._fence.extend(token, interrupt_at=interrupt_at, end_at=end_at)

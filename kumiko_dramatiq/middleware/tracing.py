@@ -189,6 +189,8 @@ class Tracing(Middleware):
             if execution is not None and execution.handed_off:
                 span.set_attribute("kumiko.status", "handed_off")
                 span.set_attribute("kumiko.handoff_id", str(execution.handoff_id))
+            elif execution is not None and execution.fenced:
+                span.set_attribute("kumiko.status", "fenced")
             elif isinstance(message, Delivery) and message.settlement.run is not None:
                 span.set_attribute("kumiko.status", message.settlement.run.status)
             if exception is not None:

@@ -3,8 +3,10 @@
 An actor body is thin: it reads the delivery's ``Execution`` (opened at fetch by the
 broker's message policy, :mod:`kumiko_dramatiq.worker.execution`), builds the
 ``JobContext`` and calls the handler, or,
-for a wrapper, fans out (:mod:`kumiko_dramatiq.worker.fanout`). Retries, locks, hooks
-and timeouts live in middleware.
+for a wrapper, fans out (:mod:`kumiko_dramatiq.worker.fanout`), through the execution's
+:class:`~kumiko_dramatiq.worker.interrupts.Interruptible` (so a fence or a stop can interrupt
+exactly the handler, never the middleware around it). Retries, locks, hooks and timeouts live
+in middleware.
 
 A typed job's body first validates the queued payload against the job's model
 (:func:`~kumiko_dramatiq.payloads.load_payload`; the handler receives the instance, a
@@ -31,6 +33,7 @@ from kumiko_dramatiq.payloads import STALE_NOTE, load_payload, payload_to_enqueu
 from kumiko_dramatiq.registry import JobDefinition
 from kumiko_dramatiq.worker.execution import Execution
 from kumiko_dramatiq.worker.fanout import fan_out
+from kumiko_dramatiq.worker.fencing import LeaseLost
 from kumiko_dramatiq.worker.logs import hide_arguments
 from kumiko_dramatiq.worker.runtime import Runtime
 
@@ -46,7 +49,8 @@ def declare_actors(broker: KumikoBroker, runtime: Runtime) -> None:
             actor_name=job.qualified_name,
             queue_name=queue,
             priority=0,
-            options={"time_limit": time_limit},
+            # a fenced run (LeaseLost) is logged by the fence, not again as an unhandled error
+            options={"time_limit": time_limit, "throws": (LeaseLost,)},
         )
         if not runtime.settings.log_payloads:
             hide_arguments(actor.logger)
@@ -75,7 +79,8 @@ def _job_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]]
         if job.payload_model is not None:
             with _refusing_stale(execution):
                 argument = load_payload(job, payload, note=STALE_NOTE, show_value=show_value)
-        runtime.call_handler(job, argument, runtime.context_for(execution))
+        context = runtime.context_for(execution)
+        execution.interruptible.run(lambda: runtime.call_handler(job, argument, context))
         check_elapsed(job, started)
 
     run.__name__ = run.__qualname__ = job.qualified_name
@@ -97,7 +102,7 @@ def _wrapper_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, A
                     load_payload(job, payload, note=STALE_NOTE, show_value=show_value),
                     max_bytes=runtime.settings.max_payload_bytes,
                 )
-        fan_out(runtime, execution, payload)
+        execution.interruptible.run(lambda: fan_out(runtime, execution, payload))
 
     wrapper.__name__ = wrapper.__qualname__ = job.wrapper_actor_name
     return wrapper

@@ -27,6 +27,8 @@ from kumiko_dramatiq.codec import KumikoOptions, OptionsError
 from kumiko_dramatiq.context import JobMeta
 from kumiko_dramatiq.errors import PayloadError
 from kumiko_dramatiq.limits import DEFAULT_MAX_PAYLOAD_BYTES, check_payload
+from kumiko_dramatiq.worker.fencing import LeaseLost
+from kumiko_dramatiq.worker.interrupts import Interruptible
 
 if TYPE_CHECKING:
     from kumiko_dramatiq.registry import JobDefinition, Registry
@@ -55,6 +57,9 @@ class Execution:
     #: The message this one handed its run off to (``Sequential``, lock held): the actor
     #: body, the hooks and the retries then do nothing and no attempt is spent.
     handoff_id: str | None = None
+    #: The handler call, which another thread may interrupt (a lease that could not be
+    #: renewed, :mod:`kumiko_dramatiq.worker.fencing`).
+    interruptible: Interruptible = field(default_factory=Interruptible)
 
     def __post_init__(self) -> None:
         self.meta = self.options.meta()
@@ -91,6 +96,15 @@ class Execution:
         ``Retries`` dead-letters it, ``Dedup`` frees its key and the hooks and the run
         record see a final attempt."""
         self.meta = replace(self.meta, no_retry=True)
+
+    @property
+    def fenced(self) -> bool:
+        """Whether the run was cut short because its lease could not be renewed
+        (:class:`~kumiko_dramatiq.worker.fencing.LeaseLost`): like a run cut short by a crash,
+        it spends no attempt, calls no failure hook and comes back; its lease is not released
+        (it is no longer the run's). A run that completed as the interruption came is not."""
+        run = self.interruptible
+        return run.raised and run.interrupted_by is LeaseLost
 
 
 def execution_of(message: MessageProxy | None) -> Execution | None:

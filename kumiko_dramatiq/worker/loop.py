@@ -3,8 +3,11 @@
 Dramatiq's ``AsyncIO`` middleware owns one process-global event loop, which
 several runners in one process cannot share safely. Each runner gets its own
 :class:`EventLoopThread`, started on first use. A worker thread waits for its
-coroutine in short slices, so Dramatiq's ``TimeLimit`` can interrupt the wait;
-an interrupted wait cancels the coroutine.
+coroutine in short slices, so an interruption (Dramatiq's ``TimeLimit``, kumiko's
+:class:`~kumiko_dramatiq.worker.interrupts.Interruptible`) lands in the wait; an
+interrupted wait cancels the coroutine's task and waits until the task has ended (its
+``finally`` blocks ran, in slices too) before it re-raises: when the worker thread moves on,
+the handler is no longer running.
 """
 
 from __future__ import annotations
@@ -41,13 +44,40 @@ class EventLoopThread:
             return self._loop
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        future = asyncio.run_coroutine_threadsafe(coro, self._ensure_started())
+        """Run ``coro`` as a task of the loop and return its result (or raise its error);
+        interrupted, cancel the task, wait until it ended, re-raise."""
+        loop = self._ensure_started()
+        outcome: concurrent.futures.Future[T] = concurrent.futures.Future()
+        ended = threading.Event()
+        tasks: list[asyncio.Task[T]] = []
+
+        def settle(task: asyncio.Task[T]) -> None:
+            ended.set()
+            if task.cancelled():
+                outcome.cancel()
+            elif (error := task.exception()) is not None:
+                outcome.set_exception(error)
+            else:
+                outcome.set_result(task.result())
+
+        def start() -> None:
+            task = loop.create_task(coro)
+            tasks.append(task)
+            task.add_done_callback(settle)
+
+        def cancel() -> None:
+            for task in tasks:
+                task.cancel()
+
+        loop.call_soon_threadsafe(start)
         try:
-            while not future.done():
-                concurrent.futures.wait([future], timeout=_WAIT_SLICE_S)
-            return future.result()
+            while not outcome.done():
+                concurrent.futures.wait([outcome], timeout=_WAIT_SLICE_S)
+            return outcome.result()
         except BaseException:
-            future.cancel()
+            loop.call_soon_threadsafe(cancel)
+            while not ended.wait(_WAIT_SLICE_S) and loop.is_running():
+                pass
             raise
 
     def stop(self) -> None:

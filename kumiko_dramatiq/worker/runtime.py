@@ -20,6 +20,7 @@ from kumiko_dramatiq.context import JobContext, JobMeta
 from kumiko_dramatiq.registry import JobDefinition, Registry
 from kumiko_dramatiq.settings import Settings
 from kumiko_dramatiq.worker.execution import Execution, execution_of
+from kumiko_dramatiq.worker.fencing import Fence
 from kumiko_dramatiq.worker.loop import EventLoopThread
 
 logger = logging.getLogger("kumiko_dramatiq")
@@ -56,6 +57,8 @@ class Runtime:
         self.hooks = hooks
         self.get_active_tenant_ids = get_active_tenant_ids
         self.loop = EventLoopThread(settings.queue_prefix)
+        #: the watchdog of the runs that hold leases (its thread starts on first use)
+        self.fence = Fence(settings.queue_prefix)
         self.broker: KumikoBroker
 
     def attach(self, broker: KumikoBroker) -> None:

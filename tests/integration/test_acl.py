@@ -5,6 +5,8 @@ its commands (or its keys) fails at start, in one line naming what is missing.""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +21,7 @@ from tests.deployment import (
     DIES,
     FAN,
     GATE,
+    ROOT,
     SEQ,
     TICK,
     WORK,
@@ -117,3 +120,53 @@ def test_a_user_without_the_namespace_key_fails_at_start_naming_it(
         runner.start()
     runner.stop()
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("pattern", acl.key_patterns("PREFIX"))
+def test_a_user_lacking_one_key_pattern_fails_at_start_naming_it(
+    pattern: str, redis_client: redis.Redis, redis_url: str, prefix: str, acl_user: str
+) -> None:
+    missing = pattern.replace("PREFIX", prefix)
+    set_user(redis_client, acl_user, [r for r in acl.rules(prefix) if r != f"~{missing}"])
+    runner = runner_as(redis_url, acl_user, prefix)
+    with pytest.raises(RedisAccessError) as caught:
+        runner.start()
+    runner.stop()
+    message = str(caught.value)
+    assert "\n" not in message
+    assert f"add ~{missing} to its key patterns" in message
+    assert ":pw@" not in message
+
+
+def test_a_cli_worker_lacking_the_heartbeats_key_stops_in_one_line_naming_url_and_pattern(
+    redis_client: redis.Redis, redis_url: str, prefix: str, acl_user: str
+) -> None:
+    set_user(
+        redis_client, acl_user, [r for r in acl.rules(prefix) if r != "~dramatiq:__heartbeats__"]
+    )
+    url = as_user(redis_url, acl_user)
+    done = subprocess.run(
+        [sys.executable, "-m", "dramatiq", "kumiko_dramatiq.app", "-p", "1", "-t", "1"],
+        cwd=ROOT,
+        env=cli_env(url, prefix),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 3, done.stderr
+    [line] = [line for line in done.stderr.splitlines() if "did not start" in line]
+    assert "CRITICAL" in line
+    assert f"redis://{acl_user}:***@" in line
+    assert "~dramatiq:__heartbeats__" in line
+    assert "Traceback" not in done.stderr
+
+
+def test_kumiko_status_lacking_the_acks_key_is_one_line(
+    redis_client: redis.Redis, redis_url: str, prefix: str, acl_user: str
+) -> None:
+    acks = f"~dramatiq:__acks__.*.{prefix}-*"
+    set_user(redis_client, acl_user, [r for r in acl.rules(prefix) if r != acks])
+    done = kumiko(cli_env(as_user(redis_url, acl_user), prefix), "status")
+    assert done.returncode == 1, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert acks in line

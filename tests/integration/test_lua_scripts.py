@@ -42,8 +42,8 @@ from typing import Any
 import pytest
 import redis
 
+from kumiko_dramatiq.broker import acl
 from kumiko_dramatiq.broker.lua import LuaScripts
-from kumiko_dramatiq.broker.lua import commands as lua_commands
 from kumiko_dramatiq.context import JobContext, Trigger
 from kumiko_dramatiq.messages import build_message
 from kumiko_dramatiq.registry import Feature
@@ -3828,20 +3828,21 @@ def test_cancel(
 
 
 # == probe ==================================================================================
-# The start-up permission check runs each command on its own probe key under both prefixes
-# and deletes them after: with every command allowed, the reply is empty and no key is left.
-# A command without a probe is named (so the probe table must cover every command kumiko's
-# scripts run: the first row keeps it complete).
+# The start-up permission check asks redis.acl_check_cmd about each command on each sample key:
+# it runs nothing, so no key is read or written. With every command allowed the reply is
+# empty. A command without a probe is named (so the probe table must cover every command of
+# the rule set: the first row keeps it complete).
 @pytest.mark.parametrize(
     ("commands", "reply"),
     [
-        pytest.param(lua_commands(), [], id="every-command-of-the-scripts-has-a-probe"),
-        pytest.param(["zadd", "flushall"], ["flushall", "", "no probe"], id="no-probe-named"),
+        pytest.param(acl.commands(), [], id="every-command-of-the-rule-set-has-a-probe"),
+        pytest.param(["zadd", "flushall"], ["unknown", "flushall", ""], id="no-probe-named"),
         pytest.param([], [], id="nothing-to-probe"),
     ],
 )
 def test_probe(env: Env, commands: list[str], reply: list[str]) -> None:
-    result = env.lua.probe(keys=[env.key(PROBE_DRAMATIQ), env.key(PROBE_KUMIKO)], args=commands)
+    samples = "\n".join([env.key(PROBE_DRAMATIQ), env.key(PROBE_KUMIKO)])
+    result = env.lua.probe(keys=[], args=[samples, *commands])
 
     assert text(result) == reply
     env.assert_state({})

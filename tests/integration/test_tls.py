@@ -15,7 +15,7 @@ from urllib.parse import urlencode
 import pytest
 from starlette.testclient import TestClient
 
-from kumiko_dramatiq import JobRunner
+from kumiko_dramatiq import JobConfigError, JobRunner
 from kumiko_dramatiq.dashboard import create_app
 from kumiko_dramatiq.errors import RedisAccessError
 from tests.conftest import wait_for
@@ -32,6 +32,7 @@ from tests.deployment import (
     main_paths_registry,
     make_certificates,
     run_main_paths,
+    start_server,
     start_tls_server,
 )
 
@@ -202,3 +203,94 @@ def test_a_missing_client_certificate_fails_start_in_one_line(
         runner.check_redis()
     runner.stop()
     assert "\n" not in str(caught.value)
+
+
+def _encrypted_key(certs: Certificates) -> Path:
+    encrypted = certs.client_key.with_name("client-encrypted.key")
+    if not encrypted.exists():
+        subprocess.run(
+            [
+                *("openssl", "pkey", "-in", str(certs.client_key), "-aes256"),
+                *("-passout", "pass:secret", "-out", str(encrypted)),
+            ],
+            check=True,
+            capture_output=True,
+        )
+    return encrypted
+
+
+def test_an_encrypted_client_key_is_refused_when_the_runner_is_built_without_a_prompt(
+    tls_server: Server, certs: Certificates, prefix: str
+) -> None:
+    url = tls_url(tls_server, certs, ssl_keyfile=str(_encrypted_key(certs)))
+    with pytest.raises(JobConfigError, match="encrypted private key") as caught:
+        JobRunner(main_paths_registry(), redis_url=url, queue_prefix=prefix)
+    assert "\n" not in str(caught.value)
+    assert "ssl_keyfile" in str(caught.value)
+
+
+def test_an_encrypted_client_key_is_one_line_without_a_terminal_too(
+    tls_server: Server, certs: Certificates, prefix: str
+) -> None:
+    # no terminal: no stdin, a session of its own (OpenSSL's prompt would repeat or hang)
+    url = tls_url(tls_server, certs, ssl_keyfile=str(_encrypted_key(certs)))
+    done = subprocess.run(
+        [sys.executable, "-m", "kumiko_dramatiq.ops.cli", "status"],
+        cwd=ROOT,
+        env=cli_env(url, prefix),
+        capture_output=True,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "PEM pass phrase" not in done.stderr + done.stdout
+    [line] = done.stderr.strip().splitlines()
+    assert "encrypted private key" in line
+
+
+def test_a_plain_url_on_the_tls_port_says_to_use_rediss(
+    tls_server: Server, certs: Certificates, prefix: str
+) -> None:
+    runner = JobRunner(
+        main_paths_registry(),
+        redis_url=f"redis://127.0.0.1:{tls_server.port}/0",
+        queue_prefix=prefix,
+        boot_redis_timeout_ms=2_000,
+    )
+    with pytest.raises(
+        RedisAccessError, match="speaks TLS on this port: use a rediss://"
+    ) as caught:
+        runner.check_redis()
+    runner.stop()
+    assert "\n" not in str(caught.value)
+
+
+def test_a_tls_url_on_a_plain_port_says_to_use_redis(
+    certs: Certificates, prefix: str, tmp_path: Path
+) -> None:
+    plain = start_server("plain", tmp_path)
+    try:
+        url = f"rediss://127.0.0.1:{plain.port}/0?{urlencode({'ssl_ca_certs': str(certs.ca)})}"
+        runner = JobRunner(
+            main_paths_registry(), redis_url=url, queue_prefix=prefix, boot_redis_timeout_ms=1_000
+        )
+        with pytest.raises(RedisAccessError, match="without TLS on this port") as caught:
+            runner.check_redis()
+        runner.stop()
+        assert "use a redis:// URL" in str(caught.value)
+        assert "\n" not in str(caught.value)
+    finally:
+        plain.stop()
+
+
+def test_ssl_cert_reqs_optional_verifies_the_server_as_required_does(
+    tls_server: Server, certs: Certificates, prefix: str
+) -> None:
+    # as documented: Python's ssl verifies a server's certificate whenever it asks for one
+    url = tls_url(tls_server, certs, ssl_ca_certs=str(certs.wrong_ca), ssl_cert_reqs="optional")
+    runner = JobRunner(main_paths_registry(), redis_url=url, queue_prefix=prefix)
+    with pytest.raises(RedisAccessError, match="does not verify"):
+        runner.check_redis()
+    runner.stop()

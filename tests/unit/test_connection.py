@@ -3,6 +3,7 @@ without a server: parsing, validation, one-line errors, TLS error recognition.""
 
 from __future__ import annotations
 
+import re
 import ssl
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from kumiko_dramatiq import JobConfigError
 from kumiko_dramatiq.broker import acl
 from kumiko_dramatiq.broker.connection import SentinelPool, client, connection_pool, describe
 from kumiko_dramatiq.broker.lua import commands as lua_commands
+from kumiko_dramatiq.broker.lua import source as lua_source
 from kumiko_dramatiq.broker.packer import RespPacker
 from kumiko_dramatiq.broker.tls import tls_problem
 from kumiko_dramatiq.broker.urls import parse, url_problem
@@ -183,8 +185,12 @@ def test_the_rule_set_holds_every_script_command_and_every_command_sent_from_pyt
     assert commands == sorted(set(commands))
 
 
-def test_the_start_up_check_tries_every_command_sent_from_python() -> None:
-    assert set(acl.CLIENT_COMMANDS) <= acl.CHECKED_COMMANDS | set(lua_commands())
+def test_the_start_up_probe_checks_every_command_of_the_rule_set() -> None:
+    # the probe's table of harmless arguments, one entry per command (lua/probe.lua)
+    table = lua_source("probe").partition("local specs = {")[2].partition("\n}\n")[0]
+    entries = set(re.findall(r'(?:\["([a-z|]+)"\]|\b([a-z]+)) = \{', table))
+    probed = {quoted or plain for quoted, plain in entries}
+    assert probed == set(acl.commands())
 
 
 def test_a_prefixed_rule_set_is_that_datasets_keys_alone() -> None:

@@ -6,25 +6,35 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
+import time
 from typing import Any
+from unittest import mock
 
 import dramatiq
 import pytest
+import redis
 from dramatiq.broker import Broker
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import Middleware, MiddlewareError, TimeLimit
 from dramatiq.worker import Worker
+from redis.connection import AbstractConnection
+from redis.exceptions import ReadOnlyError
+from redis.sentinel import SentinelManagedConnection
 
 from kumiko_dramatiq.broker.seam import (
     AnyActorOptions,
     HookTable,
     NoCommandFallback,
     argument_encoder,
+    clear_pending_in_thread,
     consumed_queues,
     emit_after,
     emit_before,
+    has_socket,
     name_interruptions,
+    raise_in_thread,
     set_consumed_queues,
 )
 
@@ -151,3 +161,94 @@ def test_redis_pys_argument_encoder_encodes_as_the_connection_would() -> None:
     assert encode("é") == "é".encode()
     assert encode(5) == b"5"
     assert encode(b"raw") == b"raw"
+
+
+class _Async(BaseException):
+    pass
+
+
+def _blocked_thread() -> tuple[threading.Thread, threading.Event, list[str]]:
+    """A thread blocked in a C call (an event wait), then running Python code for a while."""
+    blocked, release, seen = threading.Event(), threading.Event(), []
+
+    def target() -> None:
+        try:
+            blocked.set()
+            release.wait(10)
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline:
+                pass
+            seen.append("ran on")
+        except _Async:
+            seen.append("interrupted")
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    blocked.wait(10)
+    return thread, release, seen
+
+
+def test_an_asynchronous_exception_lands_once_the_thread_runs_python_code() -> None:
+    thread, release, seen = _blocked_thread()
+    assert raise_in_thread(thread.ident or 0, _Async) is True
+    release.set()
+    thread.join(10)
+    assert seen == ["interrupted"]
+
+
+def test_a_pending_asynchronous_exception_can_be_cleared() -> None:
+    thread, release, seen = _blocked_thread()
+    raise_in_thread(thread.ident or 0, _Async)
+    clear_pending_in_thread(thread.ident or 0)
+    release.set()
+    thread.join(10)
+    assert seen == ["ran on"]
+
+
+def test_no_thread_is_no_asynchronous_exception() -> None:
+    thread = threading.Thread(target=lambda: None)
+    thread.start()
+    thread.join()
+    assert raise_in_thread(thread.ident or 0, _Async) is False
+
+
+def test_a_redis_connection_has_a_socket_only_while_connected() -> None:
+    connection = redis.Connection(host="127.0.0.1", port=1)  # type: ignore[no-untyped-call]
+    assert has_socket(connection) is False
+    connection._sock = object()  # type: ignore[assignment]
+    assert has_socket(connection) is True
+
+
+# -- redis-py's Sentinel connection, which KumikoSentinelConnection builds on ----------------
+class _MasterProxy:
+    """Stands in for redis-py's pool proxy: a master pool whose primary is at port 1."""
+
+    is_master = True
+    check_connection = False
+    service_name = "mymaster"
+
+    def get_master_address(self) -> tuple[str, int]:
+        return ("127.0.0.1", 1)
+
+
+def test_a_sentinel_connection_connects_through_connect_to_with_the_primarys_address() -> None:
+    seen: list[tuple[str, int]] = []
+
+    class Noted(SentinelManagedConnection):
+        def connect_to(self, address: tuple[str, int]) -> None:
+            seen.append(address)
+
+    Noted(connection_pool=_MasterProxy()).connect()  # type: ignore[no-untyped-call]
+    assert seen == [("127.0.0.1", 1)]
+
+
+def test_a_readonly_reply_on_a_sentinel_connection_is_a_connection_error_from_it() -> None:
+    connection = SentinelManagedConnection(connection_pool=_MasterProxy())  # type: ignore[no-untyped-call]
+    with (
+        mock.patch.object(
+            AbstractConnection, "read_response", side_effect=ReadOnlyError("READONLY replica")
+        ),
+        pytest.raises(redis.ConnectionError) as caught,
+    ):
+        connection.read_response()
+    assert isinstance(caught.value.__context__, ReadOnlyError)

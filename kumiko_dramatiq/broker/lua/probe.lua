@@ -1,51 +1,103 @@
--- probe: which of the Redis commands kumiko's scripts run may this user not run?
--- KEYS[1] a probe key in Dramatiq's namespace   KEYS[2] a probe key under kumiko's prefix
--- ARGV[1..] the commands to try (lower case), each on "<KEYS[i]>:<command>" for both keys
--- Every command runs with harmless arguments on its own probe key, which is deleted after.
--- Returns {command, key, error, ...} for each command the user's ACL refuses (one entry per
--- command at most), or {} when all are allowed; a command without a probe here is returned
--- with the error "no probe" (a test keeps this table complete).
-local arguments = {
-    del = {}, exists = {}, get = {}, keys = {}, pexpire = {"60000"}, pttl = {},
-    set = {"v", "PX", "60000"},
-    hdel = {"f"}, hexists = {"f"}, hget = {"f"}, hgetall = {}, hincrby = {"f", "0"}, hlen = {},
-    hmget = {"f"}, hset = {"f", "v"},
-    llen = {}, lpop = {}, lpos = {"v"}, lpush = {"v"}, lrange = {"0", "0"}, lrem = {"0", "v"},
-    rpush = {"v"},
-    sadd = {"m"}, scard = {}, sismember = {"m"}, smembers = {}, srem = {"m"},
-    hscan = {"0"},
-    zadd = {"0", "m"}, zcard = {}, zrange = {"0", "0"}, zrangebyscore = {"0", "0"}, zrem = {"m"},
-    zremrangebyscore = {"0", "0"},
+-- probe: may this user run every command kumiko sends, on every key it touches?
+-- KEYS[1..]: none: the script itself touches no key (EVALSHA with 0 keys)
+-- ARGV[1] the sample keys, one of each shape the process touches, separated by "\n"
+-- ARGV[2..] the commands to check (lower case; a subcommand as "client|id")
+-- Nothing is run: each command is checked with redis.acl_check_cmd (Redis 7) with harmless
+-- arguments, a command that takes keys once on each sample key; the work is bounded by the
+-- commands and keys given, never by the keyspace.
+-- Returns a flat list of findings, {kind, command, key, ...}, at most 32 of them, {} when
+-- everything is allowed:
+--   "key", "", key          no command may touch that key (its key pattern is missing)
+--   "command", command, ""  the command may not run at all, or on no key
+--   "pair", command, key    the command may not run on that key (others may)
+--   "unknown", command, ""  no probe for that command here (a test keeps the table complete)
+local K = {}  -- stands for the sample key
+local specs = {
+    blpop = {K, "1"}, ["client|id"] = {}, ["client|setname"] = {"kumiko-probe"},
+    ["client|unblock"] = {"0"}, del = {K},
+    evalsha = {"0000000000000000000000000000000000000000", "1", K}, exec = {}, exists = {K},
+    get = {K}, hdel = {K, "f"}, hexists = {K, "f"}, hget = {K, "f"}, hgetall = {K},
+    hlen = {K}, hmget = {K, "f"}, hscan = {K, "0"},
+    hset = {K, "f", "v"}, keys = {"kumiko-probe"}, llen = {K}, lpop = {K}, lpos = {K, "v"},
+    lpush = {K, "v"}, lrange = {K, "0", "0"}, lrem = {K, "0", "v"}, mget = {K}, multi = {},
+    pexpire = {K, "60000"}, ping = {}, pttl = {K}, role = {}, rpush = {K, "v"},
+    sadd = {K, "m"}, scan = {"0"}, scard = {K}, ["script|load"] = {"return 1"},
+    select = {"0"}, set = {K, "v", "PX", "60000"}, sismember = {K, "m"}, smembers = {K},
+    srem = {K, "m"}, zadd = {K, "0", "m"}, zcard = {K}, zcount = {K, "0", "0"},
+    zrange = {K, "0", "0"}, zrangebyscore = {K, "0", "0"}, zrem = {K, "m"},
+    zremrangebyscore = {K, "0", "0"}, zrevrange = {K, "0", "0"},
+    zrevrangebyscore = {K, "0", "0"}, zscore = {K, "m"},
 }
-local refused = {}
-local written = {}
-for _, command in ipairs(ARGV) do
-    local extra = arguments[command]
-    if not extra then
-        refused[#refused + 1] = command
-        refused[#refused + 1] = ""
-        refused[#refused + 1] = "no probe"
+
+local function argv_of(command, spec, key)
+    local argv = {}
+    for part in string.gmatch(command, "[^|]+") do
+        argv[#argv + 1] = part
+    end
+    for _, arg in ipairs(spec) do
+        argv[#argv + 1] = (arg == K) and key or arg
+    end
+    return argv
+end
+
+local function keyed(spec)
+    for _, arg in ipairs(spec) do
+        if arg == K then
+            return true
+        end
+    end
+    return false
+end
+
+local samples = {}
+for key in string.gmatch(ARGV[1], "[^\n]+") do
+    samples[#samples + 1] = key
+end
+local findings, key_ok, denied, any_keyed = {}, {}, {}, false
+local function note(kind, command, key)
+    if #findings < 96 then
+        findings[#findings + 1] = kind
+        findings[#findings + 1] = command
+        findings[#findings + 1] = key
+    end
+end
+for i = 2, #ARGV do
+    local command = ARGV[i]
+    local spec = specs[command]
+    if not spec then
+        note("unknown", command, "")
+    elseif not keyed(spec) then
+        if not redis.acl_check_cmd(unpack(argv_of(command, spec, ""))) then
+            note("command", command, "")
+        end
     else
-        for _, base in ipairs(KEYS) do
-            local key = base .. ":" .. command
-            local target = key
-            if command == "keys" then
-                target = key .. "*"
-            end
-            written[#written + 1] = key
-            local reply = redis.pcall(command, target, unpack(extra))
-            if type(reply) == "table" and reply.err and (string.find(reply.err, "NOPERM", 1, true)
-                or string.find(reply.err, "can't run", 1, true)
-                or string.find(reply.err, "can't access", 1, true)) then
-                refused[#refused + 1] = command
+        any_keyed = true
+        local allowed, refused = 0, {}
+        for _, key in ipairs(samples) do
+            if redis.acl_check_cmd(unpack(argv_of(command, spec, key))) then
+                allowed = allowed + 1
+                key_ok[key] = true
+            else
                 refused[#refused + 1] = key
-                refused[#refused + 1] = reply.err
-                break
             end
+        end
+        if allowed == 0 and #samples > 0 then
+            note("command", command, "")
+        else
+            denied[#denied + 1] = {command, refused}
         end
     end
 end
-for _, key in ipairs(written) do
-    redis.pcall("del", key)
+for _, key in ipairs(samples) do
+    if any_keyed and not key_ok[key] then
+        note("key", "", key)
+    end
 end
-return refused
+for _, entry in ipairs(denied) do
+    for _, key in ipairs(entry[2]) do
+        if key_ok[key] then
+            note("pair", entry[1], key)
+        end
+    end
+end
+return findings
