@@ -242,6 +242,15 @@ def _events(client: redis.Redis, prefix: str) -> list[dict[str, Any]]:
     return [json.loads(raw) for raw in client.lrange(key, 0, -1)]
 
 
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` is gone or a zombie (it ran its last instruction)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
 @pytest.mark.slow
 def test_a_handler_in_a_blocking_c_call_ends_its_worker_process_before_its_lease_expires(
     proxy: TcpProxy,
@@ -280,9 +289,12 @@ def test_a_handler_in_a_blocking_c_call_ends_its_worker_process_before_its_lease
         proxy.cut()
 
         # Then the worker process ends (the run could not be interrupted) while the lock it
-        # held has not expired yet: no other run could have started beside it
-        worker.wait(timeout=60)
+        # held has not expired yet: no other run could have started beside it. (The lock is
+        # read the moment that process is gone, not once Dramatiq's main process noticed.)
+        [event] = _events(redis_client, prefix)
+        wait_for(lambda: _ended(event["pid"]), timeout_s=60, what="the worker process to end")
         remaining_ms = redis_client.pttl(lock)
+        worker.wait(timeout=60)
         text = log.read_text(errors="replace")
         assert worker.returncode == FENCE_EXIT_STATUS, text[-3000:]
         assert remaining_ms > 0, text[-3000:]

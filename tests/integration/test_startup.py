@@ -11,7 +11,7 @@ import pytest
 
 from kumiko_dramatiq import JobRunner
 from kumiko_dramatiq.errors import RedisAccessError
-from tests.deployment import cli_env, kumiko, main_paths_registry, start_server
+from tests.deployment import cli_env, free_port, kumiko, main_paths_registry, start_server
 
 #: A command that took longer than this shows in SLOWLOG (µs). The old check ran KEYS over
 #: the whole keyspace twice: about 100 ms at half a million keys.
@@ -22,7 +22,11 @@ def test_a_redis_cluster_node_is_refused_at_start_in_one_line(tmp_path: Path, pr
     node = start_server(
         "cluster",
         tmp_path,
-        args=["--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf")],
+        args=[
+            *("--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf")),
+            # the bus port defaults to the port + 10000, past 65535 for a high free port
+            *("--cluster-port", str(free_port())),
+        ],
     )
     try:
         admin = node.client()
