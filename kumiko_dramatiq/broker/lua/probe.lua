@@ -11,12 +11,15 @@ local arguments = {
     hdel = {"f"}, hexists = {"f"}, hget = {"f"}, hgetall = {}, hincrby = {"f", "0"}, hlen = {},
     hmget = {"f"}, hset = {"f", "v"},
     llen = {}, lpop = {}, lpos = {"v"}, lpush = {"v"}, lrange = {"0", "0"}, lrem = {"0", "v"},
-    rpush = {"v"},
+    rpop = {}, rpush = {"v"},
     sadd = {"m"}, scard = {}, sismember = {"m"}, smembers = {}, srem = {"m"},
     hscan = {"0"},
     zadd = {"0", "m"}, zcard = {}, zrange = {"0", "0"}, zrangebyscore = {"0", "0"}, zrem = {"m"},
     zremrangebyscore = {"0", "0"},
+    time = {},
 }
+-- commands that take no key: run once, without one
+local keyless = {time = true}
 local refused = {}
 local written = {}
 for _, command in ipairs(ARGV) do
@@ -33,7 +36,12 @@ for _, command in ipairs(ARGV) do
                 target = key .. "*"
             end
             written[#written + 1] = key
-            local reply = redis.pcall(command, target, unpack(extra))
+            local reply
+            if keyless[command] then
+                reply = redis.pcall(command)
+            else
+                reply = redis.pcall(command, target, unpack(extra))
+            end
             if type(reply) == "table" and reply.err and (string.find(reply.err, "NOPERM", 1, true)
                 or string.find(reply.err, "can't run", 1, true)
                 or string.find(reply.err, "can't access", 1, true)) then
