@@ -128,6 +128,17 @@ def parked_withdrawn(queue_prefix: str, job_name: str) -> str:
     return f"{_root(queue_prefix)}:parked-withdrawn:{job_name}"
 
 
+def dashboard_session(queue_prefix: str, digest: str) -> str:
+    """A signed-in dashboard session, by the SHA-256 of its cookie (TTL: the session's
+    lifetime; signing out deletes it, so a copied cookie stops working)."""
+    return f"{_root(queue_prefix)}:dashboard:session:{digest}"
+
+
+def dashboard_sign_ins(queue_prefix: str, address: str) -> str:
+    """How many sign-ins one client address tried in the current window (TTL: the window)."""
+    return f"{_root(queue_prefix)}:dashboard:signins:{address}"
+
+
 def process(queue_prefix: str, identity: str) -> str:
     """A live worker's or scheduler's registration (JSON, TTL: its heartbeat timeout)."""
     return f"{_root(queue_prefix)}:proc:{identity}"

@@ -4121,6 +4121,32 @@ def test_cancel(
     env.assert_expiry(expiry)
 
 
+# == count_attempt ==========================================================================
+ATTEMPTS = "kumiko:{p}:dashboard:signins:10.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("given", "ttl", "reply", "expiry"),
+    [
+        pytest.param(None, None, 1, TTL, id="first-attempt-opens-the-window"),
+        pytest.param("4", SHORT_TTL, 5, SHORT_TTL, id="later-attempts-keep-the-window"),
+        pytest.param("4", None, 5, TTL, id="a-counter-without-ttl-gets-one"),
+    ],
+)
+def test_count_attempt(
+    env: Env, given: str | None, ttl: int | None, reply: int, expiry: int
+) -> None:
+    if given is not None:
+        env.seed({ATTEMPTS: given})
+    if ttl is not None:
+        env.expire(ATTEMPTS, ttl)
+
+    assert env.lua.count_attempt(keys=[env.key(ATTEMPTS)], args=[TTL]) == reply
+
+    env.assert_state({ATTEMPTS: str(reply)})
+    env.assert_ttls({ATTEMPTS: expiry})
+
+
 # == probe ==================================================================================
 # The start-up permission check runs each command on its own probe key under both prefixes
 # and deletes them after: with every command allowed, the reply is empty and no key is left.

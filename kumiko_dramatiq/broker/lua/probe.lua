@@ -9,7 +9,7 @@ local arguments = {
     del = {}, exists = {}, get = {}, keys = {}, pexpire = {"60000"}, pttl = {},
     set = {"v", "PX", "60000"},
     hdel = {"f"}, hexists = {"f"}, hget = {"f"}, hgetall = {}, hincrby = {"f", "0"}, hlen = {},
-    hmget = {"f"}, hset = {"f", "v"},
+    hmget = {"f"}, hset = {"f", "v"}, incr = {},
     llen = {}, lpop = {}, lpos = {"v"}, lpush = {"v"}, lrange = {"0", "0"}, lrem = {"0", "v"},
     rpop = {}, rpush = {"v"},
     sadd = {"m"}, scard = {}, sismember = {"m"}, smembers = {}, srem = {"m"},
