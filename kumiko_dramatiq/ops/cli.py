@@ -55,13 +55,15 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from types import FrameType
 from typing import Any, NoReturn
 
+import dramatiq
 import redis
 
+import kumiko_dramatiq
 from kumiko_dramatiq.environment import DASHBOARD_TOKEN, dashboard_token
 from kumiko_dramatiq.errors import (
     AppLoadError,
@@ -76,7 +78,7 @@ from kumiko_dramatiq.loader import load_runner
 from kumiko_dramatiq.middleware.boot import reset_boot_marker
 from kumiko_dramatiq.middleware.metrics import serving
 from kumiko_dramatiq.ops.history import STATUSES
-from kumiko_dramatiq.ops.terminal import indented, parse_when, table
+from kumiko_dramatiq.ops.terminal import indented, parse_when, table, without_frames_of
 from kumiko_dramatiq.runner import JobRunner
 from kumiko_dramatiq.scheduler import Scheduler
 
@@ -90,6 +92,10 @@ FULL_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{
 ID_PREFIX = re.compile(r"[0-9a-f][0-9a-f-]{3,34}")
 #: How many candidates an ambiguous prefix names.
 SHOWN_CANDIDATES = 5
+#: Where the worker's own code lives: its frames are left out of tracebacks shown as text.
+WORKER_CODE = tuple(
+    os.path.dirname(package.__file__ or "") + os.sep for package in (dramatiq, kumiko_dramatiq)
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -357,7 +363,7 @@ def _runs(runner: JobRunner, args: argparse.Namespace) -> Result:
     text = table(
         ["when", "job", "message", "tenant", "trigger", "att.", "status", "took", "error"],
         rows,
-        cuttable=("error",),
+        cuttable=("tenant",),  # the error column holds the error's type: never cut
     )
     if not text:
         text = "no run matches"
@@ -370,11 +376,25 @@ def _runs(runner: JobRunner, args: argparse.Namespace) -> Result:
     return {"runs": [r.to_json() for r in runs]}, text, EXIT_OK
 
 
-def _tracebacks(items: Any) -> str:
-    """The tracebacks of ``(heading, traceback)`` items, each under its heading."""
-    blocks = [
-        f"--- {heading} ---\n{indented(traceback)}" for heading, traceback in items if traceback
-    ]
+def _tracebacks(items: Iterable[tuple[str, str | None]]) -> str:
+    """The tracebacks of ``(heading, traceback)`` items, each under its heading, without the
+    worker's own frames (Dramatiq's and kumiko's); one the same as an earlier one is named,
+    not repeated."""
+    blocks: list[str] = []
+    first: dict[str, str] = {}
+    for heading, traceback in items:
+        if not traceback:
+            continue
+        shown = without_frames_of(traceback, WORKER_CODE)
+        if shown in first:
+            earlier = first[shown].split()
+            same = heading.split()
+            while len(earlier) > 2 and same and earlier[0] == same[0]:
+                earlier, same = earlier[1:], same[1:]
+            blocks.append(f"--- {heading}: the same traceback as {' '.join(earlier)} ---")
+            continue
+        first[shown] = heading
+        blocks.append(f"--- {heading} ---\n{indented(shown)}")
     return "".join("\n\n" + block for block in blocks)
 
 
@@ -392,7 +412,9 @@ def _dead(runner: JobRunner, args: argparse.Namespace) -> Result:
         ]
         for d in letters
     ]
-    text = table(["dead since", "job", "message id", "att.", "error"], rows, cuttable=("error",))
+    text = table(
+        ["dead since", "job", "message id", "att.", "error"], rows, cuttable=("error",), floor=40
+    )
     if not text:
         text = "no dead letter"
     elif more:

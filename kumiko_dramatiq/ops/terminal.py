@@ -58,11 +58,13 @@ def table(
     *,
     cuttable: Sequence[str] = (),
     width: int = WIDTH,
+    floor: int = 12,
 ) -> str:
     """Rows aligned under ``headers`` (column widths in terminal columns). While a line is
     wider than ``width``, the widest column named in ``cuttable`` (free text: errors, keys)
-    loses a column, down to 12; every other column (names, ids, times) is never cut, so a
-    table of them may be wider. A column empty in every row is left out. Empty without rows."""
+    loses a column, down to ``floor``; every other column (names, ids, times) is never cut,
+    so a table of them may be wider. A column empty in every row is left out. Empty without
+    rows."""
     if not rows:
         return ""
     cells = [[str(cell) for cell in row] for row in rows]
@@ -75,7 +77,7 @@ def table(
     ]
     cut = [i for i, name in enumerate(names) if name in cuttable]
     while sum(widths) + 2 * (len(widths) - 1) > width:
-        candidates = [i for i in cut if widths[i] > 12]
+        candidates = [i for i in cut if widths[i] > floor]
         if not candidates:
             break
         widest = max(candidates, key=lambda i: widths[i])
@@ -109,6 +111,42 @@ def parse_when(option: str, text: str, now: datetime) -> datetime:
             f"got {text!r}"
         ) from None
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def without_frames_of(traceback: str, folders: Sequence[str]) -> str:
+    """``traceback`` without the frames of code in ``folders`` (the worker's own machinery:
+    Dramatiq's, kumiko's), each run of them replaced by one line saying how many frames were
+    left out; the user's frames, the exception line and chained tracebacks stay as they are."""
+    lines = traceback.rstrip().splitlines()
+    kept: list[str] = []
+    skipped = 0
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        frame = _FRAME.match(line)
+        if frame is None:
+            if skipped:
+                kept.append(f"  ({skipped} frame{'s' * (skipped != 1)} of the worker left out)")
+                skipped = 0
+            kept.append(line)
+            i += 1
+            continue
+        # a frame: its "File ..." line, then its source lines (indented deeper)
+        end = i + 1
+        while end < len(lines) and lines[end].startswith("    "):
+            end += 1
+        if any(frame.group(1).startswith(folder) for folder in folders):
+            skipped += 1
+        else:
+            if skipped:
+                kept.append(f"  ({skipped} frame{'s' * (skipped != 1)} of the worker left out)")
+                skipped = 0
+            kept += lines[i:end]
+        i = end
+    return "\n".join(kept)
+
+
+_FRAME: Final = re.compile(r'  File "([^"]*)", line \d+')
 
 
 def indented(block: str, prefix: str = "    ") -> str:

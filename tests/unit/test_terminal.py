@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from kumiko_dramatiq.ops.terminal import display_width, fit, parse_when, table
+from kumiko_dramatiq.ops.terminal import display_width, fit, parse_when, table, without_frames_of
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 PLUS_2 = timezone(timedelta(hours=2))
@@ -89,3 +89,36 @@ def test_anything_else_is_a_one_line_error_naming_the_option(text: str) -> None:
 def test_a_span_beyond_year_one_is_an_error_not_a_crash() -> None:
     with pytest.raises(ValueError, match="--before reaches before year 1"):
         parse_when("--before", "99999999d", NOW)
+
+
+TRACEBACK = """Traceback (most recent call last):
+  File "/venv/site-packages/dramatiq/worker.py", line 560, in process_message
+    res = actor(*message.args, **message.kwargs)
+          ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "/venv/site-packages/kumiko_dramatiq/worker/runtime.py", line 85, in call_handler
+    return job.handler(payload, ctx)
+  File "/app/shop.py", line 9, in send_invoice
+    charge(payload)
+  File "/venv/site-packages/kumiko_dramatiq/testing.py", line 3, in helper
+    raise_it()
+  File "/app/shop.py", line 20, in charge
+    raise ConnectionError("451 try later")
+ConnectionError: 451 try later
+"""
+
+
+def test_a_traceback_shown_as_text_leaves_the_workers_own_frames_out() -> None:
+    shown = without_frames_of(
+        TRACEBACK, ["/venv/site-packages/dramatiq/", "/venv/site-packages/kumiko_dramatiq/"]
+    )
+    assert shown.splitlines() == [
+        "Traceback (most recent call last):",
+        "  (2 frames of the worker left out)",
+        '  File "/app/shop.py", line 9, in send_invoice',
+        "    charge(payload)",
+        "  (1 frame of the worker left out)",
+        '  File "/app/shop.py", line 20, in charge',
+        '    raise ConnectionError("451 try later")',
+        "ConnectionError: 451 try later",
+    ]
+    assert without_frames_of(TRACEBACK, []) == TRACEBACK.rstrip()
