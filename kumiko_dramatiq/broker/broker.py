@@ -12,6 +12,13 @@ series checked (see docs/upgrading.md).
 
 What kumiko adds on top of that layout, each in the same Lua call as the command it rides on:
 
+- **redis ids derived from message ids** (:meth:`KumikoBroker.prepare`): a kumiko message's
+  first write takes :func:`~kumiko_dramatiq.ids.redis_message_id` of its message id, a retry
+  the one of its attempt, a sequential hand-off one of two ids of its origin
+  (:func:`~kumiko_dramatiq.ids.handoff_redis_id`), where Dramatiq draws a random one: so the
+  admin's ``cancel`` finds a waiting message by reading a few hash fields, and no index of
+  message ids is written on the hot path. Plain Dramatiq messages, and a written copy enqueued
+  again, keep random ids;
 - **idempotent enqueue** (:meth:`KumikoBroker.enqueue`): each write leaves a "sent" marker of
   its redis message id (``keys.sent``), and a write whose marker exists does nothing. The pool
   re-sends a command once when a connection drops; if the first send had executed, Dramatiq's
