@@ -219,6 +219,10 @@ class Admin:
 
     # -- reads ---------------------------------------------------------------------------
     def status(self) -> Status:
+        """Per lane: queued (its list and suspects, less the ids cancel withdrew), delayed,
+        running (in the live workers' ack sets), dead, and parked (every declared job's
+        parked messages, a paused one's or what a resume cut short left); live processes;
+        paused jobs. Two round trips plus the liveness listing, whatever the dataset's size."""
         processes = live_processes(self.client, self.prefix)
         workers = [p for p in processes if p.role == "worker"]
         paused = sorted(text(job) for job in self.client.smembers(keys.paused(self.prefix)))
@@ -232,7 +236,9 @@ class Admin:
             pipe.zcard(dead_letters(queue))
             for worker in worker_ids:
                 pipe.scard(consumer_acks(worker, queue))
-        for job in paused:
+        # every job's parked list: a paused job's, and what a resume cut short left behind
+        held = sorted(set(paused) | set(self.registry.jobs))
+        for job in held:
             pipe.llen(keys.parked(self.prefix, job))
             pipe.scard(keys.parked_withdrawn(self.prefix, job))
         replies = iter(pipe.execute())
@@ -245,7 +251,7 @@ class Admin:
             dead = int(next(replies))
             running = sum(int(next(replies)) for _ in worker_ids)
             lanes.append(LaneStatus(lane, queue, queued, delayed, running, dead, 0))
-        parked_by_job = {job: max(0, int(next(replies)) - int(next(replies))) for job in paused}
+        parked_by_job = {job: max(0, int(next(replies)) - int(next(replies))) for job in held}
         lanes = [
             LaneStatus(
                 **{

@@ -3104,8 +3104,9 @@ def test_cron_tick(
 
 
 # == dedup_dispatch =========================================================================
-# A new record enters its job's index (DEDUP_INDEX), scored by its expiry on Redis's clock; a
-# producer hit writes neither a TTL nor an index entry.
+# A new record enters its job's index (DEDUP_INDEX), scored by its expiry on Redis's clock (the
+# index gets two record TTLs when less than one is left); a producer hit writes neither a TTL
+# nor an index entry.
 @pytest.mark.parametrize(
     ("given", "reply", "after", "ttls"),
     [
@@ -3119,7 +3120,7 @@ def test_cron_tick(
                 DEDUP_INDEX: Z({"k1": DueIn(TTL)}),
                 BELL: ["1"],
             },
-            {RECORD: TTL, DEDUP_INDEX: TTL, BELL: BELL_TTL},
+            {RECORD: TTL, DEDUP_INDEX: 2 * TTL, BELL: BELL_TTL},
             id="no-record-enqueues",
         ),
         pytest.param(
@@ -3132,7 +3133,7 @@ def test_cron_tick(
                 DEDUP_INDEX: Z({"k1": DueIn(TTL)}),
                 BELL: ["1"],
             },
-            {RECORD: TTL, DEDUP_INDEX: TTL, BELL: BELL_TTL},
+            {RECORD: TTL, DEDUP_INDEX: 2 * TTL, BELL: BELL_TTL},
             id="record-without-id-is-replaced",
         ),
         pytest.param(
@@ -3224,7 +3225,7 @@ def test_dedup_dispatch(
                 RECORD: {"id": "m1", "state": "running", "fid": "m5"},
                 DEDUP_INDEX: Z({"k1": DueIn(TTL)}),
             },
-            {RECORD: TTL, DEDUP_INDEX: TTL},
+            {RECORD: TTL, DEDUP_INDEX: 2 * TTL},
             id="own-record-runs-ttl-refreshed",
         ),
         pytest.param(
@@ -3263,7 +3264,7 @@ def test_dedup_mark_running(
             "m1",
             1,
             {RECORD: {"id": "m1", "state": "queued"}, DEDUP_INDEX: Z({"k1": DueIn(TTL)})},
-            {RECORD: TTL, DEDUP_INDEX: TTL},
+            {RECORD: TTL, DEDUP_INDEX: 2 * TTL},
             id="retry-same-id-queued-again",
         ),
         pytest.param(
@@ -3274,7 +3275,7 @@ def test_dedup_mark_running(
                 RECORD: {"id": "m2", "state": "queued", "fid": "m5", "fpayload": "{}"},
                 DEDUP_INDEX: Z({"k1": DueIn(TTL)}),
             },
-            {RECORD: TTL, DEDUP_INDEX: TTL},
+            {RECORD: TTL, DEDUP_INDEX: 2 * TTL},
             id="hand-off-id-follow-up-stays",
         ),
         pytest.param(
@@ -3337,7 +3338,7 @@ def test_dedup_requeue(
                 },
                 DEDUP_INDEX: Z({"k1": DueIn(TTL)}),
             },
-            {RECORD: TTL, DEDUP_INDEX: TTL},
+            {RECORD: TTL, DEDUP_INDEX: 2 * TTL},
             id="follow-up-freezes-as-ending",
         ),
         pytest.param(
@@ -3389,7 +3390,7 @@ ENDING: dict[str, str] = {
                 DEDUP_INDEX: Z({"k1": DueIn(TTL)}),
                 BELL: ["1"],
             },
-            {RECORD: TTL, DEDUP_INDEX: TTL, BELL: BELL_TTL},
+            {RECORD: TTL, DEDUP_INDEX: 2 * TTL, BELL: BELL_TTL},
             id="matches-enqueues-follow-up-as-live-job",
         ),
         pytest.param(
@@ -3481,6 +3482,7 @@ def test_a_failed_message_write_leaves_no_guard(env: Env, script: str) -> None:
 # A lock taken enters the index of held locks (LOCKS: member the key after "lock:", scored by
 # its lease's expiry on Redis's clock; LOCKS_SINCE: when it was taken), and sweeps out up to
 # two entries whose lease ran out while their lock is gone (one still there is scored again).
+# Both keys get two leases of TTL when less than one is left.
 HELD = {LOCKS: Z({"app.job": DueIn(TTL)}), LOCKS_SINCE: {"app.job": JustNow()}}
 
 
@@ -3491,14 +3493,14 @@ HELD = {LOCKS: Z({"app.job": DueIn(TTL)}), LOCKS_SINCE: {"app.job": JustNow()}}
             {},
             1,
             {LOCK: "token-a", **HELD},
-            {LOCK: TTL, LOCKS: TTL, LOCKS_SINCE: TTL},
+            {LOCK: TTL, LOCKS: 2 * TTL, LOCKS_SINCE: 2 * TTL},
             id="free-acquired-and-indexed",
         ),
         pytest.param(
             {LOCK: "token-a", LOCKS: Z({"app.job": 5}), LOCKS_SINCE: {"app.job": "77"}},
             1,
             {LOCK: "token-a", LOCKS: Z({"app.job": DueIn(TTL)}), LOCKS_SINCE: {"app.job": "77"}},
-            {LOCK: TTL, LOCKS: TTL, LOCKS_SINCE: TTL},
+            {LOCK: TTL, LOCKS: 2 * TTL, LOCKS_SINCE: 2 * TTL},
             id="own-token-ttl-refreshed-held-since-kept",
         ),
         pytest.param(
@@ -3521,7 +3523,7 @@ HELD = {LOCKS: Z({"app.job": DueIn(TTL)}), LOCKS_SINCE: {"app.job": JustNow()}}
                 LOCKS: Z({"app.job": DueIn(TTL), "app.job2": DueIn(SHORT_TTL), "app.job9": 7}),
                 LOCKS_SINCE: {"app.job": JustNow(), "app.job2": "2", "app.job9": "3"},
             },
-            {LOCK: TTL, LOCK_2: SHORT_TTL, LOCKS: TTL, LOCKS_SINCE: TTL},
+            {LOCK: TTL, LOCK_2: SHORT_TTL, LOCKS: 2 * TTL, LOCKS_SINCE: 2 * TTL},
             id="run-out-entries-swept-two-at-a-time",
         ),
     ],
@@ -3564,7 +3566,7 @@ def test_lock_renew_extends_owned_leases_only(env: Env) -> None:
             LOCKS_SINCE: {"app.job": "77", "app.job2": "78"},
         }
     )
-    env.assert_ttls({LOCK: TTL, LOCK_2: SHORT_TTL, LOCKS: TTL, LOCKS_SINCE: TTL})
+    env.assert_ttls({LOCK: TTL, LOCK_2: SHORT_TTL, LOCKS: 2 * TTL, LOCKS_SINCE: 2 * TTL})
 
 
 def test_lock_renew_of_no_leases_is_empty(env: Env) -> None:

@@ -5,7 +5,8 @@
 -- A reader takes the members scored after now, so a record that expired (its message was lost
 -- for good) is never listed; each new record removes up to DEDUP_SWEEP entries that ran out
 -- (of records that are gone: one still there is scored again by its TTL).
--- The index lives as long as the longest-lived record written into it.
+-- The index lives between one and two of the longest record TTL written into it (its TTL is
+-- set to two whenever less than one is left: one PTTL per call, a PEXPIRE now and then).
 
 local DEDUP_SWEEP = 2
 
@@ -33,7 +34,7 @@ local function index_dedup(index, key, ttl, fresh)
         end
     end
     if redis.call("pttl", index) < tonumber(ttl) then
-        redis.call("pexpire", index, ttl)
+        redis.call("pexpire", index, 2 * tonumber(ttl))
     end
 end
 

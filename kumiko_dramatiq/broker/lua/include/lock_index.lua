@@ -7,8 +7,9 @@
 --   <root>locks:since  hash <name> -> when the lock was taken (ms, Redis's clock)
 -- An entry is written with its lease and removed with it; the entries of leases that ran out
 -- (their holder died) are removed by the next acquire, at most LOCK_SWEEP of them each time.
--- Both keys live as long as the longest lease written into them, so nothing outlives the
--- locks: an index whose locks are all gone expires by itself.
+-- Both keys live between one and two of the longest lease written into them (their TTL is
+-- set to two leases whenever less than one is left: one PTTL per call, a PEXPIRE once per
+-- lease), so an index whose locks are all gone expires by itself.
 
 local LOCK_SWEEP = 2
 
@@ -27,15 +28,9 @@ local function lock_index_of(lock)
     return root .. "locks", root .. "locks:since", name
 end
 
--- lock_index_live(key, ttl): key lives at least ttl ms more
-local function lock_index_live(key, ttl)
-    if redis.call("pttl", key) < tonumber(ttl) then
-        redis.call("pexpire", key, ttl)
-    end
-end
-
 -- index_lock(lock, ttl, taken): the lease of lock runs ttl ms from now; taken: it was just
--- taken (its "since" is now, and ran-out entries are swept)
+-- taken (its "since" is now, and ran-out entries are swept; a renewed lock was never swept:
+-- its key exists)
 local function index_lock(lock, ttl, taken)
     local index, since, name = lock_index_of(lock)
     if not index then
@@ -45,6 +40,9 @@ local function index_lock(lock, ttl, taken)
     redis.call("zadd", index, now + tonumber(ttl), name)
     if taken then
         redis.call("hset", since, name, now)
+        if redis.call("pttl", since) < 0 then
+            redis.call("pexpire", since, 2 * tonumber(ttl))
+        end
         local stale = redis.call("zrangebyscore", index, "-inf", "(" .. now, "LIMIT", 0, LOCK_SWEEP)
         local root = string.sub(index, 1, -6)
         for _, other in ipairs(stale) do
@@ -56,11 +54,11 @@ local function index_lock(lock, ttl, taken)
                 redis.call("zadd", index, now + left, other)
             end
         end
-    elseif redis.call("hexists", since, name) == 0 then
-        redis.call("hset", since, name, now)
     end
-    lock_index_live(index, ttl)
-    lock_index_live(since, ttl)
+    if redis.call("pttl", index) < tonumber(ttl) then
+        redis.call("pexpire", index, 2 * tonumber(ttl))
+        redis.call("pexpire", since, 2 * tonumber(ttl))
+    end
 end
 
 -- unindex_lock(lock): the lock was released
