@@ -2,19 +2,26 @@
 
 :class:`Admin` answers the ``kumiko`` command, the dashboard and ``JobRunner``'s admin
 methods (``status``, ``dead_letters``, ``retry_dead``, ``cancel``, ``pause``, ``resume``,
-plus ``jobs``, ``locks`` and ``dedup_keys``). Reads are plain reads (a status is one pipelined
-round trip plus the liveness listing); the dashboard's reads stay bounded whatever the size
-of the dataset (``dead_letter_page``, ``locks_in_flight``, ``walk_dedup_keys``,
-``dedup_record``, ``boot_markers``). Every action that changes more than one key is one Lua
-call, so it is all-or-nothing (``retry_all_dead`` is one such retry per letter):
+plus ``jobs``, ``locks`` and ``dedup_keys``). Every read and action costs Redis work bounded
+by its page or its message, never by the size of the keyspace or of a queue: a status is two
+pipelined round trips plus the liveness listing; dead letters are read a page at a time
+(``dead_letter_page``); locks and live dedup keys are read off the indexes their Lua scripts
+keep (``locks``: ``keys.locks_index``; ``dedup_page``: ``keys.dedup_index``); a message is
+found by the few redis ids kumiko derives from its id (``redis_id_candidates``, used by
+``cancel``, ``waiting_state`` and ``retry_dead``); an id prefix is looked up among the newest
+run records (``ids_starting_with``). Every action that changes more than one key is one Lua
+call, so it is all-or-nothing (``retry_all_dead`` is one such retry per letter, ``resume``
+one call per :data:`RESUME_STEP` parked messages):
 
 - **retry** (``lua/retry_dead.lua``): the dead letter leaves the dead letters and a new
   message is enqueued in one step, with a fresh attempt budget, a new message id, the
   original origin id (the id the caller first got back) and, for a per-tenant child, its
   tenant; the dedup key is not carried (the key's job ended when it died);
 - **cancel** (``lua/cancel.lua``): a queued, delayed, backing-off, parked or waiting message
-  never starts; one held in a worker's memory until due is dropped by its move; a running one
-  is not interrupted (``False``, nothing changed);
+  never starts (its body is deleted and its redis id noted as withdrawn, so the fetch that
+  meets it drops it: no search of the list); one held in a worker's memory until due is
+  dropped by its move; a running one is not interrupted, nor one that ended (``False``,
+  nothing changed);
 - **pause** (``keys.paused``): a paused job's messages are not fetched but parked
   (``keys.parked``) when a fetch meets them: kept, never run, no busy loop, on every worker;
   **resume** (``lua/resume.lua``) puts them back at the head of their queue. Cron ticks parked
