@@ -111,7 +111,7 @@ def run(url: str, args: argparse.Namespace) -> dict[str, Any]:
     api = JobRunner(apps, history_cap=args.records * 2, lane="api", **options)
     api.start()
     producer.dispatch("bench:job:hold")
-    wait_until(lambda: bool(producer.admin.locks_in_flight()), "the lock")
+    wait_until(lambda: bool(producer.locks()), "the lock")
     keyed = args.queued // 10
     producer.dispatch_many(
         "bench:job:j1", [{"n": n} for n in range(keyed)], dedup_keys=[f"k{n}" for n in range(keyed)]

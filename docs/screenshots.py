@@ -2,7 +2,8 @@
 
 Starts a private redis-server, fills a demo dataset (an hour of run history written with
 ``RunHistory.put``, plus real runs on an in-process worker: dead letters with tracebacks, a
-held sequential lock, a paused job with a dedup key waiting), serves the dashboard with
+held sequential lock and one whose worker is gone, a paused job with dedup keys waiting, a
+delayed message), serves the dashboard with
 uvicorn on a free loopback port and photographs its main pages with headless Chromium
 (Debian's ``chromium`` and ``chromium-driver``, driven by Selenium) into ``docs/*.png``.
 """
@@ -30,6 +31,7 @@ from selenium.webdriver.common.by import By  # noqa: E402
 
 from examples.redis_server import private_redis  # noqa: E402
 from kumiko_dramatiq import Cron, Feature, JobContext, JobMeta, JobRunner, Registry  # noqa: E402
+from kumiko_dramatiq.broker import keys  # noqa: E402
 from kumiko_dramatiq.dashboard import create_app  # noqa: E402
 from kumiko_dramatiq.ops.history import RunStatus, record_write  # noqa: E402
 
@@ -59,6 +61,11 @@ def render_pdf(payload: dict[str, Any], ctx: JobContext) -> None:
 def sync_ledger(payload: dict[str, Any], ctx: JobContext) -> None:
     ledger_running.set()
     release.wait(60)
+
+
+@billing.job("close_books", concurrency="sequential", per_tenant=True)
+def close_books(payload: dict[str, Any], ctx: JobContext) -> None:
+    return None
 
 
 @reports.job("nightly", trigger=Cron("0 3 * * *", timezone="Europe/Berlin"))
@@ -169,6 +176,7 @@ def main() -> int:
             worker_threads=4,
             idle_wait_ms=50,
             on_job_failed=on_failed,
+            get_active_tenant_ids=lambda: ["acme-gmbh"],
         )
         producer = JobRunner(registry, redis_url=url, queue_prefix=prefix)
         fill_history(runner, datetime.now(UTC))
@@ -185,11 +193,22 @@ def main() -> int:
             ledger_running.wait(30)
             producer.pause("reports:job:digest")
             producer.dispatch("reports:job:digest", dedup_key="tenant-acme:2026-W48")
+            for week in (47, 46):
+                producer.dispatch("reports:job:digest", dedup_key=f"tenant-globex:2026-W{week}")
+            waiting = producer.dispatch(
+                "billing:job:render_pdf", {"invoice": "INV-301"}, delay_ms=3_600_000
+            )
+            # a lock whose worker was killed mid-run: held until its lease runs out
+            producer.broker.lua.lock_acquire(
+                keys=[keys.sequential_lock(prefix, "billing:job:close_books", "acme-gmbh")],
+                args=[f"{uuid.uuid4()}:lease", 25_000],
+            )
             dead = producer.dead_letters(limit=1)
             app = create_app(producer, token=TOKEN)
             server, thread, base = serve(app)
             driver = browser()
             try:
+                shoot(driver, base + "/login", "login")
                 driver.get(base + "/login")
                 driver.find_element(By.ID, "token").send_keys(TOKEN)
                 driver.find_element(By.ID, "sign-in").click()
@@ -199,6 +218,9 @@ def main() -> int:
                 if dead:
                     shoot(driver, f"{base}/runs/{dead[0].message_id}", "run")
                 shoot(driver, base + "/jobs", "jobs")
+                shoot(driver, base + "/locks", "locks")
+                shoot(driver, base + "/dedup", "dedup")
+                shoot(driver, f"{base}/runs/{waiting}", "run-waiting")
             finally:
                 driver.quit()
                 server.should_exit = True

@@ -78,6 +78,19 @@ class RedisUnavailableError(KumikoError, ConnectionError):
         super().__init__(f"Redis at {redact_url(redis_url)} is unavailable while {action}{reason}")
 
 
+class NotRedisError(RedisUnavailableError):
+    """What answers at the Redis URL is not Redis: it replied outside the Redis protocol (an
+    HTTP server on the port, say)."""
+
+    def __init__(self, redis_url: str, action: str, cause: BaseException) -> None:
+        RedisUnavailableError.__init__(self, redis_url, action)
+        reply = " ".join(str(cause).split())
+        self.args = (
+            f"Redis at {redact_url(redis_url)} is unavailable while {action}: what answers "
+            f"there does not speak the Redis protocol ({reply:.200}); check the host and port",
+        )
+
+
 class BootGateError(KumikoError, RuntimeError):
     """A boot gate still failed after its attempts; the worker did not start."""
 

@@ -45,3 +45,38 @@ def handoff_message_id(message_id: str) -> str:
     acked right after its hand-off, so it never needs a second one.
     """
     return _uuid5("requeue", message_id)
+
+
+def redis_message_id(message_id: str, attempt: int | None = None) -> str:
+    """The redis id kumiko writes a kumiko message under (Dramatiq draws a random one): its
+    first write (``attempt`` ``None``), or the retry that starts ``attempt`` (>= 2).
+
+    Derived from the message id, so that ``cancel`` finds a queued message by its id among a
+    handful of candidates (:func:`redis_id_candidates`) instead of searching its queue, and no
+    index has to be written on the hot path. Every live copy of a message id has its own:
+    a retry is a new attempt, and a first write happens once per id (a deterministic id sits
+    behind its guard).
+    """
+    return _uuid5("redis", message_id, "" if attempt is None else str(attempt))
+
+
+def handoff_redis_id(origin_id: str, current_redis_id: str) -> str:
+    """The redis id of a sequential hand-off of work first dispatched as ``origin_id``, made
+    by the delivery whose redis id is ``current_redis_id``: one of two ids per origin, never
+    the current one (the ack that writes the hand-off deletes the current message). So a
+    hand-off, whose own message id is new at every hand-off, is found by its origin id."""
+    first, second = (_uuid5("redis-handoff", origin_id, side) for side in ("0", "1"))
+    return second if current_redis_id == first else first
+
+
+def redis_id_candidates(message_id: str, last_recorded_attempt: int) -> list[str]:
+    """Every redis id a waiting or running copy of ``message_id`` (or of a sequential hand-off
+    whose origin it is) can have, given its last attempt with a run record (0: none): its
+    first write, the retry after that attempt and the one after it (a retry written while the
+    caller read), and the two hand-off ids. At most five, however often it was retried."""
+    retries = (n for n in (last_recorded_attempt + 1, last_recorded_attempt + 2) if n >= 2)
+    return [
+        redis_message_id(message_id),
+        *(redis_message_id(message_id, n) for n in retries),
+        *(_uuid5("redis-handoff", message_id, side) for side in ("0", "1")),
+    ]

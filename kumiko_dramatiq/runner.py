@@ -31,6 +31,7 @@ from kumiko_dramatiq.environment import resolve_settings
 from kumiko_dramatiq.errors import (
     JobConfigError,
     NotFoundError,
+    NotRedisError,
     PayloadError,
     RedisAccessError,
     RedisUnavailableError,
@@ -435,12 +436,17 @@ class JobRunner:
     def cancel(self, message_id: str) -> bool:
         """Make sure ``message_id`` never starts if it has not: ``True`` if it was queued,
         delayed, waiting out a backoff or a lock, or parked; ``False`` (nothing changed) if it
-        is running. Raises :class:`NotFoundError` when no such message waits or runs."""
+        is running or has ended (completed, dead or cancelled already). Raises
+        :class:`NotFoundError` when no message of that id waits, runs or left a run record.
+        Costs a few key reads, whatever the size of the queues (see
+        :meth:`~kumiko_dramatiq.ops.admin.Admin.cancel`)."""
         _check_message_id(message_id)
         with self._redis("cancelling a message"):
             cancelled, why = self.admin.cancel(message_id)
         if not cancelled and why == "gone":
-            raise NotFoundError(f"message {message_id} is not queued, delayed or running")
+            raise NotFoundError(
+                f"message {message_id} is not queued, delayed or running, and has no run record"
+            )
         return cancelled
 
     def pause(self, job: str) -> None:
@@ -455,17 +461,18 @@ class JobRunner:
         with self._redis("resuming a job"):
             self.admin.resume(definition)
 
-    def locks(self) -> list[LockInfo]:
-        """Held sequential locks."""
+    def locks(self, *, limit: int = 1_000) -> list[LockInfo]:
+        """Held sequential locks (at most ``limit``), by job and tenant, with the run holding
+        each, when it was taken and whether its holder's worker is alive."""
         with self._redis("reading the locks"):
-            return self.admin.locks()
+            return self.admin.locks(limit=limit)
 
-    def dedup_keys(self, job: str | None = None) -> list[DedupInfo]:
-        """Live dedup keys."""
+    def dedup_keys(self, job: str | None = None, *, limit: int = 1_000) -> list[DedupInfo]:
+        """Live dedup keys (at most ``limit``), by job, newest first."""
         if job is not None:
             self._job(job)
         with self._redis("reading the dedup keys"):
-            return self.admin.dedup_keys(job)
+            return self.admin.dedup_keys(job, limit=limit)
 
     # -- consuming --------------------------------------------------------
     def start(self) -> None:
@@ -549,6 +556,8 @@ class JobRunner:
             except redis.ResponseError as exc:
                 problem = cluster_problem(exc) or f"refuses the connection: {exc}"
                 raise RedisAccessError(self.redis_url, problem) from None
+            except redis.exceptions.InvalidResponse as exc:
+                raise NotRedisError(self.redis_url, "starting the runner", exc) from None
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 if (tls := tls_problem(exc)) is not None:
                     raise RedisAccessError(self.redis_url, tls) from None

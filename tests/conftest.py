@@ -9,6 +9,7 @@ missing Redis. Each test gets its own queue prefix; every key of that prefix
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 import uuid
@@ -164,3 +165,33 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 20, what: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what or predicate}")
         time.sleep(0.02)
+
+
+@pytest.fixture
+def not_redis_server() -> Iterator[int]:
+    """A TCP port where an HTTP server answers whatever it is sent with a 400 and hangs up
+    (another service on the port Redis was meant to have)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    stopping = threading.Event()
+
+    def serve() -> None:
+        while not stopping.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.recv(4096)
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stopping.set()
+    server.close()
+    thread.join(timeout=5)

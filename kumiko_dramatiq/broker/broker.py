@@ -12,6 +12,13 @@ series checked (see docs/upgrading.md).
 
 What kumiko adds on top of that layout, each in the same Lua call as the command it rides on:
 
+- **redis ids derived from message ids** (:meth:`KumikoBroker.prepare`): a kumiko message's
+  first write takes :func:`~kumiko_dramatiq.ids.redis_message_id` of its message id, a retry
+  the one of its attempt, a sequential hand-off one of two ids of its origin
+  (:func:`~kumiko_dramatiq.ids.handoff_redis_id`), where Dramatiq draws a random one: so the
+  admin's ``cancel`` finds a waiting message by reading a few hash fields, and no index of
+  message ids is written on the hot path. Plain Dramatiq messages, and a written copy enqueued
+  again, keep random ids;
 - **idempotent enqueue** (:meth:`KumikoBroker.enqueue`): each write leaves a "sent" marker of
   its redis message id (``keys.sent``), and a write whose marker exists does nothing. The pool
   re-sends a command once when a connection drops; if the first send had executed, Dramatiq's
@@ -84,6 +91,8 @@ from kumiko_dramatiq.broker.seam import (
     emit_before,
     set_consumed_queues,
 )
+from kumiko_dramatiq.codec import TRIGGER
+from kumiko_dramatiq.ids import redis_message_id as derived_redis_id
 from kumiko_dramatiq.options import LANES, lane_queue
 
 logger = logging.getLogger("kumiko_dramatiq")
@@ -469,9 +478,18 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
     def prepare(
         self, message: Message[Any], delay: int | None, *, redis_message_id: str | None = None
     ) -> Message[Any]:
-        """Give ``message`` a redis message id (fresh unless given) and, if delayed, its delay
-        queue and eta: what Dramatiq's enqueue does before it writes."""
-        rid = str(uuid4()) if redis_message_id is None else redis_message_id
+        """Give ``message`` a redis message id and, if delayed, its delay queue and eta: what
+        Dramatiq's enqueue does before it writes. The id is ``redis_message_id`` if given;
+        for a kumiko message written the first time (one that carries kumiko's options and
+        no redis id yet), the one its message id derives
+        (:func:`~kumiko_dramatiq.ids.redis_message_id`: ``cancel`` finds it without a
+        search); else a random one, as Dramatiq draws."""
+        if redis_message_id is not None:
+            rid = redis_message_id
+        elif TRIGGER in message.options and "redis_message_id" not in message.options:
+            rid = derived_redis_id(str(message.message_id))
+        else:
+            rid = str(uuid4())
         message = message.copy(options={"redis_message_id": rid})
         if delay is not None:
             message = message.copy(
@@ -507,7 +525,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         return prepared
 
     def _move(self, message: Message[Any], delayed_rid: str) -> Message[Any]:
-        rid = str(uuid5(_MOVED_NAMESPACE, f"{delayed_rid}>{message.queue_name}"))
+        rid = moved_redis_id(delayed_rid, message.queue_name)
         prepared = self.prepare(message, None, redis_message_id=rid)
         self.emit_before("enqueue", prepared, None)
         try:
@@ -699,6 +717,13 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         """Disconnect every connection of the broker's pool."""
         self.close_thread_clients(live_ones_too=True)
         self.client.connection_pool.disconnect()
+
+
+def moved_redis_id(delayed_redis_id: str, queue_name: str) -> str:
+    """The redis id a delayed message takes on ``queue_name`` when it comes due and moves
+    there (derived, so that a second move of the same delayed copy is a no-op, and ``cancel``
+    finds the moved copy)."""
+    return str(uuid5(_MOVED_NAMESPACE, f"{delayed_redis_id}>{queue_name}"))
 
 
 def make_connection_pool(redis_url: str, timeout_s: float) -> redis.ConnectionPool:

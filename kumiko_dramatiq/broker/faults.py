@@ -11,8 +11,9 @@ no connection, a timeout, a server loading its data,     :class:`RedisUnavailabl
 a replica or a primary without enough replicas (a        again once Redis answers
 fail-over), ``maxmemory`` reached (``OOM``), a server
 that cannot persist (``MISCONF``), anything unforeseen
-a peer that does not speak Redis's protocol              :class:`RedisUnavailableError` naming
-                                                         it: check the host and port
+a peer that does not speak Redis's protocol              :class:`NotRedisError` (a
+                                                         ``RedisUnavailableError``): check the
+                                                         host and port
 a refused password, an ACL user without a command or      :class:`RedisAccessError`: change the
 key pattern, a database the server does not have, a       credentials, the user's rules, the
 Redis Cluster node, any other refused command             database or the deployment
@@ -23,7 +24,11 @@ from __future__ import annotations
 
 import redis
 
-from kumiko_dramatiq.errors import KumikoError, RedisAccessError, RedisUnavailableError
+from kumiko_dramatiq.errors import (
+    KumikoError,
+    RedisAccessError,
+    RedisUnavailableError,
+)
 
 
 def kumiko_error(redis_url: str, action: str, exc: redis.RedisError) -> KumikoError:

@@ -55,9 +55,27 @@ def parse_sequential_lock(queue_prefix: str, key: str) -> tuple[str, str | None]
     return job, tenant if tenant else None
 
 
+def locks_index(queue_prefix: str) -> str:
+    """Sorted set of the held sequential locks: member the part of a :func:`sequential_lock`
+    key after ``lock:``, scored by its lease's expiry (ms, Redis's clock); written by the lock
+    scripts, which build it from the lock's key (``lua/include/lock_index.lua``)."""
+    return f"{_root(queue_prefix)}:locks"
+
+
+def locks_since(queue_prefix: str) -> str:
+    """Hash: the members of :func:`locks_index` -> when each lock was taken (ms)."""
+    return f"{locks_index(queue_prefix)}:since"
+
+
 def dedup(queue_prefix: str, job_name: str, dedup_key: str) -> str:
     """The record of the live job behind ``dedup_key``."""
     return f"{_root(queue_prefix)}:dedup:{job_name}:{dedup_key}"
+
+
+def dedup_index(queue_prefix: str, job_name: str) -> str:
+    """Sorted set of ``job_name``'s live dedup records: member the dedup key, scored by its
+    record's expiry (ms, Redis's clock; ``lua/include/dedup_index.lua``)."""
+    return f"{_root(queue_prefix)}:dedupidx:{job_name}"
 
 
 def completed(queue_prefix: str, message_id: str) -> str:
@@ -102,6 +120,23 @@ def paused(queue_prefix: str) -> str:
 def parked(queue_prefix: str, job_name: str) -> str:
     """List: redis ids of a paused job's messages, held back until it is resumed."""
     return f"{_root(queue_prefix)}:parked:{job_name}"
+
+
+def parked_withdrawn(queue_prefix: str, job_name: str) -> str:
+    """Set: redis ids in :func:`parked` whose message was cancelled (its body deleted; the id
+    stays in the list until resume drops it), so counts leave them out."""
+    return f"{_root(queue_prefix)}:parked-withdrawn:{job_name}"
+
+
+def dashboard_session(queue_prefix: str, digest: str) -> str:
+    """A signed-in dashboard session, by the SHA-256 of its cookie (TTL: the session's
+    lifetime; signing out deletes it, so a copied cookie stops working)."""
+    return f"{_root(queue_prefix)}:dashboard:session:{digest}"
+
+
+def dashboard_sign_ins(queue_prefix: str, address: str) -> str:
+    """How many sign-ins one client address tried in the current window (TTL: the window)."""
+    return f"{_root(queue_prefix)}:dashboard:signins:{address}"
 
 
 def process(queue_prefix: str, identity: str) -> str:
@@ -198,6 +233,14 @@ def queue_bell(queue_name: str, namespace: str = NAMESPACE) -> str:
     """The doorbell of a queue (kumiko's, beside Dramatiq's layout): a list holding at most
     one token, pushed by every write onto the queue, that idle consumers wait on."""
     return f"{queue_list(queue_name, namespace)}:bell"
+
+
+def queue_withdrawn(queue_name: str, namespace: str = NAMESPACE) -> str:
+    """Set (kumiko's, beside Dramatiq's layout): redis ids still in the queue's list or its
+    suspects list whose message was cancelled while it waited (``cancel`` deletes its body
+    instead of searching the list); the fetch that meets one drops it silently, and counts of
+    queued messages leave them out."""
+    return f"{queue_list(queue_name, namespace)}:withdrawn"
 
 
 def dead_letters(queue_name: str, namespace: str = NAMESPACE) -> str:

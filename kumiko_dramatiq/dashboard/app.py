@@ -10,7 +10,11 @@ Access (see :mod:`kumiko_dramatiq.dashboard.security`):
 
 - **no token**: read-only for everyone; no action is shown, every POST is refused (403);
 - **a token**: every page needs a sign-in with the token (``/login``), which also allows the
-  actions. So a dashboard reachable from the network shows nothing to whoever lacks it.
+  actions. So a dashboard reachable from the network shows nothing to whoever lacks it: the
+  sign-in page (and any error page) shows no navigation, no Redis URL, no queue prefix and
+  no version to someone not signed in. Sessions are kept in Redis (``keys.dashboard_session``)
+  and signing out deletes them; sign-in attempts are limited per client address
+  (``keys.dashboard_sign_ins``, a 429 beyond the limit).
 
 Every template autoescapes (job names, tenant ids, errors and tracebacks come from user
 code); responses carry a Content-Security-Policy that allows only the dashboard's own script
@@ -39,14 +43,18 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.dashboard import pages
 from kumiko_dramatiq.dashboard.pages import BadInput
 from kumiko_dramatiq.dashboard.security import (
     SESSION_S,
+    SIGN_IN_LIMIT,
+    SIGN_IN_WINDOW_S,
     check_token,
     csrf_token,
     csrf_valid,
     new_session,
+    session_digest,
     session_valid,
     token_matches,
 )
@@ -196,16 +204,25 @@ class Dashboard:
 
     # -- rendering -----------------------------------------------------------------------
     def page(
-        self, request: Request, template: str, status_code: int = 200, **context: Any
+        self,
+        request: Request,
+        template: str,
+        status_code: int = 200,
+        *,
+        session: str | None = None,
+        **context: Any,
     ) -> HTMLResponse:
+        """Render ``template`` for ``session`` (the request's, read by the caller; ``None``:
+        not signed in). Someone not signed in to a dashboard with a token sees no
+        navigation, dataset, version or flash."""
         base = _base(request)
-        session = self._session(request)
+        exposed = self.token is None or session is not None
         flash = _read_flash(request)
         path = "/" + request.url.path[len(base) :].lstrip("/")
         html = self.templates.get_template(template).render(
             base=base,
             url=lambda target, **query: _url(base, target, query),
-            nav=NAV,
+            nav=NAV if exposed else (),
             path=path,
             current="/" + path.split("/")[1] if path != "/" else "/",
             read_only=self.token is None,
@@ -213,9 +230,9 @@ class Dashboard:
             can_act=session is not None,
             csrf="" if session is None or self.token is None else csrf_token(self.token, session),
             back=path + (f"?{request.url.query}" if request.url.query else ""),
-            dataset=self.dataset,
-            version=self.version,
-            flash=flash,
+            dataset=self.dataset if exposed else "",
+            version=self.version if exposed else "",
+            flash=flash if exposed else None,
             now=_now(),
             **context,
         )
@@ -230,7 +247,8 @@ class Dashboard:
         """A page endpoint (plain function: Starlette runs it in its thread pool)."""
 
         def endpoint(request: Request) -> Response:
-            if self.token is not None and self._session(request) is None:
+            session = self._session(request)
+            if self.token is not None and session is None:
                 target = request.url.path[len(_base(request)) :] or "/"
                 if request.url.query:
                     target += "?" + request.url.query
@@ -240,33 +258,73 @@ class Dashboard:
             try:
                 context = build(request)
             except INPUT_ERRORS as exc:
-                return self.page(request, "error.html", 400, title="Bad request", error=str(exc))
-            return self.page(request, template, **context)
+                return self.page(
+                    request,
+                    "error.html",
+                    400,
+                    session=session,
+                    title="Bad request",
+                    error=str(exc),
+                )
+            return self.page(request, template, session=session, **context)
 
         return endpoint
 
     # -- sign-in -------------------------------------------------------------------------
-    def _session(self, request: Request) -> str | None:
-        """The request's valid session cookie, if any."""
+    def _signed(self, request: Request) -> str | None:
+        """The request's session cookie if it is well signed and young enough (no Redis)."""
         if self.token is None:
             return None
         value = request.cookies.get(SESSION_COOKIE)
         return value if session_valid(self.token, value, int(time.time())) else None
 
+    def _session(self, request: Request) -> str | None:
+        """The request's session: a well-signed cookie whose session is still stored (one
+        ``GET``; blocking, so async endpoints call it in the thread pool)."""
+        value = self._signed(request)
+        if value is None:
+            return None
+        stored = self.runner.broker.client.get(self._session_key(value))
+        return value if stored is not None else None
+
+    def _session_key(self, value: str) -> str:
+        return keys.dashboard_session(self.runner.queue_prefix, session_digest(value))
+
     def login_page(self, request: Request) -> Response:
-        return self.page(request, "login.html", next=_safe_back(request.query_params.get("next")))
+        return self.page(
+            request,
+            "login.html",
+            session=self._session(request),
+            next=_safe_back(request.query_params.get("next")),
+        )
 
     async def login(self, request: Request) -> Response:
         form = await _form(request)
         target = _safe_back(form.get("next"))
         if self.token is None:
             return self.page(request, "login.html", 403, next=target)
+        address = request.client.host if request.client is not None else "unknown"
+        attempts = await run_in_threadpool(self._count_sign_in, address)
+        if attempts > SIGN_IN_LIMIT:
+            minutes = max(1, SIGN_IN_WINDOW_S // 60)
+            return self.page(
+                request,
+                "login.html",
+                429,
+                next=target,
+                error=f"Too many sign-in attempts from your address: try again in {minutes} "
+                "minutes.",
+            )
         if not token_matches(self.token, form.get("token", "")):
             return self.page(request, "login.html", 403, next=target, error="Wrong token.")
+        session = new_session(self.token, int(time.time()))
+        await run_in_threadpool(
+            self.runner.broker.client.set, self._session_key(session), "1", px=SESSION_S * 1000
+        )
         response = RedirectResponse(_base(request) + target, status_code=303)
         response.set_cookie(
             SESSION_COOKIE,
-            new_session(self.token, int(time.time())),
+            session,
             max_age=SESSION_S,
             path=_cookie_path(request),
             secure=request.url.scheme == "https",
@@ -275,23 +333,36 @@ class Dashboard:
         )
         return response
 
+    def _count_sign_in(self, address: str) -> int:
+        """Count one sign-in attempt of ``address`` in the current window; the count."""
+        return int(
+            self.runner.broker.lua.count_attempt(
+                keys=[keys.dashboard_sign_ins(self.runner.queue_prefix, address)],
+                args=[SIGN_IN_WINDOW_S * 1000],
+            )
+        )
+
     async def logout(self, request: Request) -> Response:
         form = await _form(request)
-        refusal = self._refusal(request, form)
+        session = await run_in_threadpool(self._session, request)
+        refusal = self._refusal(session, form)
         if refusal is not None:
-            return self.page(request, "error.html", 403, title="Refused", error=refusal)
+            return self.page(
+                request, "error.html", 403, session=session, title="Refused", error=refusal
+            )
+        assert session is not None
+        await run_in_threadpool(self.runner.broker.client.delete, self._session_key(session))
         response = RedirectResponse(_base(request) + "/login", status_code=303)
         response.delete_cookie(SESSION_COOKIE, path=_cookie_path(request))
         return response
 
-    def _refusal(self, request: Request, form: Mapping[str, str]) -> str | None:
-        """Why an action POST is refused (``None``: allowed)."""
+    def _refusal(self, session: str | None, form: Mapping[str, str]) -> str | None:
+        """Why an action POST of ``session`` is refused (``None``: allowed)."""
         if self.token is None:
             return (
                 "This dashboard is read-only: start it with KUMIKO_DASHBOARD_TOKEN set "
                 "(or create_app(runner, token=...)) to retry, cancel, pause and resume."
             )
-        session = self._session(request)
         if session is None:
             return "Sign in with the dashboard token first."
         if not csrf_valid(self.token, session, form.get("csrf")):
@@ -304,9 +375,12 @@ class Dashboard:
         if handler is None:
             return await self.not_found(request, None)
         form = await _form(request)
-        refusal = self._refusal(request, form)
+        session = await run_in_threadpool(self._session, request)
+        refusal = self._refusal(session, form)
         if refusal is not None:
-            return self.page(request, "error.html", 403, title="Refused", error=refusal)
+            return self.page(
+                request, "error.html", 403, session=session, title="Refused", error=refusal
+            )
         try:
             flash = await run_in_threadpool(handler, self.runner, form)
         except INPUT_ERRORS as exc:
@@ -335,20 +409,35 @@ class Dashboard:
         )
 
     async def not_found(self, request: Request, exc: Exception | None) -> Response:
-        return self.page(request, "error.html", 404, title="Not found", error="No such page.")
+        session = await run_in_threadpool(self._session, request)
+        return self.page(
+            request, "error.html", 404, session=session, title="Not found", error="No such page."
+        )
 
     async def not_allowed(self, request: Request, exc: Exception) -> Response:
+        session = await run_in_threadpool(self._session, request)
         return self.page(
-            request, "error.html", 405, title="Not allowed", error="Method not allowed here."
+            request,
+            "error.html",
+            405,
+            session=session,
+            title="Not allowed",
+            error="Method not allowed here.",
         )
 
     async def redis_down(self, request: Request, exc: Exception) -> Response:
-        error = (
-            str(exc)
-            if isinstance(exc, RedisUnavailableError | RedisAccessError)
-            else f"Redis at {redact_url(self.runner.redis_url)} failed: {exc}"
+        # no session can be read: a well-signed cookie is taken as signed in, anyone else
+        # learns nothing about the deployment
+        session = self._signed(request)
+        if self.token is not None and session is None:
+            error = "The dashboard cannot reach its data right now: try again later."
+        elif isinstance(exc, RedisUnavailableError | RedisAccessError):
+            error = str(exc)
+        else:
+            error = f"Redis at {redact_url(self.runner.redis_url)} failed: {exc}"
+        return self.page(
+            request, "error.html", 503, session=session, title="Redis unavailable", error=error
         )
-        return self.page(request, "error.html", 503, title="Redis unavailable", error=error)
 
 
 # -- actions (run in the thread pool; return the flash) --------------------------------------

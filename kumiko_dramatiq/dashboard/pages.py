@@ -7,10 +7,12 @@ million run records and 10,000 queued messages", measured in ``benchmarks/dashbo
   ``ZCOUNT`` per minute and status on the run history's status indexes);
 - lists read sorted-set indexes newest first with ``LIMIT`` (runs, dead letters) and page on
   with a cursor, never an offset into everything;
-- locks are read by their keys (:meth:`~kumiko_dramatiq.ops.admin.Admin.locks_in_flight`);
-- dedup records have no index: a page walks a bounded slice of the keyspace
-  (:meth:`~kumiko_dramatiq.ops.admin.Admin.walk_dedup_keys`) and links to the next slice, and
-  one key is looked up directly.
+- locks and dedup keys are read off the indexes their Lua scripts keep
+  (:meth:`~kumiko_dramatiq.ops.admin.Admin.locks`,
+  :meth:`~kumiko_dramatiq.ops.admin.Admin.dedup_page`, a page at a time), and one dedup key
+  is looked up directly; no page walks the keyspace;
+- a run page asks where its message waits by the redis ids kumiko derives from its id
+  (:meth:`~kumiko_dramatiq.ops.admin.Admin.waiting_state`), never by searching a queue.
 
 Bad input (an unknown job, a status, a time that does not parse) is a :class:`BadInput`
 whose message is one line naming the field and the value.
@@ -27,7 +29,7 @@ from typing import Any, Final
 from kumiko_dramatiq.cron import Cron
 from kumiko_dramatiq.dashboard.chart import bar_chart, minute_edges
 from kumiko_dramatiq.middleware.presence import live_processes
-from kumiko_dramatiq.ops.admin import DeadCursor
+from kumiko_dramatiq.ops.admin import DeadCursor, DedupCursor
 from kumiko_dramatiq.ops.history import STATUSES, JobRun
 from kumiko_dramatiq.runner import JobRunner
 
@@ -37,6 +39,10 @@ MESSAGE_ID: Final = re.compile(r"[A-Za-z0-9._:-]{1,200}")
 RUN_LIMITS: Final = (20, 50, 100, 200)
 #: Dead letters per page.
 DEAD_PAGE: Final = 50
+#: Dedup keys per page.
+DEDUP_PAGE: Final = 100
+#: Locks shown (held locks number at most the sequential runs in flight).
+LOCKS_PAGE: Final = 500
 #: Cron fire times shown per job on the schedules page.
 NEXT_FIRES: Final = 3
 
@@ -97,6 +103,21 @@ def parse_dead_cursor(query: Query) -> DeadCursor | None:
 
 def dead_cursor_text(cursor: DeadCursor) -> str:
     return f"{int(cursor[0])}:{cursor[1]}"
+
+
+def parse_dedup_cursor(runner: JobRunner, query: Query) -> DedupCursor | None:
+    text = _text(query, "after", 300)
+    if text is None:
+        return None
+    job, _, rest = text.rpartition("@")
+    score, sep, tie = rest.partition(":")
+    if not sep or not score.isdigit() or not tie.isdigit() or job not in runner.registry.jobs:
+        raise BadInput(f"after must look like '<job>@<ms>:<n>', got {text!r}")
+    return job, float(score), int(tie)
+
+
+def dedup_cursor_text(cursor: DedupCursor) -> str:
+    return f"{cursor[0]}@{int(cursor[1])}:{cursor[2]}"
 
 
 def last_write(run: JobRun) -> datetime | None:
@@ -202,6 +223,7 @@ def run(runner: JobRunner, message_id: str) -> dict[str, Any]:
     origin = None if latest is None else latest.origin_id
     family = runner.runs(origin_id=origin, limit=100) if origin is not None else []
     dead_note = runner.history.dead_note(message_id)
+    waiting = runner.admin.waiting_state(message_id)
     return {
         "message_id": message_id,
         "attempts": attempts,
@@ -209,8 +231,9 @@ def run(runner: JobRunner, message_id: str) -> dict[str, Any]:
         "origin": origin,
         "family": family,
         "dead": dead_note is not None,
-        # a message with no record yet may be queued or delayed; "failed" waits for its retry
-        "cancellable": latest is None or latest.status == "failed",
+        "waiting": waiting,
+        # only a message found waiting (queued, parked, delayed, backing off) can be cancelled
+        "cancellable": waiting in ("queued", "delayed"),
     }
 
 
@@ -231,7 +254,8 @@ def dead(runner: JobRunner, query: Query) -> dict[str, Any]:
 
 
 def locks(runner: JobRunner) -> dict[str, Any]:
-    return {"locks": runner.admin.locks_in_flight()}
+    found = runner.admin.locks(limit=LOCKS_PAGE + 1)
+    return {"locks": found[:LOCKS_PAGE], "more": len(found) > LOCKS_PAGE}
 
 
 def dedup(runner: JobRunner, query: Query) -> dict[str, Any]:
@@ -243,8 +267,8 @@ def dedup(runner: JobRunner, query: Query) -> dict[str, Any]:
         "job_names": sorted(runner.registry.jobs),
         "lookup": None,
         "records": [],
-        "next_cursor": 0,
-        "cursor": 0,
+        "older": None,
+        "first_page": True,
     }
     admin = runner.admin
     if key is not None:
@@ -252,11 +276,14 @@ def dedup(runner: JobRunner, query: Query) -> dict[str, Any]:
             raise BadInput("key needs a job: a dedup key belongs to one job")
         context["lookup"] = admin.dedup_record(runner.job(job), key)
         return context
-    cursor_text = _text(query, "cursor", 20) or "0"
-    if not cursor_text.isdigit():
-        raise BadInput(f"cursor must be a number, got {cursor_text!r}")
-    records, next_cursor = admin.walk_dedup_keys(job, cursor=int(cursor_text))
-    context.update(records=records, next_cursor=next_cursor, cursor=int(cursor_text))
+    after = parse_dedup_cursor(runner, query)
+    if after is not None and job is not None and after[0] != job:
+        raise BadInput(f"after belongs to job {after[0]}, not {job}")
+    records, next_cursor = admin.dedup_page(job, after=after, limit=DEDUP_PAGE)
+    older = None
+    if next_cursor is not None:
+        older = {"after": dedup_cursor_text(next_cursor), **({"job": job} if job else {})}
+    context.update(records=records, older=older, first_page=after is None)
     return context
 
 

@@ -3,8 +3,15 @@
 - **Token**: ``KUMIKO_DASHBOARD_TOKEN`` or ``create_app(..., token=...)``, at least 16
   characters (:func:`check_token`). Without one the dashboard is read-only.
 - **Session**: signing in with the token sets a cookie ``"{issued s}.{nonce}.{mac}"`` where
-  ``mac`` is an HMAC-SHA256 of ``issued.nonce`` keyed by the token: nothing is stored on the
-  server, a session lasts :data:`SESSION_S`, and changing the token signs everyone out.
+  ``mac`` is an HMAC-SHA256 of ``issued.nonce`` keyed by the token, and stores the session
+  in Redis under the SHA-256 of the cookie (:func:`session_digest`,
+  ``keys.dashboard_session``, TTL :data:`SESSION_S`). A request is signed in when its cookie
+  is well signed, younger than :data:`SESSION_S` and its session is still stored: signing
+  out deletes it, so a copied cookie stops working at once; changing the token signs
+  everyone out.
+- **Sign-in rate limit**: at most :data:`SIGN_IN_LIMIT` sign-in attempts per client address
+  in a window of :data:`SIGN_IN_WINDOW_S` (a counter in Redis that expires with its window);
+  beyond it the form is refused (429) without looking at the token.
 - **CSRF**: every form that acts carries :func:`csrf_token` of the session (an HMAC keyed by
   the token over the session value); an action whose form does not carry it is refused.
   The cookie is also ``SameSite=Strict`` and ``HttpOnly``.
@@ -24,6 +31,9 @@ from kumiko_dramatiq.environment import check_dashboard_token
 
 #: How long a sign-in lasts.
 SESSION_S: Final = 12 * 3600
+#: Sign-in attempts allowed per client address and window, and the window.
+SIGN_IN_LIMIT: Final = 10
+SIGN_IN_WINDOW_S: Final = 300
 #: ``check_token(token, source)``: the token if usable, ``None`` for none, else a
 #: ``JobConfigError`` (at least ``MIN_DASHBOARD_TOKEN_CHARS`` characters).
 check_token = check_dashboard_token
@@ -56,6 +66,12 @@ def session_valid(token: str, value: str | None, now_s: int) -> bool:
     if not issued.isdigit() or not hmac.compare_digest(mac, _mac(token, "session", head)):
         return False
     return 0 <= now_s - int(issued) <= SESSION_S
+
+
+def session_digest(value: str) -> str:
+    """What a session is stored under: the SHA-256 of its cookie (the store never holds a
+    cookie that would sign someone in)."""
+    return hashlib.sha256(value.encode()).hexdigest()
 
 
 def csrf_token(token: str, session: str) -> str:

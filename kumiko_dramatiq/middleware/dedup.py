@@ -23,6 +23,13 @@ record's TTL to :func:`record_ttl_ms`, a bound on the whole remaining life
 of the job (runs, retries, backoffs, queue waits, one crash recovery per
 attempt). A producer hit never extends it, so a record whose message was
 lost for good frees itself however many triggers keep arriving.
+
+Index: every script that writes a record's TTL or deletes it keeps the record's
+entry in the job's index (:func:`kumiko_dramatiq.broker.keys.dedup_index`, a sorted
+set of keys by the record's expiry), so ``kumiko dedup`` and the dashboard list
+live keys in pages without walking the keyspace
+(``lua/include/dedup_index.lua``). A producer hit, which writes no TTL, writes
+no index entry either.
 """
 
 from __future__ import annotations
@@ -187,8 +194,11 @@ def dispatch_with_key(
     _, reply = broker.enqueue_step(
         message,
         broker.lua.dedup_dispatch,
-        keys=[keys.dedup(runtime.queue_prefix, job.qualified_name, dedup_key)],
-        args=[ttl_ms, str(message.message_id), json.dumps(payload), trigger],
+        keys=[
+            keys.dedup(runtime.queue_prefix, job.qualified_name, dedup_key),
+            keys.dedup_index(runtime.queue_prefix, job.qualified_name),
+        ],
+        args=[ttl_ms, str(message.message_id), json.dumps(payload), trigger, dedup_key],
         delay=delay_ms,
     )
     own_id = str(message.message_id)
@@ -223,11 +233,11 @@ def dispatch_many_with_keys(
     reply = broker.enqueue_batch(
         messages,
         broker.lua.dedup_dispatch_batch,
-        args=[ttl_ms, trigger],
+        args=[ttl_ms, trigger, keys.dedup_index(runtime.queue_prefix, job.qualified_name)],
         leads=[keys.dedup(runtime.queue_prefix, job.qualified_name, key) for key in dedup_keys],
         tails=[
-            (str(message.message_id), json.dumps(payload))
-            for message, payload in zip(messages, payloads, strict=True)
+            (str(message.message_id), json.dumps(payload), key)
+            for message, payload, key in zip(messages, payloads, dedup_keys, strict=True)
         ],
         delay=delay_ms,
     )
@@ -255,7 +265,8 @@ class Dedup(Middleware):
     option of its own; a follow-up it enqueues is built by ``build_message`` with
     ``kumiko_dedup_key``. Touches one Redis key per keyed message:
     :func:`kumiko_dramatiq.broker.keys.dedup` (the record described in
-    :mod:`kumiko_dramatiq.middleware.dedup`), plus the queue keys of a follow-up.
+    :mod:`kumiko_dramatiq.middleware.dedup`) and its entry in the job's index
+    (:func:`kumiko_dramatiq.broker.keys.dedup_index`), plus the queue keys of a follow-up.
 
     Place: after ``Sequential`` and before ``Hooks``, so ``before_process_message``
     sees whether the run handed off, and the record is marked running before
@@ -297,7 +308,8 @@ class Dedup(Middleware):
         message_id = execution.message_id
         try:
             owned = self.runtime.broker.lua.dedup_mark_running(
-                keys=[self._record(job, dedup_key)], args=[message_id, self._ttl_ms(job)]
+                keys=[self._record(job, dedup_key), self._index(job)],
+                args=[message_id, self._ttl_ms(job), dedup_key],
             )
         except Exception:
             logger.exception(
@@ -366,16 +378,21 @@ class Dedup(Middleware):
         execution: Execution | None,
     ) -> None:
         record = self._record(job, dedup_key)
+        index = self._index(job)
         ttl_ms = self._ttl_ms(job)
         lua = self.runtime.broker.lua
         try:
             if outcome == "retry":
-                lua.dedup_requeue(keys=[record], args=[message_id, message_id, ttl_ms])
+                lua.dedup_requeue(
+                    keys=[record, index], args=[message_id, message_id, ttl_ms, dedup_key]
+                )
                 return
             if outcome == "handoff":
                 handoff_id = None if execution is None else execution.handoff_id
                 if handoff_id is not None:
-                    lua.dedup_requeue(keys=[record], args=[message_id, handoff_id, ttl_ms])
+                    lua.dedup_requeue(
+                        keys=[record, index], args=[message_id, handoff_id, ttl_ms, dedup_key]
+                    )
                     return
                 logger.warning(
                     "%s %s handed off without a hand-off id; freeing dedup key %r",
@@ -399,7 +416,10 @@ class Dedup(Middleware):
     ) -> None:
         """The job ended for good: free the key, or hand it to the pending follow-up."""
         broker = self.runtime.broker
-        reply = as_list(broker.lua.dedup_finish(keys=[record], args=[message_id, ttl_ms]))
+        index = self._index(job)
+        reply = as_list(
+            broker.lua.dedup_finish(keys=[record, index], args=[message_id, ttl_ms, dedup_key])
+        )
         if reply[0] != "follow-up":
             return
         follow_up_id, payload_json, trigger = reply[1], reply[2], reply[3]
@@ -414,8 +434,8 @@ class Dedup(Middleware):
         _, result = broker.enqueue_step(
             follow_up,
             broker.lua.dedup_handover,
-            keys=[record],
-            args=[message_id, follow_up_id, ttl_ms],
+            keys=[record, index],
+            args=[message_id, follow_up_id, ttl_ms, dedup_key],
         )
         if result[0] == 1:
             logger.info(
@@ -440,6 +460,9 @@ class Dedup(Middleware):
 
     def _record(self, job: JobDefinition, dedup_key: str) -> str:
         return keys.dedup(self.runtime.queue_prefix, job.qualified_name, dedup_key)
+
+    def _index(self, job: JobDefinition) -> str:
+        return keys.dedup_index(self.runtime.queue_prefix, job.qualified_name)
 
     def _ttl_ms(self, job: JobDefinition) -> int:
         return job_record_ttl_ms(job, heartbeat_timeout_ms=self.runtime.broker.heartbeat_timeout)

@@ -48,6 +48,7 @@ from kumiko_dramatiq.broker.broker import KumikoBroker
 from kumiko_dramatiq.broker.delivery import Delivery
 from kumiko_dramatiq.codec import FAILURES
 from kumiko_dramatiq.errors import JobConfigError
+from kumiko_dramatiq.ids import redis_message_id
 from kumiko_dramatiq.options import retry_delay_ms
 from kumiko_dramatiq.worker.execution import execution_of
 
@@ -133,7 +134,9 @@ class Retries(Middleware):
         retry.options.pop("redis_message_id", None)
         assert isinstance(broker, KumikoBroker)
         assert isinstance(message, Delivery)
-        prepared = broker.prepare(retry, delay_ms)
+        prepared = broker.prepare(
+            retry, delay_ms, redis_message_id=redis_message_id(message.message_id, failures + 1)
+        )
         broker.emit_before("enqueue", prepared, delay_ms)
         message.settlement.retry = (prepared, delay_ms)
         logger.warning(

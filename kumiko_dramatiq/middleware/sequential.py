@@ -81,7 +81,7 @@ from dramatiq.worker import Worker
 
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.errors import SequentialLockError
-from kumiko_dramatiq.ids import handoff_message_id
+from kumiko_dramatiq.ids import handoff_message_id, handoff_redis_id
 from kumiko_dramatiq.messages import build_message
 from kumiko_dramatiq.registry import JobDefinition
 from kumiko_dramatiq.worker.execution import Execution, Lease, execution_of
@@ -213,7 +213,13 @@ class Sequential(Middleware):
             origin_id=execution.origin_id,
         )
         broker = self.runtime.broker
-        prepared = broker.prepare(handoff, delay_ms)
+        prepared = broker.prepare(
+            handoff,
+            delay_ms,
+            redis_message_id=handoff_redis_id(
+                execution.origin_id, execution.delivery.redis_message_id
+            ),
+        )
         broker.emit_before("enqueue", prepared, delay_ms)
         # the ack writes it (and acks the original) in one Lua call
         execution.delivery.settlement.handoff = (prepared, delay_ms)

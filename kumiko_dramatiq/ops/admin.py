@@ -2,19 +2,26 @@
 
 :class:`Admin` answers the ``kumiko`` command, the dashboard and ``JobRunner``'s admin
 methods (``status``, ``dead_letters``, ``retry_dead``, ``cancel``, ``pause``, ``resume``,
-plus ``jobs``, ``locks`` and ``dedup_keys``). Reads are plain reads (a status is one pipelined
-round trip plus the liveness listing); the dashboard's reads stay bounded whatever the size
-of the dataset (``dead_letter_page``, ``locks_in_flight``, ``walk_dedup_keys``,
-``dedup_record``, ``boot_markers``). Every action that changes more than one key is one Lua
-call, so it is all-or-nothing (``retry_all_dead`` is one such retry per letter):
+plus ``jobs``, ``locks`` and ``dedup_keys``). Every read and action costs Redis work bounded
+by its page or its message, never by the size of the keyspace or of a queue: a status is two
+pipelined round trips plus the liveness listing; dead letters are read a page at a time
+(``dead_letter_page``); locks and live dedup keys are read off the indexes their Lua scripts
+keep (``locks``: ``keys.locks_index``; ``dedup_page``: ``keys.dedup_index``); a message is
+found by the few redis ids kumiko derives from its id (``redis_id_candidates``, used by
+``cancel``, ``waiting_state`` and ``retry_dead``); an id prefix is looked up among the newest
+run records (``ids_starting_with``). Every action that changes more than one key is one Lua
+call, so it is all-or-nothing (``retry_all_dead`` is one such retry per letter, ``resume``
+one call per :data:`RESUME_STEP` parked messages):
 
 - **retry** (``lua/retry_dead.lua``): the dead letter leaves the dead letters and a new
   message is enqueued in one step, with a fresh attempt budget, a new message id, the
   original origin id (the id the caller first got back) and, for a per-tenant child, its
   tenant; the dedup key is not carried (the key's job ended when it died);
 - **cancel** (``lua/cancel.lua``): a queued, delayed, backing-off, parked or waiting message
-  never starts; one held in a worker's memory until due is dropped by its move; a running one
-  is not interrupted (``False``, nothing changed);
+  never starts (its body is deleted and its redis id noted as withdrawn, so the fetch that
+  meets it drops it: no search of the list); one held in a worker's memory until due is
+  dropped by its move; a running one is not interrupted, nor one that ended (``False``,
+  nothing changed);
 - **pause** (``keys.paused``): a paused job's messages are not fetched but parked
   (``keys.parked``) when a fetch meets them: kept, never run, no busy loop, on every worker;
   **resume** (``lua/resume.lua``) puts them back at the head of their queue. Cron ticks parked
@@ -34,7 +41,7 @@ from dramatiq.common import dq_name
 from dramatiq.message import Message, generate_unique_id
 
 from kumiko_dramatiq.broker import keys
-from kumiko_dramatiq.broker.broker import KumikoBroker
+from kumiko_dramatiq.broker.broker import KumikoBroker, moved_redis_id
 from kumiko_dramatiq.broker.keys import (
     consumer_acks,
     dead_letter_messages,
@@ -53,8 +60,9 @@ from kumiko_dramatiq.codec import (
     OptionsError,
 )
 from kumiko_dramatiq.cron import Cron
+from kumiko_dramatiq.ids import redis_id_candidates
 from kumiko_dramatiq.middleware.presence import ProcessInfo, live_processes
-from kumiko_dramatiq.ops.history import JobRun, RunHistory, run_ttls_ms
+from kumiko_dramatiq.ops.history import STATUSES, RunHistory, run_ttls_ms
 from kumiko_dramatiq.options import LANES, lane_queue
 from kumiko_dramatiq.payloads import PayloadField, schema_fields
 from kumiko_dramatiq.registry import JobDefinition, Registry
@@ -146,15 +154,24 @@ class DeadLetter:
 
 @dataclass(frozen=True)
 class LockInfo:
+    """A held sequential lock: its job and tenant, the run holding it (``message_id``, its
+    ``origin_id`` and ``worker``, from the runs in flight), the time left on its lease, when
+    it was taken, and whether its holder's worker is alive (``False`` also when no run in
+    flight holds it: the lock only waits out its lease)."""
+
     job_name: str
     tenant_id: str | None
     message_id: str
     origin_id: str | None
     worker: str | None
     expires_in_ms: int
+    held_since: datetime | None = None
+    worker_alive: bool = True
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        out = dict(self.__dict__)
+        out["held_since"] = None if self.held_since is None else self.held_since.isoformat()
+        return out
 
 
 @dataclass(frozen=True)
@@ -185,6 +202,18 @@ class BootMarker:
 
 #: A position in the dead letters, newest first: (dead-letter time in epoch ms, redis id).
 DeadCursor = tuple[float, str]
+#: A position in the live dedup keys: (job, the record's expiry in epoch ms, how many keys of
+#: that job with that very expiry were listed already). Keys are listed by job, then newest
+#: expiry first.
+DedupCursor = tuple[str, float, int]
+#: How many pages :meth:`Admin.dead_letters` reads at most (each bounded, see
+#: :meth:`Admin.dead_letter_page`).
+DEAD_LIST_PAGES = 20
+#: Parked ids resume moves back to their queue per Lua call (about a millisecond of Redis).
+RESUME_STEP = 1_000
+#: How many of the newest run records of each status, and of the newest dead letters of each
+#: lane, an id prefix is looked up among (:meth:`Admin.ids_starting_with`).
+PREFIX_WINDOW = 1_000
 
 
 class Admin:
@@ -204,6 +233,10 @@ class Admin:
 
     # -- reads ---------------------------------------------------------------------------
     def status(self) -> Status:
+        """Per lane: queued (its list and suspects, less the ids cancel withdrew), delayed,
+        running (in the live workers' ack sets), dead, and parked (every declared job's
+        parked messages, a paused one's or what a resume cut short left); live processes;
+        paused jobs. Two round trips plus the liveness listing, whatever the dataset's size."""
         processes = live_processes(self.client, self.prefix)
         workers = [p for p in processes if p.role == "worker"]
         paused = sorted(text(job) for job in self.client.smembers(keys.paused(self.prefix)))
@@ -212,21 +245,27 @@ class Admin:
         for queue in self.lane_queues:
             pipe.llen(queue_list(queue))
             pipe.llen(keys.suspects(self.prefix, queue))
+            pipe.scard(keys.queue_withdrawn(queue))
             pipe.hlen(queue_messages(dq_name(queue)))
             pipe.zcard(dead_letters(queue))
             for worker in worker_ids:
                 pipe.scard(consumer_acks(worker, queue))
-        for job in paused:
+        # every job's parked list: a paused job's, and what a resume cut short left behind
+        held = sorted(set(paused) | set(self.registry.jobs))
+        for job in held:
             pipe.llen(keys.parked(self.prefix, job))
+            pipe.scard(keys.parked_withdrawn(self.prefix, job))
         replies = iter(pipe.execute())
         lanes = []
         for lane, queue in zip(LANES, self.lane_queues, strict=True):
-            queued = int(next(replies)) + int(next(replies))
+            # ids cancel withdrew stay in the lists until a fetch meets them: not counted
+            listed = int(next(replies)) + int(next(replies))
+            queued = max(0, listed - int(next(replies)))
             delayed = int(next(replies))
             dead = int(next(replies))
             running = sum(int(next(replies)) for _ in worker_ids)
             lanes.append(LaneStatus(lane, queue, queued, delayed, running, dead, 0))
-        parked_by_job = {job: int(next(replies)) for job in paused}
+        parked_by_job = {job: max(0, int(next(replies)) - int(next(replies))) for job in held}
         lanes = [
             LaneStatus(
                 **{
@@ -294,21 +333,16 @@ class Admin:
         return infos
 
     def dead_letters(self, job: str | None = None, *, limit: int = 100) -> list[DeadLetter]:
-        """Dead-lettered kumiko messages, newest first, with their last error."""
+        """Dead-lettered kumiko messages, newest first, with their last error: the first
+        ``limit`` (``job``'s only, when given), read a page at a time
+        (:meth:`dead_letter_page`), at most :data:`DEAD_LIST_PAGES` pages."""
         found: list[DeadLetter] = []
-        for queue in self.lane_queues:
-            entries: list[tuple[Any, float]] = self.client.zrevrange(  # type: ignore[assignment]
-                dead_letters(queue), 0, -1, withscores=True
-            )
-            if not entries:
-                continue
-            rids = [text(entry[0]) for entry in entries]
-            bodies = self.client.hmget(dead_letter_messages(queue), rids)
-            for rid, (_, score), body in zip(rids, entries, bodies, strict=True):
-                letter = self._dead_letter(queue, rid, float(score), body)
-                if letter is not None and (job is None or letter.job_name == job):
-                    found.append(letter)
-        found.sort(key=lambda letter: letter.dead_at, reverse=True)
+        cursor: DeadCursor | None = None
+        for _ in range(DEAD_LIST_PAGES):
+            page, cursor = self.dead_letter_page(job, after=cursor, limit=limit - len(found))
+            found += page
+            if cursor is None or len(found) >= limit:
+                break
         return found[:limit]
 
     def _dead_letter(
@@ -445,149 +479,132 @@ class Admin:
             for job, v in zip(jobs, values, strict=True)
         ]
 
-    def locks(self) -> list[LockInfo]:
-        """Held sequential locks: job, tenant, the run that holds it, time left."""
-        pattern = keys.sequential_lock(self.prefix, "*", None)
-        found = []
-        for raw in self.client.scan_iter(match=pattern, count=1000):
-            key = text(raw)
-            pipe = self.client.pipeline(transaction=False)
-            pipe.get(key)
-            pipe.pttl(key)
-            token, ttl = pipe.execute()
-            if token is None:
-                continue
-            job_name, tenant = keys.parse_sequential_lock(self.prefix, key)
-            found.append(self._lock_info(job_name, tenant, text(token), int(ttl), {}))
-        return sorted(found, key=lambda lock: (lock.job_name, lock.tenant_id or ""))
-
-    def _lock_info(
-        self,
-        job_name: str,
-        tenant: str | None,
-        token: str,
-        ttl_ms: int,
-        known: dict[str, JobRun],
-    ) -> LockInfo:
-        """A held lock, its owner run found in ``known`` or else in the run history (the
-        owner token is ``"<message id>:<random>"``)."""
-        message_id = token.split(":", 1)[0]
-        holder = known.get(message_id)
-        if holder is None:
-            runs = self.history.run_record(message_id)
-            holder = runs[-1] if runs else None
-        return LockInfo(
-            job_name=job_name,
-            tenant_id=tenant,
-            message_id=message_id,
-            origin_id=None if holder is None else holder.origin_id,
-            worker=None if holder is None else holder.worker,
-            expires_in_ms=ttl_ms,
-        )
-
-    def locks_in_flight(self) -> list[LockInfo]:
-        """Held sequential locks, read by their keys instead of by walking the keyspace as
-        :meth:`locks` does: the lock of each sequential job, and for a per-tenant sequential
-        job the lock of each tenant with a run in flight (a lock is taken and released by a
-        run in flight, and a dead worker's run stays in flight until its message is delivered
-        again, after its lock expired). So it misses at most a lock whose holder left the
-        in-flight runs without releasing it, for the ``lock_ttl_ms`` until it expires.
-        Cost: the in-flight runs plus one round trip, whatever the size of the keyspace."""
-        running = self.history.running()
-        candidates: dict[str, tuple[str, str | None]] = {}
-        for job in self.registry.jobs.values():
-            if job.options.concurrency == "sequential" and not job.options.per_tenant:
-                name = job.qualified_name
-                candidates[keys.sequential_lock(self.prefix, name, None)] = (name, None)
-        for run in running:
-            declared = self.registry.jobs.get(run.job_name)
-            if (
-                declared is not None
-                and declared.options.concurrency == "sequential"
-                and declared.options.per_tenant
-                and run.tenant_id is not None
-            ):
-                key = keys.sequential_lock(self.prefix, run.job_name, run.tenant_id)
-                candidates[key] = (run.job_name, run.tenant_id)
-        if not candidates:
-            return []
-        pipe = self.client.pipeline(transaction=False)
-        for key in candidates:
-            pipe.get(key)
-            pipe.pttl(key)
-        replies = iter(pipe.execute())
-        by_message = {run.message_id: run for run in running}
-        found = []
-        for job_name, tenant in candidates.values():
-            token, ttl = next(replies), next(replies)
-            if token is None:
-                continue
-            found.append(self._lock_info(job_name, tenant, text(token), int(ttl), by_message))
-        return sorted(found, key=lambda lock: (lock.job_name, lock.tenant_id or ""))
-
-    def dedup_keys(self, job: str | None = None) -> list[DedupInfo]:
-        """Live dedup keys: job, key, the message it stands for, its state."""
-        pattern = self._dedup_pattern(job)
-        names = [text(raw) for raw in self.client.scan_iter(match=pattern, count=1000)]
-        found = [
-            info
-            for start in range(0, len(names), 1000)
-            for info in self._dedup_infos(names[start : start + 1000])
+    def locks(self, *, limit: int = 1_000) -> list[LockInfo]:
+        """Held sequential locks (at most ``limit``), by job and tenant: read off the index
+        the lock scripts keep (``keys.locks_index``; a lease that ran out is not listed),
+        each checked against its lock's key, with its holder from the runs in flight and
+        whether that holder's worker is alive. Cost: the page, the runs in flight and the
+        live processes, whatever the size of the keyspace."""
+        now_ms = int(datetime.now(UTC).timestamp() * 1000)
+        names = [
+            text(name)
+            for name in self.client.zrevrangebyscore(
+                keys.locks_index(self.prefix), "+inf", f"({now_ms}", start=0, num=limit
+            )
         ]
-        return sorted(found, key=lambda info: (info.job_name, info.dedup_key))
+        if not names:
+            return []
+        lock_root = keys.sequential_lock(self.prefix, "", None)
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.get(lock_root + name)
+            pipe.pttl(lock_root + name)
+        pipe.hmget(keys.locks_since(self.prefix), names)
+        *pairs, since = pipe.execute()
+        running = {run.message_id: run for run in self.history.running()}
+        alive = {
+            f"{process.host}:{process.pid}"
+            for process in live_processes(self.client, self.prefix)
+            if process.role == "worker"
+        }
+        found = []
+        for i, name in enumerate(names):
+            token, ttl = pairs[2 * i], pairs[2 * i + 1]
+            if token is None or int(ttl) < 0:
+                continue  # released or run out since the index was read
+            job_name, tenant = keys.parse_sequential_lock(self.prefix, lock_root + name)
+            message_id = text(token).split(":", 1)[0]
+            holder = running.get(message_id)
+            worker = None if holder is None else holder.worker
+            found.append(
+                LockInfo(
+                    job_name=job_name,
+                    tenant_id=tenant,
+                    message_id=message_id,
+                    origin_id=None if holder is None else holder.origin_id,
+                    worker=worker,
+                    expires_in_ms=int(ttl),
+                    held_since=None
+                    if since[i] is None
+                    else datetime.fromtimestamp(int(since[i]) / 1000, UTC),
+                    worker_alive=worker is not None and worker in alive,
+                )
+            )
+        return sorted(found, key=lambda lock: (lock.job_name, lock.tenant_id or ""))
 
-    def walk_dedup_keys(
-        self, job: str | None = None, *, cursor: int = 0, max_keys: int = 50_000, limit: int = 200
-    ) -> tuple[list[DedupInfo], int]:
-        """Live dedup keys found by walking about ``max_keys`` keys of the keyspace from
-        ``cursor`` (``SCAN``, 10,000 at a time; dedup records have no index), stopping early
-        once ``limit`` are found; and the cursor to walk on from (0 when the walk is done).
-        A key alive for the whole walk is found once at least; one written meanwhile may not
-        be (Redis ``SCAN``'s guarantee)."""
-        step = 10_000
-        names: list[str] = []
-        walked = 0
-        while True:
-            cursor, batch = self.client.scan(cursor, match=self._dedup_pattern(job), count=step)
-            names += [text(raw) for raw in batch]
-            walked += step
-            if cursor == 0 or walked >= max_keys or len(names) >= limit:
+    def dedup_page(
+        self, job: str | None = None, *, after: DedupCursor | None = None, limit: int = 100
+    ) -> tuple[list[DedupInfo], DedupCursor | None]:
+        """Live dedup keys, by job (``job``'s alone when given), newest expiry first, starting
+        just after ``after``: at most ``limit`` of them, and the cursor of the next page
+        (``None`` when no more exist). Read off each job's index (``keys.dedup_index``, kept
+        by the dedup scripts; a record that expired is never listed), then the records: a few
+        round trips, whatever the size of the keyspace or of the index."""
+        now_ms = int(datetime.now(UTC).timestamp() * 1000)
+        live = f"({now_ms}"
+        jobs = sorted(self.registry.jobs) if job is None else [job]
+        if after is not None:
+            jobs = [name for name in jobs if name >= after[0]]
+        # the jobs with live keys at all: one ZCOUNT each, one round trip
+        pipe = self.client.pipeline(transaction=False)
+        for name in jobs:
+            pipe.zcount(keys.dedup_index(self.prefix, name), live, "+inf")
+        jobs = [name for name, count in zip(jobs, pipe.execute(), strict=True) if count]
+        found: list[tuple[DedupInfo, DedupCursor]] = []
+        for name in jobs:
+            index = keys.dedup_index(self.prefix, name)
+            # the position read up to: below expiry `high`, past `tie` keys of that expiry
+            high, tie = (float("inf"), 0)
+            if after is not None and after[0] == name:
+                high, tie = after[1], after[2]
+            while len(found) <= limit:
+                wanted = limit + 1 - len(found)
+                entries: list[tuple[Any, float]] = self.client.zrevrangebyscore(  # type: ignore[assignment]
+                    index, high, live, start=tie, num=wanted, withscores=True
+                )
+                scored = [(text(key), float(score)) for key, score in entries]
+                infos = self._dedup_infos(name, [key for key, _ in scored])
+                for (_, score), info in zip(scored, infos, strict=True):
+                    tie = tie + 1 if score == high else 1
+                    high = score
+                    if info is not None:
+                        found.append((info, (name, score, tie)))
+                if len(entries) < wanted:
+                    break
+            if len(found) > limit:
                 break
-        found = self._dedup_infos(names)
-        return sorted(found, key=lambda info: (info.job_name, info.dedup_key)), int(cursor)
+        page = found[:limit]
+        cursor = page[-1][1] if len(found) > limit else None
+        return [info for info, _ in page], cursor
+
+    def dedup_keys(self, job: str | None = None, *, limit: int = 1_000) -> list[DedupInfo]:
+        """Live dedup keys (the first ``limit`` of :meth:`dedup_page`)."""
+        return self.dedup_page(job, limit=limit)[0]
 
     def dedup_record(self, job: JobDefinition, dedup_key: str) -> DedupInfo | None:
         """The live dedup record of ``dedup_key`` of ``job``, if any (read by its key)."""
-        found = self._dedup_infos([keys.dedup(self.prefix, job.qualified_name, dedup_key)])
-        return found[0] if found else None
+        return self._dedup_infos(job.qualified_name, [dedup_key])[0]
 
-    def _dedup_pattern(self, job: str | None) -> str:
-        base = keys.dedup(self.prefix, "", "")[:-1]  # "kumiko:{prefix}:dedup:"
-        return keys.dedup(self.prefix, job, "*") if job else base + "*"
-
-    def _dedup_infos(self, names: Sequence[str]) -> list[DedupInfo]:
-        """The records behind dedup record keys ``names`` (one round trip; gone ones left out)."""
-        if not names:
+    def _dedup_infos(self, job: str, dedup_keys: Sequence[str]) -> list[DedupInfo | None]:
+        """The records of ``job``'s ``dedup_keys`` (one round trip; ``None`` for one gone)."""
+        if not dedup_keys:
             return []
-        base = keys.dedup(self.prefix, "", "")[:-1]
         pipe = self.client.pipeline(transaction=False)
-        for key in names:
-            pipe.hgetall(key)
-            pipe.pttl(key)
-        replies = iter(pipe.execute())
-        found = []
-        for key in names:
-            fields, ttl = next(replies), next(replies)
+        for key in dedup_keys:
+            pipe.hgetall(keys.dedup(self.prefix, job, key))
+            pipe.pttl(keys.dedup(self.prefix, job, key))
+        replies = pipe.execute()
+        found: list[DedupInfo | None] = []
+        for i, key in enumerate(dedup_keys):
+            fields, ttl = replies[2 * i], replies[2 * i + 1]
             if not fields:
+                found.append(None)
                 continue
             record = {text(k): text(v) for k, v in fields.items()}
-            rest = key[len(base) :]
-            parts = rest.split(":", 3)
-            job_name, dedup_key = ":".join(parts[:3]), parts[3] if len(parts) > 3 else ""
             found.append(
                 DedupInfo(
-                    job_name=job_name,
-                    dedup_key=dedup_key,
+                    job_name=job,
+                    dedup_key=key,
                     message_id=record.get("id", ""),
                     state=record.get("state", ""),
                     follow_up_id=record.get("fid"),
@@ -600,14 +617,10 @@ class Admin:
     def retry_dead(self, message_id: str) -> str | None:
         """Re-enqueue dead letter ``message_id``; the new message id, or ``None`` when it is
         not (or no longer) a dead letter. Found through its dead letter note (a few key reads)
-        when it has one, else by reading the dead letters."""
-        noted = self._noted_dead_letter(message_id)
-        if noted is not None:
-            return self._retry(noted)
-        for letter in self.dead_letters(limit=1_000_000):
-            if letter.message_id == message_id:
-                return self._retry(letter)
-        return None
+        when it has one, else by the redis ids kumiko derives from its id, else among the
+        newest :data:`PREFIX_WINDOW` dead letters of each lane: never a read of them all."""
+        letter = self._noted_dead_letter(message_id) or self._found_dead_letter(message_id)
+        return None if letter is None else self._retry(letter)
 
     def retry_all_dead(self, job: str | None = None) -> list[tuple[str, str]]:
         """Re-enqueue every dead letter (``job``'s, when given), newest first, each as
@@ -643,6 +656,65 @@ class Admin:
             return None
         letter = self._dead_letter(queue, rid, float(score), body, read_note=False)
         return letter if letter is not None and letter.message_id == message_id else None
+
+    def _found_dead_letter(self, message_id: str) -> DeadLetter | None:
+        """Dead letter ``message_id`` without a note: by its derived redis ids, then among
+        the newest dead letters of each lane."""
+        candidates = self.redis_id_candidates(message_id)
+        pipe = self.client.pipeline(transaction=False)
+        for queue in self.lane_queues:
+            for rid in candidates:
+                pipe.zscore(dead_letters(queue), rid)
+        scores = iter(pipe.execute())
+        for queue in self.lane_queues:
+            for rid in candidates:
+                score = next(scores)
+                if score is not None:
+                    body = self.client.hget(dead_letter_messages(queue), rid)
+                    letter = self._dead_letter(queue, rid, float(score), body, read_note=False)
+                    if letter is not None and letter.message_id == message_id:
+                        return letter
+        for queue in self.lane_queues:
+            entries: list[tuple[Any, float]] = self.client.zrevrange(  # type: ignore[assignment]
+                dead_letters(queue), 0, PREFIX_WINDOW - 1, withscores=True
+            )
+            rids = [text(rid) for rid, _ in entries]
+            bodies = self.client.hmget(dead_letter_messages(queue), rids) if rids else []
+            for rid, (_, score), body in zip(rids, entries, bodies, strict=True):
+                letter = self._dead_letter(queue, rid, float(score), body, read_note=False)
+                if letter is not None and letter.message_id == message_id:
+                    return letter
+        return None
+
+    def redis_id_candidates(self, message_id: str) -> list[str]:
+        """The redis ids a live copy of ``message_id`` can have (a sequential hand-off's of
+        the work it started included): :func:`~kumiko_dramatiq.ids.redis_id_candidates`,
+        from the last attempt of it with a run record (one ``HKEYS``)."""
+        attempts = [
+            int(text(field))
+            for field in self.client.hkeys(keys.run_record(self.prefix, message_id))
+            if text(field).isdigit()
+        ]
+        return redis_id_candidates(message_id, max(attempts, default=0))
+
+    def ids_starting_with(self, prefix: str, *, limit: int = 10) -> list[str]:
+        """Message ids that start with ``prefix``, sorted, at most ``limit``: looked up among
+        the newest :data:`PREFIX_WINDOW` run records of each status (dead letters have one
+        with status ``dead``) and the runs in flight. Bounded work: a prefix of an older
+        id, or of a message that never ran, finds nothing (give its full id)."""
+        pipe = self.client.pipeline(transaction=False)
+        for status in STATUSES:
+            pipe.zrevrange(keys.runs_by_status(self.prefix, status), 0, PREFIX_WINDOW - 1)
+        found: set[str] = set()
+        for members in pipe.execute():
+            for member in members:
+                message_id = text(member).rpartition(":")[0]
+                if message_id.startswith(prefix):
+                    found.add(message_id)
+        found.update(
+            run.message_id for run in self.history.running() if run.message_id.startswith(prefix)
+        )
+        return sorted(found)[:limit]
 
     def _retry(self, letter: DeadLetter) -> str | None:
         queue = letter.queue
@@ -682,10 +754,54 @@ class Admin:
         self.broker.emit_after("enqueue", prepared, None)
         return new_id
 
+    def waiting_state(self, message_id: str) -> str | None:
+        """Where ``message_id`` (or a sequential hand-off carrying it on) is now, read the way
+        :meth:`cancel` looks for it but changing nothing: ``"queued"`` (waiting in a lane
+        queue, its suspects or a paused job's parked list), ``"delayed"`` (on a delay queue),
+        ``"running"`` (claimed by a worker), or ``None`` (none of these: it ended, or never
+        was). Two round trips, whatever the size of the queues."""
+        candidates = self.redis_id_candidates(message_id)
+        places = [
+            (place, rid)
+            for queue in self.lane_queues
+            for rid in candidates
+            for place, rid in (
+                (queue, rid),
+                (dq_name(queue), rid),
+                (queue, moved_redis_id(rid, queue)),
+            )
+        ]
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zrange(heartbeats(), 0, -1)
+        for place, rid in places:
+            pipe.hget(queue_messages(place), rid)
+        workers, *bodies = pipe.execute()
+        for (place, rid), body in zip(places, bodies, strict=True):
+            carried = None if body is None else _carried_id(body, message_id)
+            if carried is None:
+                continue
+            pipe = self.client.pipeline(transaction=False)
+            pipe.get(keys.cancelled(self.prefix, carried))
+            for worker in workers:
+                pipe.sismember(consumer_acks(text(worker), place), rid)
+            marker, *claims = pipe.execute()
+            if keys.is_delay_queue(place):
+                # held in a worker's memory once cancelled: its move drops it
+                return None if marker is not None else "delayed"
+            return "running" if any(claims) else "queued"
+        return None
+
     def cancel(self, message_id: str) -> tuple[bool, str]:
         """Cancel ``message_id`` if it has not started: ``(True, queue)``, or ``(False, why)``
-        with why ``"running"`` or ``"gone"``."""
+        with why ``"running"``, ``"ended"`` (it completed, died or was cancelled: it has a run
+        record or a dead letter note) or ``"gone"`` (no trace of it). Found by the redis ids
+        kumiko derives from its id (:meth:`redis_id_candidates`), on each lane queue and its
+        delay queue: a few key reads, never a search of a queue."""
         completed_ttl, failed_ttl = run_ttls_ms(self.settings)
+        places: list[str] = []
+        for rid in self.redis_id_candidates(message_id):
+            for queue in self.lane_queues:
+                places += [queue, rid, dq_name(queue), rid, queue, moved_redis_id(rid, queue)]
         reply = self.broker.lua.cancel(
             keys=[self.broker.namespace],
             args=[
@@ -695,7 +811,7 @@ class Admin:
                 completed_ttl,
                 failed_ttl,
                 self.settings.heartbeat_timeout_ms + 3_600_000,
-                *self.lane_queues,
+                *places,
             ],
         )
         return reply[0] == 1, text(reply[1])
@@ -706,32 +822,59 @@ class Admin:
 
     def resume(self, job: JobDefinition) -> tuple[int, int] | None:
         """Resume ``job``: ``(requeued, dropped)`` parked messages, or ``None`` if it was not
-        paused."""
-        if not self.client.sismember(keys.paused(self.prefix), job.qualified_name):
-            return None
+        paused and holds nothing parked. The parked messages go back to the head of the
+        queue :data:`RESUME_STEP` at a time (``lua/resume.lua``), the last parked first, so
+        they end up in their parked order ahead of what was queued meanwhile; a resume cut
+        short (a crash) is finished by the next one. Cron ticks parked meanwhile follow the
+        job's misfire policy: ``coalesce`` keeps the latest, ``skip`` none."""
         parked_key = keys.parked(self.prefix, job.qualified_name)
         queue = job.queue_name(self.prefix)
-        drop = self._skipped_ticks(job, self.client.lrange(parked_key, 0, -1), queue)
         completed_ttl, failed_ttl = run_ttls_ms(self.settings)
-        requeued, dropped = self.broker.lua.resume(
-            keys=[keys.paused(self.prefix), parked_key, queue_list(queue), queue_messages(queue)],
-            args=[
-                job.qualified_name,
-                keys.root(self.prefix),
-                int(datetime.now(UTC).timestamp() * 1000),
-                completed_ttl,
-                failed_ttl,
-                *drop,
-            ],
-        )
-        return int(requeued), int(dropped)
+        requeued = dropped = 0
+        was_paused: bool | None = None
+        latest_kept = False
+        while True:
+            drop: list[str] = []
+            if isinstance(job.options.trigger, Cron):
+                tail = self.client.lrange(parked_key, -RESUME_STEP, -1)
+                drop, latest_kept = self._skipped_ticks(job, tail, queue, latest_kept)
+            paused, moved, skipped, left = self.broker.lua.resume(
+                keys=[
+                    keys.paused(self.prefix),
+                    parked_key,
+                    queue_list(queue),
+                    queue_messages(queue),
+                    keys.parked_withdrawn(self.prefix, job.qualified_name),
+                ],
+                args=[
+                    job.qualified_name,
+                    keys.root(self.prefix),
+                    int(datetime.now(UTC).timestamp() * 1000),
+                    completed_ttl,
+                    failed_ttl,
+                    RESUME_STEP,
+                    *drop,
+                ],
+            )
+            if was_paused is None:
+                was_paused = paused == 1
+            requeued, dropped = requeued + int(moved), dropped + int(skipped)
+            if int(left) == 0:
+                break
+        if not was_paused and requeued == dropped == 0:
+            return None
+        return requeued, dropped
 
-    def _skipped_ticks(self, job: JobDefinition, parked: Sequence[Any], queue: str) -> list[str]:
-        """The parked cron ticks the job's misfire policy skips on resume: with ``coalesce``
-        all but the latest, with ``skip`` all of them."""
+    def _skipped_ticks(
+        self, job: JobDefinition, parked: Sequence[Any], queue: str, latest_kept: bool
+    ) -> tuple[list[str], bool]:
+        """The parked cron ticks among ``parked`` (the tail of the parked list, resumed next)
+        that the job's misfire policy skips, and whether the latest tick is kept: with
+        ``coalesce`` all but the latest (the latest of the first tail that holds one, the
+        tails going from the last parked back), with ``skip`` all of them."""
         trigger = job.options.trigger
         if not isinstance(trigger, Cron) or not parked:
-            return []
+            return [], latest_kept
         rids = [text(rid) for rid in parked]
         bodies = self.client.hmget(queue_messages(queue), rids)
         ticks: list[tuple[datetime, str]] = []
@@ -749,8 +892,26 @@ class Admin:
                 ticks.append((tick.astimezone(UTC), rid))
         ticks.sort()
         if trigger.misfire == "skip":
-            return [rid for _, rid in ticks]
-        return [rid for _, rid in ticks[:-1]]
+            return [rid for _, rid in ticks], latest_kept
+        if ticks and not latest_kept:
+            return [rid for _, rid in ticks[:-1]], True
+        return [rid for _, rid in ticks], latest_kept
+
+
+def _carried_id(body: Any, message_id: str) -> str | None:
+    """The id of encoded message ``body`` if it is ``message_id``'s, or a sequential hand-off
+    carrying it on (as ``lua/cancel.lua`` decides); else ``None``."""
+    try:
+        message = json.loads(body)
+        options = message["options"]
+        own = str(message["message_id"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    if own == message_id:
+        return own
+    if options.get(ORIGIN_ID) == message_id and options.get(TRIGGER) == "requeue":
+        return own
+    return None
 
 
 def _describe_trigger(job: JobDefinition) -> str:

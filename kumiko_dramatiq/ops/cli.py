@@ -9,23 +9,34 @@ kumiko_dramatiq.scheduler``).
     jobs                         declared jobs: options, lane, next/last cron fire, paused;
                                  each typed job's payload fields (name, type, required)
     runs [--job J] [--status S] [--tenant T] [--message ID] [--origin ID]
-         [--since ISO] [--before ISO] [--limit N]       run records, newest first
-    dead [--job J] [--limit N]   dead letters with their last error and traceback
+         [--since WHEN] [--before WHEN] [--limit N] [--tracebacks]
+                                 run records, newest first
+    dead [--job J] [--limit N] [--no-tracebacks]
+                                 dead letters with their last error and traceback
     retry MESSAGE_ID | --all [--job J]                  re-enqueue dead letters
     cancel MESSAGE_ID            a message that has not started never starts
     pause JOB / resume JOB       hold a job's messages back / let them run
-    locks                        held sequential locks and the runs holding them
-    dedup [--job J]              live dedup keys
+    locks [--limit N]            held sequential locks and the runs holding them
+    dedup [--job J] [--limit N]  live dedup keys
     reset-boot JOB | --all       the next worker start enqueues a boot-once job again
     dashboard [--host H] [--port P]   serve the web dashboard (needs the dashboard extra;
                                  a non-loopback host needs KUMIKO_DASHBOARD_TOKEN)
 
 The app and its dataset come from ``KUMIKO_APP``, ``KUMIKO_REDIS_URL`` and
-``KUMIKO_QUEUE_PREFIX`` (:mod:`kumiko_dramatiq.loader`). Exit status: 0 on success; 1 when Redis
-is unreachable (or refuses the user) or the action found nothing to act on (a message that is
-not dead for ``retry``, a message no longer waiting for ``cancel``, a job not paused for
-``resume``); 2 on bad input (unknown job, malformed id or time). Every error is one line on
-stderr. Human output is aligned tables that fit 100 columns.
+``KUMIKO_QUEUE_PREFIX`` (:mod:`kumiko_dramatiq.loader`). Exit status: 0 on success, listings
+also when empty; 1 when Redis is unreachable (or refuses the user, or is not Redis) or the
+action found nothing to act on (a message that is not dead for ``retry``, a message no
+longer waiting for ``cancel``, a job not paused for ``resume``); 2 on bad input (unknown
+job, malformed or ambiguous id, a time that does not parse). Every error is one line on
+stderr; a closed stdout (``kumiko runs --json | head -1``) ends the command quietly.
+
+Ids are printed whole. A message id argument may be a unique prefix of one (at least 4
+characters): it is looked up among the newest 1,000 run records of each status and the
+runs in flight (:meth:`~kumiko_dramatiq.ops.admin.Admin.ids_starting_with`); several
+matches are bad input naming them, none leaves it as given. Times (``--since``,
+``--before``) are ISO-8601 (UTC without an offset) or a span before now: ``30m``, ``1h``,
+``2d``, ``1h30m``. Tables count wide (CJK) characters as two columns and cut only free text
+(errors, keys, triggers) to fit 100 columns; a listing that stops at its limit says so.
 
 ``kumiko-scheduler`` runs the cron scheduler (:class:`~kumiko_dramatiq.scheduler.Scheduler`)
 for the same app until SIGTERM or SIGINT (status 0); a missing or bad ``KUMIKO_APP`` is one
@@ -40,14 +51,20 @@ import importlib
 import ipaddress
 import json
 import logging
+import os
+import re
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from types import FrameType
 from typing import Any, NoReturn
 
+import dramatiq
+import redis
+
+import kumiko_dramatiq
 from kumiko_dramatiq.environment import DASHBOARD_TOKEN, dashboard_token
 from kumiko_dramatiq.errors import (
     AppLoadError,
@@ -56,11 +73,13 @@ from kumiko_dramatiq.errors import (
     RedisAccessError,
     RedisUnavailableError,
     UnknownJobError,
+    redact_url,
 )
 from kumiko_dramatiq.loader import load_runner
 from kumiko_dramatiq.middleware.boot import reset_boot_marker
 from kumiko_dramatiq.middleware.metrics import serving
 from kumiko_dramatiq.ops.history import STATUSES
+from kumiko_dramatiq.ops.terminal import indented, parse_when, table, without_frames_of
 from kumiko_dramatiq.runner import JobRunner
 from kumiko_dramatiq.scheduler import Scheduler
 
@@ -68,8 +87,16 @@ EXIT_OK = 0
 EXIT_REDIS = 1
 EXIT_NOTHING = 1
 EXIT_USAGE = 2
-#: Human tables fit this many columns.
-WIDTH = 100
+#: A whole message id as kumiko makes them (a UUID); anything shorter that could begin one
+#: (at least 4 characters) is looked up as a prefix.
+FULL_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+ID_PREFIX = re.compile(r"[0-9a-f][0-9a-f-]{3,34}")
+#: How many candidates an ambiguous prefix names.
+SHOWN_CANDIDATES = 5
+#: Where the worker's own code lives: its frames are left out of tracebacks shown as text.
+WORKER_CODE = tuple(
+    os.path.dirname(package.__file__ or "") + os.sep for package in (dramatiq, kumiko_dramatiq)
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -79,9 +106,23 @@ class _Parser(argparse.ArgumentParser):
         _fail(f"{self.prog}: {message} (see --help)")
 
 
+class AmbiguousIdError(ValueError):
+    """A message id prefix that more than one id starts with (bad input: status 2)."""
+
+
 def _fail(line: str, status: int = EXIT_USAGE) -> NoReturn:
     print(" ".join(line.split()), file=sys.stderr)
     raise SystemExit(status)
+
+
+def _limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 0 < value <= 1_000:
+        raise argparse.ArgumentTypeError(f"must be from 1 to 1000, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--json", action="store_true", help="one JSON document on stdout")
         return sub
 
+    when = "ISO-8601 time (UTC when no offset) or a span before now: 30m, 1h, 2d, 1h30m"
+    an_id = "a message id, or a unique prefix of one (at least 4 characters)"
     command("status", "queues per lane, live workers and schedulers, paused jobs")
     command(
         "jobs", "declared jobs: options, lane, next and last cron fire, paused, payload schemas"
@@ -101,27 +144,38 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("--job", help="qualified job name")
     runs.add_argument("--status", choices=STATUSES)
     runs.add_argument("--tenant")
-    runs.add_argument("--message", help="every attempt of one message id")
-    runs.add_argument("--origin", help="every run that came of what dispatch returned")
-    runs.add_argument("--since", help="ISO-8601 time (UTC when no offset)")
-    runs.add_argument("--before", help="ISO-8601 time (UTC when no offset)")
-    runs.add_argument("--limit", type=int, default=50)
-    dead = command("dead", "dead-lettered messages with their last error")
+    runs.add_argument("--message", help=f"every attempt of one message: {an_id}")
+    runs.add_argument("--origin", help=f"every run that came of what dispatch returned: {an_id}")
+    runs.add_argument("--since", help=when)
+    runs.add_argument("--before", help=when)
+    runs.add_argument("--limit", type=_limit, default=50, help="at most this many (1-1000)")
+    runs.add_argument(
+        "--tracebacks",
+        action="store_true",
+        help="print the traceback of each failed run below the table (the default with "
+        "--message and --origin)",
+    )
+    dead = command("dead", "dead-lettered messages with their last error and traceback")
     dead.add_argument("--job", help="qualified job name")
-    dead.add_argument("--limit", type=int, default=100)
+    dead.add_argument("--limit", type=_limit, default=100, help="at most this many (1-1000)")
+    dead.add_argument(
+        "--no-tracebacks", action="store_true", help="the table alone, no traceback below it"
+    )
     retry = command("retry", "re-enqueue dead letters with a fresh attempt budget")
-    retry.add_argument("message_id", nargs="?", metavar="MESSAGE_ID")
+    retry.add_argument("message_id", nargs="?", metavar="MESSAGE_ID", help=an_id)
     retry.add_argument("--all", action="store_true", help="every dead letter (of --job)")
     retry.add_argument("--job", help="with --all: only this job's")
     cancel = command("cancel", "a queued, delayed or waiting message never starts")
-    cancel.add_argument("message_id", metavar="MESSAGE_ID")
+    cancel.add_argument("message_id", metavar="MESSAGE_ID", help=an_id)
     pause = command("pause", "hold a job's messages back on every worker")
     pause.add_argument("job", metavar="JOB")
     resume = command("resume", "let a paused job's messages run again")
     resume.add_argument("job", metavar="JOB")
-    command("locks", "held sequential locks")
+    locks = command("locks", "held sequential locks")
+    locks.add_argument("--limit", type=_limit, default=100, help="at most this many (1-1000)")
     dedup = command("dedup", "live dedup keys")
     dedup.add_argument("--job", help="qualified job name")
+    dedup.add_argument("--limit", type=_limit, default=100, help="at most this many (1-1000)")
     reset = command(
         "reset-boot",
         "make the next worker start enqueue a run_on_boot job again (once its earlier run is over)",
@@ -141,6 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``kumiko``: run one command; return its exit status. A closed stdout ends it quietly
+    (status 0: the reader had what it wanted)."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_OK
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.command is None:
         _fail("kumiko: give a command (see --help)")
@@ -162,16 +226,57 @@ def main(argv: Sequence[str] | None = None) -> int:
             _fail(f"{prog}: {exc}", EXIT_NOTHING)
         except (UnknownJobError, ValueError) as exc:
             _fail(f"{prog}: {exc}")
+        except redis.RedisError as exc:  # a read outside the runner's own error mapping
+            _fail(f"{prog}: Redis at {redact_url(runner.redis_url)} failed: {exc}", EXIT_REDIS)
     finally:
         runner.stop()
     if args.json:
-        print(json.dumps(document, indent=2, sort_keys=True))
+        _write(json.dumps(document, indent=2, sort_keys=True))
     elif text:
-        print(text)
+        _write(text)
     return status
 
 
+def _write(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def _quiet_stdout() -> None:
+    """After a closed pipe: point stdout at /dev/null, so that the interpreter's own flush
+    at exit does not complain about it (Python's documented way)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    finally:
+        os.close(devnull)
+
+
 Result = tuple[Any, str, int]
+
+
+def resolve_id(runner: JobRunner, given: str) -> str:
+    """The message id ``given`` stands for: itself when it is a whole id or cannot begin
+    one; else the one id that starts with it (:meth:`Admin.ids_starting_with`). Several:
+    :class:`AmbiguousIdError` naming them; none: ``given`` as it is (an unknown id)."""
+    if FULL_ID.fullmatch(given) or not ID_PREFIX.fullmatch(given):
+        return given
+    found = runner.admin.ids_starting_with(given, limit=SHOWN_CANDIDATES + 1)
+    if len(found) == 1:
+        return found[0]
+    if found:
+        named = ", ".join(found[:SHOWN_CANDIDATES])
+        more = ", ..." if len(found) > SHOWN_CANDIDATES else ""
+        raise AmbiguousIdError(
+            f"message id prefix {given!r} is ambiguous: {named}{more}; give more characters"
+        )
+    return given
+
+
+def _more(shown: int, what: str, how: str) -> str:
+    return f"... {shown} {what} shown; more exist ({how})"
 
 
 def _status(runner: JobRunner, args: argparse.Namespace) -> Result:
@@ -179,6 +284,7 @@ def _status(runner: JobRunner, args: argparse.Namespace) -> Result:
     lanes = table(
         ["lane", "queue", "queued", "delayed", "running", "dead", "parked"],
         [[s.lane, s.queue, s.queued, s.delayed, s.running, s.dead, s.parked] for s in status.lanes],
+        cuttable=("queue",),  # "<prefix>-<lane>": the lane says it
     )
     procs = table(
         ["role", "host", "pid", "lane", "version", "started", "last seen"],
@@ -194,6 +300,7 @@ def _status(runner: JobRunner, args: argparse.Namespace) -> Result:
             ]
             for p in [*status.workers, *status.schedulers]
         ],
+        cuttable=("host", "version"),
     )
     paused = ", ".join(status.paused) or "none"
     text = f"{lanes}\n\n{procs or 'no live worker or scheduler'}\n\npaused jobs: {paused}"
@@ -215,6 +322,7 @@ def _jobs(runner: JobRunner, args: argparse.Namespace) -> Result:
         ]
         for j in jobs
     ]
+    # never cut: names, triggers and times are what an operator reads here
     text = table(
         ["job", "lane", "trigger", "retries", "concurrency", "next fire", "last fire", "paused"],
         rows,
@@ -243,21 +351,29 @@ def _jobs(runner: JobRunner, args: argparse.Namespace) -> Result:
 
 
 def _runs(runner: JobRunner, args: argparse.Namespace) -> Result:
+    now = datetime.now(UTC)
+    message_id = None if args.message is None else resolve_id(runner, args.message)
+    origin_id = None if args.origin is None else resolve_id(runner, args.origin)
+    since = None if args.since is None else parse_when("--since", args.since, now)
+    before = None if args.before is None else parse_when("--before", args.before, now)
+    asked = min(args.limit + 1, 1_000)
     runs = runner.runs(
         args.job,
         status=args.status,
         tenant_id=args.tenant,
-        message_id=args.message,
-        origin_id=args.origin,
-        since=_instant("--since", args.since),
-        before=_instant("--before", args.before),
-        limit=args.limit,
+        message_id=message_id,
+        origin_id=origin_id,
+        since=since,
+        before=before,
+        limit=asked,
     )
+    more = len(runs) > args.limit
+    runs = runs[: args.limit]
     rows = [
         [
             _time(r.ended_at or r.started_at),
             r.job_name,
-            r.message_id[:8],
+            r.message_id,
             r.tenant_id or "",
             r.trigger,
             f"{r.attempt}/{r.max_attempts}",
@@ -270,13 +386,45 @@ def _runs(runner: JobRunner, args: argparse.Namespace) -> Result:
     text = table(
         ["when", "job", "message", "tenant", "trigger", "att.", "status", "took", "error"],
         rows,
-        keep=("when", "message", "att.", "status", "took"),
+        cuttable=("tenant",),  # the error column holds the error's type: never cut
     )
-    return {"runs": [r.to_json() for r in runs]}, text or "no run matches", EXIT_OK
+    if not text:
+        text = "no run matches"
+    elif more:
+        text += "\n" + _more(len(runs), "runs", "raise --limit, up to 1000, or narrow the filters")
+    if args.tracebacks or message_id is not None or origin_id is not None:
+        text += _tracebacks(
+            (f"{r.message_id} {r.job_name} attempt {r.attempt}", r.traceback) for r in runs
+        )
+    return {"runs": [r.to_json() for r in runs]}, text, EXIT_OK
+
+
+def _tracebacks(items: Iterable[tuple[str, str | None]]) -> str:
+    """The tracebacks of ``(heading, traceback)`` items, each under its heading, without the
+    worker's own frames (Dramatiq's and kumiko's); one the same as an earlier one is named,
+    not repeated."""
+    blocks: list[str] = []
+    first: dict[str, str] = {}
+    for heading, traceback in items:
+        if not traceback:
+            continue
+        shown = without_frames_of(traceback, WORKER_CODE)
+        if shown in first:
+            earlier = first[shown].split()
+            same = heading.split()
+            while len(earlier) > 2 and same and earlier[0] == same[0]:
+                earlier, same = earlier[1:], same[1:]
+            blocks.append(f"--- {heading}: the same traceback as {' '.join(earlier)} ---")
+            continue
+        first[shown] = heading
+        blocks.append(f"--- {heading} ---\n{indented(shown)}")
+    return "".join("\n\n" + block for block in blocks)
 
 
 def _dead(runner: JobRunner, args: argparse.Namespace) -> Result:
-    letters = runner.dead_letters(args.job, limit=args.limit)
+    letters = runner.dead_letters(args.job, limit=args.limit + 1)
+    more = len(letters) > args.limit
+    letters = letters[: args.limit]
     rows = [
         [
             _time(d.dead_at),
@@ -288,11 +436,18 @@ def _dead(runner: JobRunner, args: argparse.Namespace) -> Result:
         for d in letters
     ]
     text = table(
-        ["dead since", "job", "message id", "att.", "error"],
-        rows,
-        keep=("dead since", "message id", "att."),
+        ["dead since", "job", "message id", "att.", "error"], rows, cuttable=("error",), floor=40
     )
-    return {"dead_letters": [d.to_json() for d in letters]}, text or "no dead letter", EXIT_OK
+    if not text:
+        text = "no dead letter"
+    elif more:
+        text += "\n" + _more(len(letters), "dead letters", "raise --limit, up to 1000")
+    if not args.no_tracebacks:
+        text += _tracebacks(
+            (f"{d.message_id} {d.job_name} (dead since {_time(d.dead_at)})", d.traceback)
+            for d in letters
+        )
+    return {"dead_letters": [d.to_json() for d in letters]}, text, EXIT_OK
 
 
 def _retry(runner: JobRunner, args: argparse.Namespace) -> Result:
@@ -301,14 +456,15 @@ def _retry(runner: JobRunner, args: argparse.Namespace) -> Result:
     if args.job is not None and not args.all:
         raise ValueError("--job goes with --all")
     if args.all:
-        targets = [d.message_id for d in runner.dead_letters(args.job, limit=1_000_000)]
-        if not targets:
+        if args.job is not None:
+            runner.job(args.job)
+        pairs = runner.admin.retry_all_dead(args.job)
+        if not pairs:
             raise NotFoundError("no dead letter to retry")
+        retried = [{"message_id": old, "new_message_id": new} for old, new in pairs]
     else:
-        targets = [args.message_id]
-    retried = []
-    for message_id in targets:
-        retried.append({"message_id": message_id, "new_message_id": runner.retry_dead(message_id)})
+        message_id = resolve_id(runner, args.message_id)
+        retried = [{"message_id": message_id, "new_message_id": runner.retry_dead(message_id)}]
     text = "\n".join(
         f"{item['message_id']}: re-enqueued as {item['new_message_id']}" for item in retried
     )
@@ -316,16 +472,15 @@ def _retry(runner: JobRunner, args: argparse.Namespace) -> Result:
 
 
 def _cancel(runner: JobRunner, args: argparse.Namespace) -> Result:
-    cancelled = runner.cancel(args.message_id)
-    document = {"message_id": args.message_id, "cancelled": cancelled}
+    message_id = resolve_id(runner, args.message_id)
+    cancelled = runner.cancel(message_id)
+    document = {"message_id": message_id, "cancelled": cancelled}
     if not cancelled:
-        print(
-            f"kumiko cancel: message {args.message_id} is running: not interrupted, nothing "
-            "changed",
-            file=sys.stderr,
-        )
-        return {**document, "state": "running"}, "", EXIT_NOTHING
-    return {**document, "state": "cancelled"}, f"{args.message_id}: cancelled", EXIT_OK
+        running = runner.admin.waiting_state(message_id) == "running"
+        why = "is running: not interrupted" if running else "has ended (or was cancelled)"
+        print(f"kumiko cancel: message {message_id} {why}, nothing changed", file=sys.stderr)
+        return {**document, "state": "running" if running else "ended"}, "", EXIT_NOTHING
+    return {**document, "state": "cancelled"}, f"{message_id}: cancelled", EXIT_OK
 
 
 def _pause(runner: JobRunner, args: argparse.Namespace) -> Result:
@@ -345,30 +500,46 @@ def _resume(runner: JobRunner, args: argparse.Namespace) -> Result:
 
 
 def _locks(runner: JobRunner, args: argparse.Namespace) -> Result:
-    locks = runner.locks()
+    locks = runner.locks(limit=args.limit + 1)
+    more = len(locks) > args.limit
+    locks = locks[: args.limit]
     rows = [
         [
             lock.job_name,
             lock.tenant_id or "",
-            lock.message_id[:8],
-            (lock.origin_id or "")[:8],
-            lock.worker or "",
+            lock.message_id,
+            lock.origin_id if lock.origin_id not in (None, lock.message_id) else "",
+            (lock.worker or "-") + ("" if lock.worker_alive else " (gone)"),
+            _ago(lock.held_since) if lock.held_since is not None else "",
             f"{lock.expires_in_ms / 1000:.1f} s",
         ]
         for lock in locks
     ]
-    text = table(["job", "tenant", "message", "origin", "worker", "expires in"], rows)
-    return {"locks": [lock.to_json() for lock in locks]}, text or "no lock held", EXIT_OK
+    text = table(
+        ["job", "tenant", "message", "origin", "worker", "held since", "expires in"],
+        rows,
+        cuttable=("tenant",),
+    )
+    if not text:
+        text = "no lock held"
+    elif more:
+        text += "\n" + _more(len(locks), "locks", "raise --limit, up to 1000")
+    return {"locks": [lock.to_json() for lock in locks]}, text, EXIT_OK
 
 
 def _dedup(runner: JobRunner, args: argparse.Namespace) -> Result:
-    records = runner.dedup_keys(args.job)
-    rows = [
-        [r.job_name, r.dedup_key, r.message_id[:8], r.state, "yes" if r.follow_up_id else ""]
-        for r in records
-    ]
-    text = table(["job", "key", "message", "state", "follow-up"], rows)
-    return {"dedup_keys": [r.to_json() for r in records]}, text or "no live dedup key", EXIT_OK
+    if args.job is not None:
+        runner.job(args.job)
+    records, cursor = runner.admin.dedup_page(args.job, limit=args.limit)
+    rows = [[r.job_name, r.dedup_key, r.message_id, r.state, r.follow_up_id or ""] for r in records]
+    text = table(
+        ["job", "key", "message", "state", "follow-up"], rows, cuttable=("key", "follow-up")
+    )
+    if not text:
+        text = "no live dedup key"
+    elif cursor is not None:
+        text += "\n" + _more(len(records), "keys", "raise --limit, up to 1000, or give --job")
+    return {"dedup_keys": [r.to_json() for r in records]}, text, EXIT_OK
 
 
 def _reset_boot(runner: JobRunner, args: argparse.Namespace) -> Result:
@@ -459,36 +630,6 @@ _COMMANDS: dict[str, Callable[[JobRunner, argparse.Namespace], Result]] = {
 }
 
 
-def table(
-    headers: Sequence[str], rows: Sequence[Sequence[Any]], *, keep: Sequence[str] = ()
-) -> str:
-    """Rows aligned under ``headers``, every line at most :data:`WIDTH` columns: the widest
-    columns not named in ``keep`` (times, ids an operator copies) are cut (with "...")
-    until it fits, and the kept ones only if that is not enough. A column empty in every row
-    is left out. Empty without rows."""
-    if not rows:
-        return ""
-    cells = [[str(cell) for cell in row] for row in rows]
-    shown = [i for i in range(len(headers)) if any(row[i] for row in cells)]
-    headers = [headers[i] for i in shown]
-    cells = [[row[i] for i in shown] for row in cells]
-    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(headers)]
-    cuttable = [i for i, h in enumerate(headers) if h not in keep] or list(range(len(headers)))
-    while sum(widths) + 2 * (len(widths) - 1) > WIDTH:
-        candidates = [i for i in cuttable if widths[i] > 3] or list(range(len(headers)))
-        widest = max(candidates, key=lambda i: widths[i])
-        widths[widest] -= 1
-
-    def line(values: Sequence[str]) -> str:
-        return "  ".join(_cut(v, w).ljust(w) for v, w in zip(values, widths, strict=True)).rstrip()
-
-    return "\n".join([line(list(headers)), *(line(row) for row in cells)])
-
-
-def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: max(0, width - 3)] + "..."
-
-
 def _time(value: datetime | None) -> str:
     return "-" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
 
@@ -496,16 +637,6 @@ def _time(value: datetime | None) -> str:
 def _ago(value: datetime) -> str:
     seconds = (datetime.now(UTC) - value).total_seconds()
     return f"{max(0.0, seconds):.0f} s ago"
-
-
-def _instant(option: str, text: str | None) -> datetime | None:
-    if text is None:
-        return None
-    try:
-        value = datetime.fromisoformat(text)
-    except ValueError:
-        raise ValueError(f"{option} must be an ISO-8601 time, got {text!r}") from None
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
 def scheduler_main() -> int:

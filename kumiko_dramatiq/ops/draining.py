@@ -87,17 +87,23 @@ class PendingWork:
 
 
 def pending_work(client: redis.Redis, queue_prefix: str) -> PendingWork:
-    """Count the dataset's queued, delayed and running messages in one ``MULTI``/``EXEC``."""
+    """Count the dataset's queued, delayed and running messages in one ``MULTI``/``EXEC``
+    (ids that ``cancel`` withdrew, still listed until a fetch meets them, not counted)."""
     pipe = client.pipeline(transaction=True)
     for lane in LANES:
         queue = lane_queue(queue_prefix, lane)
         pipe.llen(queue_list(queue))
         pipe.llen(keys.suspects(queue_prefix, queue))
+        pipe.scard(keys.queue_withdrawn(queue))
         pipe.hlen(queue_messages(dq_name(queue)))
     pipe.hlen(keys.inflight(queue_prefix))
     replies = [int(reply) for reply in pipe.execute()]
     lanes = tuple(
-        LanePending(lane, replies[3 * i] + replies[3 * i + 1], replies[3 * i + 2])
+        LanePending(
+            lane,
+            max(0, replies[4 * i] + replies[4 * i + 1] - replies[4 * i + 2]),
+            replies[4 * i + 3],
+        )
         for i, lane in enumerate(LANES)
     )
     return PendingWork(lanes, replies[-1])

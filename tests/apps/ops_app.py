@@ -62,4 +62,12 @@ def tick(payload: dict[str, Any], ctx: JobContext) -> None:
     _ran(ctx)
 
 
+@ops.job(
+    "reconcile_every_customer_invoice_against_the_general_ledger",
+    trigger=Cron("0 3 * * *", timezone="America/Argentina/Buenos_Aires"),
+)
+def reconcile(payload: dict[str, Any], ctx: JobContext) -> None:
+    _ran(ctx)
+
+
 registry = Registry([ops])

@@ -179,3 +179,30 @@ def test_a_read_only_dashboard_shows_no_action_buttons(
         assert dead_id[:8] in browser.find_element(By.CSS_SELECTOR, "table.dead").text
         assert PAYLOAD in browser.find_element(By.CSS_SELECTOR, "table.dead .error").text
         assert no_alert(browser)
+
+
+def test_signing_out_ends_the_session_for_a_copy_of_its_cookie_too(
+    browser: webdriver.Chrome,
+    make_runner: RunnerFactory,
+    shop: tuple[Registry, threading.Event],
+) -> None:
+    registry, _ = shop
+    runner = make_runner(registry)
+    with served(create_app(runner, token=TOKEN)) as base:
+        # Given an operator signed in, whose cookie someone copied
+        browser.get(f"{base}/login")
+        assert browser.find_elements(By.CSS_SELECTOR, "nav a") == []  # a stranger sees no map
+        assert runner.queue_prefix not in browser.page_source
+        browser.find_element(By.ID, "token").send_keys(TOKEN)
+        browser.find_element(By.ID, "sign-in").click()
+        copied = browser.get_cookie("kumiko-dashboard")
+        assert copied is not None
+        assert runner.queue_prefix in browser.page_source  # signed in: where it is
+        # When the operator signs out
+        browser.find_element(By.XPATH, "//button[normalize-space()='Sign out']").click()
+        wait_for(lambda: browser.current_url == f"{base}/login", what="the sign-in page")
+        # Then the copied cookie opens nothing
+        browser.add_cookie({"name": copied["name"], "value": copied["value"], "path": "/"})
+        browser.get(f"{base}/jobs")
+        assert "/login" in browser.current_url
+        assert no_alert(browser)

@@ -13,6 +13,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from starlette.testclient import TestClient
 from kumiko_dramatiq import Cron, Feature, JobConfigError, JobContext, JobRunner, Registry
 from kumiko_dramatiq.dashboard import create_app
 from kumiko_dramatiq.dashboard.chart import minute_edges
-from kumiko_dramatiq.ops.admin import LockInfo
+from kumiko_dramatiq.dashboard.security import new_session
 from tests.conftest import Recorder, RunnerFactory, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,16 +152,8 @@ def test_every_page_renders_what_the_dataset_holds(
         for text in texts:
             assert text in response.text, (path, text)
     assert 'class="chart"' in client.get("/").text
-    # the dedup walk finds the key in some slice of the (shared) keyspace
-    cursor, walked = "0", []
-    while True:
-        page = client.get("/dedup", params={"cursor": cursor}).text
-        walked.append(page)
-        more = re.search(r'href="/dedup\?cursor=(\d+)"', page)
-        if more is None or any("nightly-export" in text for text in walked):
-            break
-        cursor = more.group(1)
-    assert any("nightly-export" in text for text in walked)
+    # the dedup page lists the live key from its index, first page, whatever else Redis holds
+    assert "nightly-export" in client.get("/dedup").text
 
 
 def test_an_html_payload_in_an_error_shows_as_text(
@@ -234,6 +227,76 @@ def test_with_a_token_every_page_needs_a_sign_in(
     assert response.headers["location"] == "/"
 
 
+def test_signing_out_ends_the_session_even_for_a_copied_cookie(
+    make_runner: RunnerFactory, dataset: Dataset, redis_client: Any
+) -> None:
+    runner = make_runner(dataset.registry)
+    client = TestClient(create_app(runner, token=TOKEN), follow_redirects=False)
+    csrf = sign_in(client)
+    cookie = client.cookies["kumiko-dashboard"]
+    # the session is stored by the SHA-256 of its cookie, for the session's lifetime
+    (stored,) = redis_client.scan_iter(match=f"kumiko:{runner.queue_prefix}:dashboard:session:*")
+    assert 12 * 3600 * 1000 - 60_000 < redis_client.pttl(stored) <= 12 * 3600 * 1000
+    assert cookie.encode() not in redis_client.get(stored)
+    # Given a copy of the cookie in another browser
+    thief = TestClient(create_app(runner, token=TOKEN), follow_redirects=False)
+    thief.cookies.set("kumiko-dashboard", cookie)
+    assert thief.get("/jobs").status_code == 200
+    # When the owner signs out
+    response = client.post("/logout", data={"csrf": csrf})
+    assert (response.status_code, response.headers["location"]) == (303, "/login")
+    # Then the copy no longer opens a page nor acts
+    assert thief.get("/jobs").status_code == 303
+    response = thief.post("/actions/pause", data={"job": "shop:job:other", "csrf": csrf})
+    assert response.status_code == 403
+    assert runner.status().paused == []
+    assert not redis_client.exists(stored)
+
+
+def test_the_sign_in_page_shows_a_stranger_nothing_of_the_deployment(
+    make_runner: RunnerFactory, dataset: Dataset, redis_url: str
+) -> None:
+    runner = make_runner(dataset.registry)
+    client = TestClient(create_app(runner, token=TOKEN), follow_redirects=False)
+    host = redis_url.split("://", 1)[1].split("/", 1)[0]
+    for response in (
+        client.get("/login"),
+        client.get("/no-such-page"),
+        client.post("/login", data={"token": "wrong-token-wrong-token"}),
+    ):
+        page = response.text
+        assert host not in page
+        assert runner.queue_prefix not in page
+        assert "/jobs" not in page  # no navigation
+        assert "kumiko_dramatiq 0" not in page  # no version
+    # signed in, the same page shows where it is
+    sign_in(client)
+    assert runner.queue_prefix in client.get("/login").text
+
+
+def test_sign_ins_are_limited_per_client_address(
+    make_runner: RunnerFactory, dataset: Dataset, redis_client: Any
+) -> None:
+    runner = make_runner(dataset.registry)
+    client = TestClient(create_app(runner, token=TOKEN), follow_redirects=False)
+    # Given ten wrong tokens from one address
+    for _ in range(10):
+        assert client.post("/login", data={"token": "wrong-token-wrong-token"}).status_code == 403
+    # Then the next attempt is refused without a look at the token, the right one included
+    response = client.post("/login", data={"token": TOKEN})
+    assert response.status_code == 429
+    assert "Too many sign-in attempts" in response.text
+    assert "kumiko-dashboard" not in response.headers.get("set-cookie", "")
+    # the count lives in Redis, one key per address, expiring with its window
+    (counter,) = redis_client.scan_iter(match=f"kumiko:{runner.queue_prefix}:dashboard:signins:*")
+    assert 0 < redis_client.pttl(counter) <= 300_000
+    # another address is not held back
+    other = TestClient(
+        create_app(runner, token=TOKEN), follow_redirects=False, client=("10.1.2.3", 5)
+    )
+    assert other.post("/login", data={"token": TOKEN}).status_code == 303
+
+
 def test_an_action_needs_the_sessions_csrf_token(
     make_runner: RunnerFactory, dataset: Dataset, recorder: Recorder
 ) -> None:
@@ -299,12 +362,16 @@ def test_cancel_pause_and_resume_act_through_the_dashboard(
     client.post("/actions/resume", data={"job": "shop:job:other", "csrf": csrf})
     assert runner.status().paused == []
 
-    # cancel a delayed message: its record says cancelled
+    # cancel a delayed message: its record says cancelled, and it offers no Cancel any more
     delayed = runner.dispatch("shop:job:explode", delay_ms=600_000)
-    assert "Cancel" in client.get(f"/runs/{delayed}").text
+    assert 'data-action="cancel"' in client.get(f"/runs/{delayed}").text
     client.post("/actions/cancel", data={"message_id": delayed, "csrf": csrf})
     assert [run.status for run in runner.run_record(delayed)] == ["cancelled"]
-    assert "cancelled" in client.get(f"/runs/{delayed}").text
+    page = client.get(f"/runs/{delayed}").text
+    assert "cancelled" in page
+    assert 'data-action="cancel"' not in page
+    # an id no message has shows no Cancel either
+    assert 'data-action="cancel"' not in client.get("/runs/0f8d5e9a-no-such-message").text
 
     # bad input is one line naming the field and value, nothing done
     client.post("/actions/pause", data={"job": "shop:job:nope", "csrf": csrf, "back": "/jobs"})
@@ -360,11 +427,11 @@ def test_dead_letter_pages_neither_repeat_nor_skip_across_lanes(
         assert all(job is None or d.job_name == job for d in seen)
 
 
-def test_locks_read_by_key_match_the_keyspace_walk(
+def test_locks_are_listed_off_their_index_with_holder_and_held_since(
     make_runner: RunnerFactory, dataset: Dataset, recorder: Recorder
 ) -> None:
     runner = worker(make_runner, dataset, recorder)
-    runner.dispatch("shop:job:ledger")
+    ledger = runner.dispatch("shop:job:ledger")
     runner.dispatch("shop:job:per_tenant_ledger")
     recorder.wait_until(
         lambda r: (
@@ -374,32 +441,46 @@ def test_locks_read_by_key_match_the_keyspace_walk(
         what="both sequential jobs hold their locks",
     )
 
-    locks = runner.admin.locks_in_flight()
+    locks = runner.locks()
 
-    assert {(lock.job_name, lock.tenant_id) for lock in locks} == {
+    assert [(lock.job_name, lock.tenant_id) for lock in locks] == [
         ("shop:job:ledger", None),
         ("shop:job:per_tenant_ledger", "acme"),
-    }
+    ]
+    ledger_lock = locks[0]
+    assert (ledger_lock.message_id, ledger_lock.origin_id) == (ledger, ledger)
+    assert ledger_lock.worker is not None
+    assert ledger_lock.worker_alive
+    assert ledger_lock.held_since is not None
+    assert ledger_lock.held_since <= datetime.now(UTC)
+    # and the page shows them, with when each was taken
+    page = TestClient(create_app(runner)).get("/locks")
+    assert "held since" in page.text
+    assert "shop:job:per_tenant_ledger" in page.text
 
-    def held(found: list[LockInfo]) -> list[tuple[Any, ...]]:
-        return [(lk.job_name, lk.tenant_id, lk.message_id, lk.origin_id, lk.worker) for lk in found]
 
-    assert held(locks) == held(runner.locks())
-
-
-def test_dedup_keys_are_walked_a_slice_at_a_time_and_looked_up_by_key(
+def test_dedup_keys_are_paged_off_their_index_and_looked_up_by_key(
     make_runner: RunnerFactory, dataset: Dataset
 ) -> None:
-    # Given a producer (no worker) with three keyed messages waiting
+    # Given a producer (no worker) with keyed messages waiting, in one batch (one expiry)
     runner = make_runner(dataset.registry)
-    ids = {key: runner.dispatch("shop:job:other", dedup_key=key) for key in ("a", "b", "c:d")}
+    keys = ["a", "b", "c:d", "e", "f"]
+    ids = dict(
+        zip(keys, runner.dispatch_many("shop:job:other", [{}] * 5, dedup_keys=keys), strict=True)
+    )
 
-    # When the keyspace is walked to its end
-    found, cursor = runner.admin.walk_dedup_keys("shop:job:other", max_keys=10_000_000)
+    # When they are paged through two at a time
+    seen: list[str] = []
+    cursor = None
+    while True:
+        page, cursor = runner.admin.dedup_page("shop:job:other", after=cursor, limit=2)
+        seen += [info.dedup_key for info in page]
+        assert {info.dedup_key: info.message_id for info in page}.items() <= ids.items()
+        if cursor is None:
+            break
 
-    # Then every key is there, with the message it stands for; one lookup reads one
-    assert cursor == 0
-    assert {info.dedup_key: info.message_id for info in found} == ids
+    # Then each key shows once; one lookup reads one
+    assert sorted(seen) == sorted(keys)
     record = runner.admin.dedup_record(runner.job("shop:job:other"), "c:d")
     assert record is not None
     assert (record.message_id, record.state) == (ids["c:d"], "queued")
@@ -427,7 +508,9 @@ def test_mounted_under_a_path_its_links_redirects_and_cookies_follow_the_path(
     assert client.get("/ops/kumiko/static/dashboard.js").status_code == 200
 
 
-def test_an_unreachable_redis_is_a_503_page_naming_it(dataset: Dataset) -> None:
+def test_an_unreachable_redis_is_a_503_page_naming_it_to_a_signed_in_operator(
+    dataset: Dataset,
+) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]  # nothing listens there once closed
@@ -436,10 +519,15 @@ def test_an_unreachable_redis_is_a_503_page_naming_it(dataset: Dataset) -> None:
     )
     client = TestClient(create_app(runner, token=TOKEN))
     try:
+        # to someone not signed in, a 503 that names nothing
         response = client.post("/login", data={"token": TOKEN, "next": "/dead"})
         assert response.status_code == 503
+        assert f"127.0.0.1:{port}" not in response.text
+        # to a signed-in operator (a well-signed cookie: no session can be read), the Redis
+        client.cookies.set("kumiko-dashboard", new_session(TOKEN, int(time.time())))
+        response = client.get("/")
+        assert response.status_code == 503
         assert f"127.0.0.1:{port}" in response.text
-        assert client.get("/").status_code == 503
     finally:
         runner.stop()
 

@@ -34,6 +34,7 @@ check it was set just now, or left as it was.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -93,6 +94,12 @@ GUARD_3 = "kumiko:{p}:enqueued:m3"
 BOOT_MARKER = "kumiko:{p}:boot:app.job"
 LAST_TICK = "kumiko:{p}:cron:last:app.job"
 RECORD = "kumiko:{p}:dedup:app.job:k1"
+#: The index of app.job's live dedup records (member: the dedup key, score: its expiry).
+DEDUP_INDEX = "kumiko:{p}:dedupidx:app.job"
+#: The index of held locks (member: the lock key after "lock:", score: its lease's expiry)
+#: and when each was taken.
+LOCKS = "kumiko:{p}:locks"
+LOCKS_SINCE = "kumiko:{p}:locks:since"
 LOCK = "kumiko:{p}:lock:app.job"
 LOCK_2 = "kumiko:{p}:lock:app.job2"
 LOCK_3 = "kumiko:{p}:lock:app.job3"
@@ -100,6 +107,10 @@ INFLIGHT = "kumiko:{p}:inflight"
 SUSPECTS = "kumiko:{p}:suspects:{q}"
 PAUSED = "kumiko:{p}:paused"
 PARKED = "kumiko:{p}:parked:app:job:sync"
+#: Ids cancel withdrew (their body deleted) still in the queue's lists, or in the job's
+#: parked list while it is paused.
+WITHDRAWN = "dramatiq:{q}:withdrawn"
+PARKED_WITHDRAWN = "kumiko:{p}:parked-withdrawn:app:job:sync"
 CANCEL_M1 = "kumiko:{p}:cancel:m1"
 BELL = "dramatiq:{q}:bell"
 DQ_BELL = "dramatiq:{q}.DQ:bell"
@@ -231,8 +242,39 @@ def kumiko_message(
     return encoded(built)
 
 
-class Z(dict[str, float]):
-    """A sorted set in a state table: member -> score (equal to a plain dict of the same)."""
+class Z(dict[str, Any]):
+    """A sorted set in a state table: member -> score (equal to a plain dict of the same; a
+    score may be a :class:`DueIn`)."""
+
+
+class DueIn:
+    """A sorted-set score that is Redis's clock (this machine's) plus ``ms``, as a script
+    that reads ``TIME`` wrote it just now."""
+
+    def __init__(self, ms: int) -> None:
+        self.ms = ms
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, int | float):
+            return NotImplemented
+        due = time.time() * 1000 + self.ms
+        return due - TTL_SLACK - 1_000 < other <= due + 1_000
+
+    def __repr__(self) -> str:
+        return f"DueIn({self.ms})"
+
+
+class JustNow:
+    """A hash value holding Redis's clock in ms, written just now."""
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, str):
+            return NotImplemented
+        now = time.time() * 1000
+        return other.isdigit() and now - TTL_SLACK - 1_000 < int(other) <= now + 1_000
+
+    def __repr__(self) -> str:
+        return "JustNow()"
 
 
 class J(dict[str, Any]):
@@ -1311,6 +1353,34 @@ PAUSED_JOB = {PAUSED: {JOB}}
             [[], [], ["r1", MAX_DELIVERIES], 0, 0],
             {**PAUSED_JOB, XQ: Z({"r1": NOW}), XQ_MSGS: {"r1": message("m1", JOB)}},
             id="paused-jobs-poison-message-is-dead-lettered-not-parked",
+        ),
+        # -- ids cancel withdrew (body deleted): dropped without a word, out of their set
+        pytest.param(
+            {LIST: ["r1", "r2"], MSGS: {"r2": "b2"}, WITHDRAWN: {"r1", "r9"}},
+            2,
+            "",
+            0,
+            [["r2", "b2"], [], [], 0, 0],
+            {MSGS: {"r2": "b2"}, ACKS: {"r2"}, INFLIGHT: {"r2": entry(1)}, WITHDRAWN: {"r9"}},
+            id="withdrawn-id-dropped-and-forgotten-the-next-claimed",
+        ),
+        pytest.param(
+            {SUSPECTS: ["r1"], LIST: ["r2"], MSGS: {"r2": "b2"}, WITHDRAWN: {"r1"}},
+            2,
+            "",
+            0,
+            [["r2", "b2"], [], [], 0, 0],
+            {MSGS: {"r2": "b2"}, ACKS: {"r2"}, INFLIGHT: {"r2": entry(1)}},
+            id="withdrawn-suspect-dropped-and-the-queue-claimed-as-usual",
+        ),
+        pytest.param(
+            {**PAUSED_JOB, LIST: ["r1"], PARKED_WITHDRAWN: {"r1", "r9"}},
+            1,
+            "",
+            0,
+            [[], [], [], 0, 0],
+            {**PAUSED_JOB, PARKED_WITHDRAWN: {"r9"}},
+            id="withdrawn-id-of-a-paused-job-met-before-it-was-parked-is-dropped",
         ),
     ],
 )
@@ -2426,9 +2496,12 @@ def test_requeue_undoes_lane_deliveries(
 
 
 # == resume =================================================================================
-# The job leaves the paused set; its parked messages go back to the head of its queue, in
-# their parked order, except those to drop (cron ticks its misfire policy skips): deleted,
-# their run record "cancelled". The queue's doorbell rings iff any went back.
+# The job leaves the paused set; up to a step of its parked ids leave the parked list from its
+# tail for the head of its queue, so that once all steps ran they wait in their parked order
+# ahead of the rest; except those to drop (cron ticks its misfire policy skips): deleted,
+# their run record "cancelled"; and ids cancelled while parked (no body): dropped, and out of
+# the withdrawn set, which goes once the list is empty. The queue's doorbell rings iff any went
+# back. Reply: {was paused, requeued, dropped, parked ids left}.
 RESUME_OTHER_JOB = "app:job:other"
 SKIPPED_M2 = record(
     "m2", 1, "cancelled", q=ENQUEUED_AT, w="", en=NOW, em="skipped on resume (misfire)"
@@ -2436,7 +2509,7 @@ SKIPPED_M2 = record(
 
 
 @pytest.mark.parametrize(
-    ("given", "drop", "reply", "after", "expiry"),
+    ("given", "step", "drop", "reply", "after", "expiry"),
     [
         pytest.param(
             {
@@ -2445,11 +2518,48 @@ SKIPPED_M2 = record(
                 LIST: ["r0"],
                 MSGS: {"r0": "b0", "r1": "b1", "r2": "b2"},
             },
+            1000,
             [],
-            [2, 0],
+            [1, 2, 0, 0],
             {LIST: ["r1", "r2", "r0"], MSGS: {"r0": "b0", "r1": "b1", "r2": "b2"}, BELL: ["1"]},
             {BELL: BELL_TTL},
             id="parked-go-back-ahead-in-their-order-one-token",
+        ),
+        pytest.param(
+            {
+                **PAUSED_JOB,
+                PARKED: ["r1", "r2", "r3"],
+                LIST: ["r0"],
+                MSGS: {"r0": "b0", "r1": "b1", "r2": "b2", "r3": "b3"},
+            },
+            2,
+            [],
+            [1, 2, 0, 1],
+            {
+                PARKED: ["r1"],
+                LIST: ["r2", "r3", "r0"],
+                MSGS: {"r0": "b0", "r1": "b1", "r2": "b2", "r3": "b3"},
+                BELL: ["1"],
+            },
+            {BELL: BELL_TTL},
+            id="a-step-takes-the-last-parked-first-and-says-how-many-are-left",
+        ),
+        pytest.param(
+            {
+                PARKED: ["r1"],
+                LIST: ["r2", "r3", "r0"],
+                MSGS: {"r0": "b0", "r1": "b1", "r2": "b2", "r3": "b3"},
+            },
+            2,
+            [],
+            [0, 1, 0, 0],
+            {
+                LIST: ["r1", "r2", "r3", "r0"],
+                MSGS: {"r0": "b0", "r1": "b1", "r2": "b2", "r3": "b3"},
+                BELL: ["1"],
+            },
+            {BELL: BELL_TTL},
+            id="the-next-step-finishes-in-parked-order-though-no-longer-paused",
         ),
         pytest.param(
             {
@@ -2457,8 +2567,9 @@ SKIPPED_M2 = record(
                 PARKED: ["r1", "r2", "r3"],
                 MSGS: {"r1": "b1", "r2": kumiko_message("m2"), "r3": "b3"},
             },
+            1000,
             ["r2"],
-            [2, 1],
+            [1, 2, 1, 0],
             {
                 PAUSED: {RESUME_OTHER_JOB},
                 LIST: ["r1", "r3"],
@@ -2470,26 +2581,52 @@ SKIPPED_M2 = record(
             id="one-dropped-its-record-cancelled-the-rest-go-back-and-ring",
         ),
         pytest.param(
+            {
+                **PAUSED_JOB,
+                PARKED: ["r1", "r2"],
+                PARKED_WITHDRAWN: {"r2"},
+                MSGS: {"r1": "b1"},
+            },
+            1000,
+            [],
+            [1, 1, 0, 0],
+            {LIST: ["r1"], MSGS: {"r1": "b1"}, BELL: ["1"]},
+            {BELL: BELL_TTL},
+            id="one-cancelled-while-parked-is-dropped-and-the-withdrawn-set-goes",
+        ),
+        pytest.param(
             {**PAUSED_JOB, PARKED: ["r1"], LIST: ["r0"], MSGS: {"r0": "b0", "r1": "b1"}},
+            1000,
             ["r1"],
-            [0, 1],
+            [1, 0, 1, 0],
             {LIST: ["r0"], MSGS: {"r0": "b0"}},
             {},
             id="all-dropped-none-went-back-no-ring",
         ),
         pytest.param(
             {**PAUSED_JOB, LIST: ["r0"], MSGS: {"r0": "b0"}},
+            1000,
             [],
-            [0, 0],
+            [1, 0, 0, 0],
             {LIST: ["r0"], MSGS: {"r0": "b0"}},
             {},
             id="nothing-parked-no-ring",
+        ),
+        pytest.param(
+            {LIST: ["r0"], MSGS: {"r0": "b0"}},
+            1000,
+            [],
+            [0, 0, 0, 0],
+            {LIST: ["r0"], MSGS: {"r0": "b0"}},
+            {},
+            id="not-paused-nothing-parked-nothing-done",
         ),
     ],
 )
 def test_resume(
     env: Env,
     given: State,
+    step: int,
     drop: list[str],
     reply: list[int],
     after: State,
@@ -2498,8 +2635,14 @@ def test_resume(
     env.seed(given)
 
     result = env.lua.resume(
-        keys=[env.key(PAUSED), env.key(PARKED), env.key(LIST), env.key(MSGS)],
-        args=[JOB, env.key(ROOT), NOW, COMPLETED_TTL, FAILED_TTL, *drop],
+        keys=[
+            env.key(PAUSED),
+            env.key(PARKED),
+            env.key(LIST),
+            env.key(MSGS),
+            env.key(PARKED_WITHDRAWN),
+        ],
+        args=[JOB, env.key(ROOT), NOW, COMPLETED_TTL, FAILED_TTL, step, *drop],
     )
 
     assert result == reply
@@ -2961,6 +3104,9 @@ def test_cron_tick(
 
 
 # == dedup_dispatch =========================================================================
+# A new record enters its job's index (DEDUP_INDEX), scored by its expiry on Redis's clock (the
+# index gets two record TTLs when less than one is left); a producer hit writes neither a TTL
+# nor an index entry.
 @pytest.mark.parametrize(
     ("given", "reply", "after", "ttls"),
     [
@@ -2971,9 +3117,10 @@ def test_cron_tick(
                 LIST: ["r1"],
                 MSGS: {"r1": "body"},
                 RECORD: {"id": "m1", "state": "queued"},
+                DEDUP_INDEX: Z({"k1": DueIn(TTL)}),
                 BELL: ["1"],
             },
-            {RECORD: TTL, BELL: BELL_TTL},
+            {RECORD: TTL, DEDUP_INDEX: 2 * TTL, BELL: BELL_TTL},
             id="no-record-enqueues",
         ),
         pytest.param(
@@ -2983,9 +3130,10 @@ def test_cron_tick(
                 LIST: ["r1"],
                 MSGS: {"r1": "body"},
                 RECORD: {"id": "m1", "state": "queued"},
+                DEDUP_INDEX: Z({"k1": DueIn(TTL)}),
                 BELL: ["1"],
             },
-            {RECORD: TTL, BELL: BELL_TTL},
+            {RECORD: TTL, DEDUP_INDEX: 2 * TTL, BELL: BELL_TTL},
             id="record-without-id-is-replaced",
         ),
         pytest.param(
@@ -3057,8 +3205,8 @@ def test_dedup_dispatch(
         env.expire(RECORD, SHORT_TTL)
 
     result = env.lua.dedup_dispatch(
-        keys=[env.key(MSGS), env.key(LIST), env.key(RECORD)],
-        args=["r1", "body", TTL, "m1", '{"n": 2}', "t2"],
+        keys=[env.key(MSGS), env.key(LIST), env.key(RECORD), env.key(DEDUP_INDEX)],
+        args=["r1", "body", TTL, "m1", '{"n": 2}', "t2", "k1"],
     )
 
     assert text(result) == reply
@@ -3073,8 +3221,11 @@ def test_dedup_dispatch(
         pytest.param(
             {RECORD: {"id": "m1", "state": "queued", "fid": "m5"}},
             1,
-            {RECORD: {"id": "m1", "state": "running", "fid": "m5"}},
-            {RECORD: TTL},
+            {
+                RECORD: {"id": "m1", "state": "running", "fid": "m5"},
+                DEDUP_INDEX: Z({"k1": DueIn(TTL)}),
+            },
+            {RECORD: TTL, DEDUP_INDEX: 2 * TTL},
             id="own-record-runs-ttl-refreshed",
         ),
         pytest.param(
@@ -3094,7 +3245,11 @@ def test_dedup_mark_running(
     if given:
         env.expire(RECORD, SHORT_TTL)
 
-    assert env.lua.dedup_mark_running(keys=[env.key(RECORD)], args=["m1", TTL]) == reply
+    result = env.lua.dedup_mark_running(
+        keys=[env.key(RECORD), env.key(DEDUP_INDEX)], args=["m1", TTL, "k1"]
+    )
+
+    assert result == reply
 
     env.assert_state(after)
     env.assert_ttls(ttls)
@@ -3108,16 +3263,19 @@ def test_dedup_mark_running(
             {RECORD: {"id": "m1", "state": "running"}},
             "m1",
             1,
-            {RECORD: {"id": "m1", "state": "queued"}},
-            {RECORD: TTL},
+            {RECORD: {"id": "m1", "state": "queued"}, DEDUP_INDEX: Z({"k1": DueIn(TTL)})},
+            {RECORD: TTL, DEDUP_INDEX: 2 * TTL},
             id="retry-same-id-queued-again",
         ),
         pytest.param(
             {RECORD: {"id": "m1", "state": "running", "fid": "m5", "fpayload": "{}"}},
             "m2",
             1,
-            {RECORD: {"id": "m2", "state": "queued", "fid": "m5", "fpayload": "{}"}},
-            {RECORD: TTL},
+            {
+                RECORD: {"id": "m2", "state": "queued", "fid": "m5", "fpayload": "{}"},
+                DEDUP_INDEX: Z({"k1": DueIn(TTL)}),
+            },
+            {RECORD: TTL, DEDUP_INDEX: 2 * TTL},
             id="hand-off-id-follow-up-stays",
         ),
         pytest.param(
@@ -3138,7 +3296,11 @@ def test_dedup_requeue(
     if given:
         env.expire(RECORD, SHORT_TTL)
 
-    assert env.lua.dedup_requeue(keys=[env.key(RECORD)], args=["m1", next_id, TTL]) == reply
+    result = env.lua.dedup_requeue(
+        keys=[env.key(RECORD), env.key(DEDUP_INDEX)], args=["m1", next_id, TTL, "k1"]
+    )
+
+    assert result == reply
 
     env.assert_state(after)
     env.assert_ttls(ttls)
@@ -3149,11 +3311,11 @@ def test_dedup_requeue(
     ("given", "reply", "after", "ttls"),
     [
         pytest.param(
-            {RECORD: {"id": "m1", "state": "running"}},
+            {RECORD: {"id": "m1", "state": "running"}, DEDUP_INDEX: Z({"k1": 1, "k2": 2})},
             ["freed"],
+            {DEDUP_INDEX: Z({"k2": 2})},
             {},
-            {},
-            id="freed",
+            id="freed-and-out-of-the-index",
         ),
         pytest.param(
             {
@@ -3173,9 +3335,10 @@ def test_dedup_requeue(
                     "fid": "m5",
                     "fpayload": '{"n": 2}',
                     "ftrigger": "t2",
-                }
+                },
+                DEDUP_INDEX: Z({"k1": DueIn(TTL)}),
             },
-            {RECORD: TTL},
+            {RECORD: TTL, DEDUP_INDEX: 2 * TTL},
             id="follow-up-freezes-as-ending",
         ),
         pytest.param(
@@ -3195,7 +3358,9 @@ def test_dedup_finish(
     if given:
         env.expire(RECORD, SHORT_TTL)
 
-    result = env.lua.dedup_finish(keys=[env.key(RECORD)], args=["m1", TTL])
+    result = env.lua.dedup_finish(
+        keys=[env.key(RECORD), env.key(DEDUP_INDEX)], args=["m1", TTL, "k1"]
+    )
 
     assert text(result) == reply
     env.assert_state(after)
@@ -3222,9 +3387,10 @@ ENDING: dict[str, str] = {
                 LIST: ["r5"],
                 MSGS: {"r5": "follow-up"},
                 RECORD: {"id": "m5", "state": "queued"},
+                DEDUP_INDEX: Z({"k1": DueIn(TTL)}),
                 BELL: ["1"],
             },
-            {RECORD: TTL, BELL: BELL_TTL},
+            {RECORD: TTL, DEDUP_INDEX: 2 * TTL, BELL: BELL_TTL},
             id="matches-enqueues-follow-up-as-live-job",
         ),
         pytest.param(
@@ -3263,8 +3429,8 @@ def test_dedup_handover(
         env.expire(RECORD, SHORT_TTL)
 
     result = env.lua.dedup_handover(
-        keys=[env.key(MSGS), env.key(LIST), env.key(RECORD)],
-        args=["r5", "follow-up", "m1", "m5", TTL],
+        keys=[env.key(MSGS), env.key(LIST), env.key(RECORD), env.key(DEDUP_INDEX)],
+        args=["r5", "follow-up", "m1", "m5", TTL, "k1"],
     )
 
     assert result == reply
@@ -3297,8 +3463,8 @@ def test_a_failed_message_write_leaves_no_guard(env: Env, script: str) -> None:
             ["r1", "body", TTL, "sched-1", TICK, TTL],
         ),
         "dedup_handover": (
-            [*queue_keys, env.key(RECORD)],
-            ["r5", "follow-up", "m1", "m5", TTL],
+            [*queue_keys, env.key(RECORD), env.key(DEDUP_INDEX)],
+            ["r5", "follow-up", "m1", "m5", TTL, "k1"],
         ),
     }
     keys, args = calls[script]
@@ -3313,16 +3479,29 @@ def test_a_failed_message_write_leaves_no_guard(env: Env, script: str) -> None:
 
 
 # == lock_acquire ===========================================================================
+# A lock taken enters the index of held locks (LOCKS: member the key after "lock:", scored by
+# its lease's expiry on Redis's clock; LOCKS_SINCE: when it was taken), and sweeps out up to
+# two entries whose lease ran out while their lock is gone (one still there is scored again).
+# Both keys get two leases of TTL when less than one is left.
+HELD = {LOCKS: Z({"app.job": DueIn(TTL)}), LOCKS_SINCE: {"app.job": JustNow()}}
+
+
 @pytest.mark.parametrize(
     ("given", "reply", "after", "ttls"),
     [
-        pytest.param({}, 1, {LOCK: "token-a"}, {LOCK: TTL}, id="free-acquired"),
         pytest.param(
-            {LOCK: "token-a"},
+            {},
             1,
-            {LOCK: "token-a"},
-            {LOCK: TTL},
-            id="own-token-ttl-refreshed",
+            {LOCK: "token-a", **HELD},
+            {LOCK: TTL, LOCKS: 2 * TTL, LOCKS_SINCE: 2 * TTL},
+            id="free-acquired-and-indexed",
+        ),
+        pytest.param(
+            {LOCK: "token-a", LOCKS: Z({"app.job": 5}), LOCKS_SINCE: {"app.job": "77"}},
+            1,
+            {LOCK: "token-a", LOCKS: Z({"app.job": DueIn(TTL)}), LOCKS_SINCE: {"app.job": "77"}},
+            {LOCK: TTL, LOCKS: 2 * TTL, LOCKS_SINCE: 2 * TTL},
+            id="own-token-ttl-refreshed-held-since-kept",
         ),
         pytest.param(
             {LOCK: "token-b"},
@@ -3331,14 +3510,31 @@ def test_a_failed_message_write_leaves_no_guard(env: Env, script: str) -> None:
             {LOCK: SHORT_TTL},
             id="held-by-another",
         ),
+        pytest.param(
+            {
+                LOCK_2: "token-x",
+                LOCKS: Z({"app.job3": 5, "app.job2": 6, "app.job9": 7}),
+                LOCKS_SINCE: {"app.job3": "1", "app.job2": "2", "app.job9": "3"},
+            },
+            1,
+            {
+                LOCK: "token-a",
+                LOCK_2: "token-x",
+                LOCKS: Z({"app.job": DueIn(TTL), "app.job2": DueIn(SHORT_TTL), "app.job9": 7}),
+                LOCKS_SINCE: {"app.job": JustNow(), "app.job2": "2", "app.job9": "3"},
+            },
+            {LOCK: TTL, LOCK_2: SHORT_TTL, LOCKS: 2 * TTL, LOCKS_SINCE: 2 * TTL},
+            id="run-out-entries-swept-two-at-a-time",
+        ),
     ],
 )
 def test_lock_acquire(
     env: Env, given: State, reply: int, after: State, ttls: dict[str, int]
 ) -> None:
     env.seed(given)
-    if LOCK in given:
-        env.expire(LOCK, SHORT_TTL)
+    for key in (LOCK, LOCK_2):
+        if key in given:
+            env.expire(key, SHORT_TTL)
 
     result = env.lua.lock_acquire(keys=[env.key(LOCK)], args=["token-a", TTL])
 
@@ -3350,7 +3546,8 @@ def test_lock_acquire(
 # == lock_renew =============================================================================
 def test_lock_renew_extends_owned_leases_only(env: Env) -> None:
     # Given: LOCK is ours, LOCK_2 was taken over, LOCK_3 expired
-    env.seed({LOCK: "token-a", LOCK_2: "token-b"})
+    env.seed({LOCK: "token-a", LOCK_2: "token-b", LOCKS: Z({"app.job": 5, "app.job2": 6})})
+    env.seed({LOCKS_SINCE: {"app.job": "77", "app.job2": "78"}})
     env.expire(LOCK, SHORT_TTL)
     env.expire(LOCK_2, SHORT_TTL)
 
@@ -3359,9 +3556,17 @@ def test_lock_renew_extends_owned_leases_only(env: Env) -> None:
         args=["token-a", "token-a", "token-a", TTL],
     )
 
+    # Then: only ours is extended, its index entry with it
     assert result == [1, 0, 0]
-    env.assert_state({LOCK: "token-a", LOCK_2: "token-b"})
-    env.assert_ttls({LOCK: TTL, LOCK_2: SHORT_TTL})
+    env.assert_state(
+        {
+            LOCK: "token-a",
+            LOCK_2: "token-b",
+            LOCKS: Z({"app.job": DueIn(TTL), "app.job2": 6}),
+            LOCKS_SINCE: {"app.job": "77", "app.job2": "78"},
+        }
+    )
+    env.assert_ttls({LOCK: TTL, LOCK_2: SHORT_TTL, LOCKS: 2 * TTL, LOCKS_SINCE: 2 * TTL})
 
 
 def test_lock_renew_of_no_leases_is_empty(env: Env) -> None:
@@ -3372,8 +3577,22 @@ def test_lock_renew_of_no_leases_is_empty(env: Env) -> None:
 @pytest.mark.parametrize(
     ("given", "reply", "after"),
     [
-        pytest.param({LOCK: "token-a"}, 1, {}, id="owner-deletes"),
-        pytest.param({LOCK: "token-b"}, 0, {LOCK: "token-b"}, id="other-token-kept"),
+        pytest.param(
+            {
+                LOCK: "token-a",
+                LOCKS: Z({"app.job": 5, "app.job2": 6}),
+                LOCKS_SINCE: {"app.job": "1", "app.job2": "2"},
+            },
+            1,
+            {LOCKS: Z({"app.job2": 6}), LOCKS_SINCE: {"app.job2": "2"}},
+            id="owner-deletes-and-unindexes",
+        ),
+        pytest.param(
+            {LOCK: "token-b", LOCKS: Z({"app.job": 5})},
+            0,
+            {LOCK: "token-b", LOCKS: Z({"app.job": 5})},
+            id="other-token-kept",
+        ),
         pytest.param({}, 0, {}, id="no-lock"),
     ],
 )
@@ -3709,17 +3928,25 @@ def test_trim_runs(env: Env, given: State, cap: int, budget: int, after: State) 
 
 
 # == cancel =================================================================================
-# cancel(m1) looks in the lane queue and its delay queue: a message waiting (queue, suspects,
-# parked, delay queue) is removed with its in-flight entry; one held in a live worker's memory
-# until due gets the cancel marker until due + GRACE (its move drops it); either way its run
-# record says "cancelled" (no worker) and a dedup key it holds is freed. Claimed from the lane
-# queue: it runs, nothing changes.
+# cancel(m1) is handed the (queue, redis id) pairs m1 may sit at (kumiko derives a message's
+# redis ids from its id) and reads only those. A message waiting in the lane queue (its list,
+# suspects or a paused job's parked list) loses its body and its in-flight entry, its id
+# noted as withdrawn (WITHDRAWN, or PARKED_WITHDRAWN while its job is paused) for the fetch
+# or resume that meets it: the lists are never searched. One waiting on the delay queue's
+# list loses its body; one held in a live worker's memory until due gets the cancel marker
+# until due + GRACE (its move drops it); either way its run record says "cancelled" (no
+# worker) and a dedup key it holds is freed (and leaves its index). Claimed from the lane
+# queue: it runs, nothing changes. Not found: "ended" if m1 left a run record or a dead
+# letter note, else "gone".
 GRACE = 3_600_000
 DEDUP_M1 = "kumiko:{p}:dedup:app:job:sync:k1"
+DEDUP_M1_INDEX = "kumiko:{p}:dedupidx:app:job:sync"
 KEYED_M1 = kumiko_message("m1", dedup_key="k1")
 DELAYED_M1 = kumiko_message("m1", eta=NOW + 10_000)
 HANDOFF_M5 = kumiko_message("m5", trigger="requeue", origin="m1")
 CANCELLED_M5 = record("m5", 1, "cancelled", q=ENQUEUED_AT, en=NOW, o="m1", tr="requeue")
+#: where cancel(m1) is told to look: r1 and r5 on the lane queue, d1 on its delay queue
+PLACES = [QUEUE, "r1", DQ, "d1", QUEUE, "r5"]
 
 
 @pytest.mark.parametrize(
@@ -3727,11 +3954,44 @@ CANCELLED_M5 = record("m5", 1, "cancelled", q=ENQUEUED_AT, en=NOW, o="m1", tr="r
     [
         pytest.param({}, [0, "gone"], {}, {}, id="gone"),
         pytest.param(
+            {LIST: ["r9"], MSGS: {"r9": kumiko_message("m1")}},
+            [0, "gone"],
+            {LIST: ["r9"], MSGS: {"r9": kumiko_message("m1")}},
+            {},
+            id="only-the-places-given-are-read",
+        ),
+        pytest.param(
+            {MSGS: {"r1": kumiko_message("m9")}},
+            [0, "gone"],
+            {MSGS: {"r1": kumiko_message("m9")}},
+            {},
+            id="another-message-at-a-place-is-left-alone",
+        ),
+        pytest.param(
+            indexed(CANCELLED_M1, NOW),
+            [0, "ended"],
+            indexed(CANCELLED_M1, NOW),
+            {},
+            id="ended-it-has-a-run-record",
+        ),
+        pytest.param(
+            {"kumiko:{p}:dead:m1": "{}"},
+            [0, "ended"],
+            {"kumiko:{p}:dead:m1": "{}"},
+            {},
+            id="ended-it-has-a-dead-letter-note",
+        ),
+        pytest.param(
             {LIST: ["r0", "r1"], MSGS: {"r0": "b0", "r1": kumiko_message("m1")}},
             [1, QUEUE, "r1"],
-            {LIST: ["r0"], MSGS: {"r0": "b0"}, **indexed(CANCELLED_M1, NOW)},
+            {
+                LIST: ["r0", "r1"],
+                MSGS: {"r0": "b0"},
+                WITHDRAWN: {"r1"},
+                **indexed(CANCELLED_M1, NOW),
+            },
             {run_hash("m1"): COMPLETED_TTL},
-            id="waiting-in-the-queue-removed-record-cancelled",
+            id="waiting-in-the-queue-body-deleted-id-withdrawn-record-cancelled",
         ),
         pytest.param(
             {
@@ -3740,16 +4000,27 @@ CANCELLED_M5 = record("m5", 1, "cancelled", q=ENQUEUED_AT, en=NOW, o="m1", tr="r
                 INFLIGHT: {"r1": earlier(1), "r2": entry(1)},
             },
             [1, QUEUE, "r1"],
-            {INFLIGHT: {"r2": entry(1)}, **indexed(CANCELLED_M1, NOW)},
+            {
+                SUSPECTS: ["r1"],
+                WITHDRAWN: {"r1"},
+                INFLIGHT: {"r2": entry(1)},
+                **indexed(CANCELLED_M1, NOW),
+            },
             {run_hash("m1"): COMPLETED_TTL},
-            id="waiting-suspect-removed-with-its-in-flight-entry",
+            id="waiting-suspect-withdrawn-with-its-in-flight-entry",
         ),
         pytest.param(
             {**PAUSED_JOB, PARKED: ["r1", "r2"], MSGS: {"r1": kumiko_message("m1"), "r2": "b2"}},
             [1, QUEUE, "r1"],
-            {**PAUSED_JOB, PARKED: ["r2"], MSGS: {"r2": "b2"}, **indexed(CANCELLED_M1, NOW)},
+            {
+                **PAUSED_JOB,
+                PARKED: ["r1", "r2"],
+                PARKED_WITHDRAWN: {"r1"},
+                MSGS: {"r2": "b2"},
+                **indexed(CANCELLED_M1, NOW),
+            },
             {run_hash("m1"): COMPLETED_TTL},
-            id="parked-removed",
+            id="parked-withdrawn-from-its-job",
         ),
         pytest.param(
             {MSGS: {"r1": kumiko_message("m1")}, ACKS_W2: {"r1"}, INFLIGHT: {"r1": entry(1)}},
@@ -3761,9 +4032,9 @@ CANCELLED_M5 = record("m5", 1, "cancelled", q=ENQUEUED_AT, en=NOW, o="m1", tr="r
         pytest.param(
             {DQ_LIST: ["d1"], DQ_MSGS: {"d1": DELAYED_M1}},
             [1, DQ, "d1"],
-            indexed(CANCELLED_M1, NOW),
+            {DQ_LIST: ["d1"], **indexed(CANCELLED_M1, NOW)},
             {run_hash("m1"): COMPLETED_TTL},
-            id="waiting-in-the-delay-queue-removed",
+            id="waiting-in-the-delay-queue-body-deleted",
         ),
         pytest.param(
             {DQ_MSGS: {"d1": DELAYED_M1}, DQ_ACKS_W2: {"d1"}},
@@ -3778,25 +4049,42 @@ CANCELLED_M5 = record("m5", 1, "cancelled", q=ENQUEUED_AT, en=NOW, o="m1", tr="r
             id="held-until-due-by-a-live-worker-marked-until-due-plus-grace",
         ),
         pytest.param(
+            {DQ_MSGS: {"d1": DELAYED_M1}, DQ_ACKS_W2: {"d1"}, CANCEL_M1: "1"},
+            [0, "ended"],
+            {DQ_MSGS: {"d1": DELAYED_M1}, DQ_ACKS_W2: {"d1"}, CANCEL_M1: "1"},
+            {},
+            id="held-until-due-and-marked-already-ended",
+        ),
+        pytest.param(
             {
                 LIST: ["r1"],
                 MSGS: {"r1": KEYED_M1},
                 DEDUP_M1: {"id": "m1", "state": "queued"},
+                DEDUP_M1_INDEX: Z({"k1": 5, "k2": 6}),
             },
             [1, QUEUE, "r1"],
-            indexed(J({**CANCELLED_M1, "dk": "k1"}), NOW),
+            {
+                LIST: ["r1"],
+                WITHDRAWN: {"r1"},
+                DEDUP_M1_INDEX: Z({"k2": 6}),
+                **indexed(J({**CANCELLED_M1, "dk": "k1"}), NOW),
+            },
             {run_hash("m1"): COMPLETED_TTL},
-            id="its-dedup-key-is-freed",
+            id="its-dedup-key-is-freed-and-out-of-the-index",
         ),
         pytest.param(
             {
                 LIST: ["r1"],
                 MSGS: {"r1": KEYED_M1},
                 DEDUP_M1: {"id": "m7", "state": "queued"},
+                DEDUP_M1_INDEX: Z({"k1": 5}),
             },
             [1, QUEUE, "r1"],
             {
+                LIST: ["r1"],
+                WITHDRAWN: {"r1"},
                 DEDUP_M1: {"id": "m7", "state": "queued"},
+                DEDUP_M1_INDEX: Z({"k1": 5}),
                 **indexed(J({**CANCELLED_M1, "dk": "k1"}), NOW),
             },
             {run_hash("m1"): COMPLETED_TTL},
@@ -3805,7 +4093,7 @@ CANCELLED_M5 = record("m5", 1, "cancelled", q=ENQUEUED_AT, en=NOW, o="m1", tr="r
         pytest.param(
             {LIST: ["r5"], MSGS: {"r5": HANDOFF_M5}},
             [1, QUEUE, "r5"],
-            indexed(CANCELLED_M5, NOW),
+            {LIST: ["r5"], WITHDRAWN: {"r5"}, **indexed(CANCELLED_M5, NOW)},
             {run_hash("m5"): COMPLETED_TTL, by_origin("m1"): LONG_TTL},
             id="a-hand-off-carrying-the-id-on-is-cancelled",
         ),
@@ -3819,12 +4107,46 @@ def test_cancel(
 
     result = env.lua.cancel(
         keys=[NAMESPACE],
-        args=[env.key(ROOT), "m1", NOW, COMPLETED_TTL, FAILED_TTL, GRACE, env.key(QUEUE)],
+        args=[
+            env.key(ROOT),
+            "m1",
+            NOW,
+            COMPLETED_TTL,
+            FAILED_TTL,
+            GRACE,
+            *(env.key(place) for place in PLACES),
+        ],
     )
 
     assert text(result) == [env.key(item) if isinstance(item, str) else item for item in reply]
     env.assert_state(after)
     env.assert_expiry(expiry)
+
+
+# == count_attempt ==========================================================================
+ATTEMPTS = "kumiko:{p}:dashboard:signins:10.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("given", "ttl", "reply", "expiry"),
+    [
+        pytest.param(None, None, 1, TTL, id="first-attempt-opens-the-window"),
+        pytest.param("4", SHORT_TTL, 5, SHORT_TTL, id="later-attempts-keep-the-window"),
+        pytest.param("4", None, 5, TTL, id="a-counter-without-ttl-gets-one"),
+    ],
+)
+def test_count_attempt(
+    env: Env, given: str | None, ttl: int | None, reply: int, expiry: int
+) -> None:
+    if given is not None:
+        env.seed({ATTEMPTS: given})
+    if ttl is not None:
+        env.expire(ATTEMPTS, ttl)
+
+    assert env.lua.count_attempt(keys=[env.key(ATTEMPTS)], args=[TTL]) == reply
+
+    env.assert_state({ATTEMPTS: str(reply)})
+    env.assert_ttls({ATTEMPTS: expiry})
 
 
 # == probe ==================================================================================

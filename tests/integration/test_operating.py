@@ -7,7 +7,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import pytest
 import redis
 
 from kumiko_dramatiq import JobRunner
+from kumiko_dramatiq.ops.terminal import display_width
 from tests.apps.ops_app import registry
 from tests.conftest import wait_for
 
@@ -332,10 +335,13 @@ def test_a_paused_cron_job_keeps_its_ticks_and_coalesces_them_on_resume(ops: Ops
     [
         (["pause", "ops:job:nope"], 2, "unknown job"),
         (["cancel", "not an id!"], 2, "message_id"),
-        (["runs", "--since", "yesterday"], 2, "--since must be an ISO-8601 time"),
+        (["runs", "--since", "yesterday"], 2, "--since must be an ISO-8601 time or a span"),
+        (["runs", "--limit", "0"], 2, "must be from 1 to 1000"),
         (["runs", "--status", "exploded"], 2, "invalid choice"),
         (["retry"], 2, "give either MESSAGE_ID or --all"),
         (["cancel", "0f8d5e9a-missing"], 1, "not queued, delayed or running"),
+        (["cancel", "0f8d5e9a-ab12-4c3d-9e8f-0123456789ab"], 1, "has no run record"),
+        (["dedup", "--job", "ops:job:nope"], 2, "unknown job"),
         (["retry", "--all"], 1, "no dead letter"),
         (["bogus"], 2, "invalid choice"),
     ],
@@ -357,9 +363,161 @@ def test_an_unreachable_redis_is_status_1(ops: Ops) -> None:
     assert done.stdout == ""
 
 
-def test_every_listing_fits_100_columns(ops: Ops) -> None:
+def test_listings_cut_only_free_text_to_fit_100_columns(ops: Ops) -> None:
+    # Given a dedup key longer than any terminal
     ops.producer.dispatch("ops:job:note", dedup_key="k" * 300)
-    for command in ("status", "jobs", "runs", "dead", "locks", "dedup"):
+    # Then every listing fits 100 columns, the key cut ("...") and the full key in --json
+    for command in ("status", "runs", "dead", "locks", "dedup"):
         done = ops.kumiko(command)
         assert done.returncode == 0, (command, done.stderr)
         assert all(len(line) <= 100 for line in done.stdout.splitlines()), command
+    assert "k" * 20 + "..." in ops.kumiko("dedup").stdout
+    assert ops.json("dedup")["dedup_keys"][0]["dedup_key"] == "k" * 300
+
+
+def test_jobs_never_cuts_names_or_times(ops: Ops) -> None:
+    done = ops.kumiko("jobs")
+    assert done.returncode == 0, done.stderr
+    long = "ops:job:reconcile_every_customer_invoice_against_the_general_ledger"
+    (line,) = [line for line in done.stdout.splitlines() if long in line]
+    assert "cron 0 3 * * * America/Argentina/Buenos_Aires" in line
+    next_fire = {j["name"]: j["next_fire"] for j in ops.json("jobs")["jobs"]}[long]
+    in_utc = datetime.fromisoformat(next_fire).astimezone(UTC)
+    assert in_utc.strftime("%Y-%m-%d %H:%M:%S") in line  # whole, in UTC
+    assert "..." not in done.stdout
+
+
+def test_ids_are_printed_whole_and_what_is_printed_is_accepted_back(ops: Ops) -> None:
+    # Given a run that completed and a keyed message waiting
+    ops.worker()
+    done_id = ops.producer.dispatch("ops:job:note")
+    wait_for(lambda: done_id in ops.ran("ops:job:note"), timeout_s=30, what="it ran")
+    ops.producer.pause("ops:job:block")
+    keyed = ops.producer.dispatch("ops:job:block", dedup_key="nightly")
+    wait_for(lambda: bool(ops.json("runs", "--message", done_id)["runs"]), what="its record")
+    # Then the text listings carry the whole ids
+    runs = ops.kumiko("runs").stdout
+    assert done_id in runs
+    assert keyed in ops.kumiko("dedup").stdout
+    # and an id copied from them is taken back as it is
+    printed = next(word for word in runs.split() if word.startswith(done_id[:8]))
+    assert ops.json("runs", "--origin", printed)["runs"][0]["message_id"] == done_id
+
+
+def test_a_unique_id_prefix_stands_for_its_id_and_an_ambiguous_one_is_bad_input(
+    ops: Ops,
+) -> None:
+    ops.worker()
+    done_id = ops.producer.dispatch("ops:job:note")
+    wait_for(lambda: bool(ops.json("runs", "--message", done_id)["runs"]), timeout_s=30)
+    # a unique prefix finds the message, in runs and in the actions
+    (run,) = ops.json("runs", "--message", done_id[:8])["runs"]
+    assert run["message_id"] == done_id
+    cancel = ops.kumiko("cancel", done_id[:8])
+    assert cancel.returncode == 1  # it completed: nothing to cancel
+    assert done_id in cancel.stderr
+    assert "has ended" in cancel.stderr
+    # Given two recent run records whose ids share a prefix
+    index = f"kumiko:{ops.prefix}:runs:status:completed"
+    twins = ["abcd1234-0000-4000-8000-000000000001", "abcd1234-0000-4000-8000-000000000002"]
+    ops.client.zadd(index, {f"{twin}:1": time.time() * 1000 for twin in twins})
+    # Then that prefix is bad input naming both, and nothing is done
+    for args in (["cancel", "abcd1234"], ["runs", "--origin", "abcd12"]):
+        done = ops.kumiko(*args)
+        assert done.returncode == 2, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+        assert all(twin in done.stderr for twin in twins)
+        assert "ambiguous" in done.stderr
+
+
+def test_since_and_before_take_a_span_before_now(ops: Ops) -> None:
+    ops.worker()
+    done_id = ops.producer.dispatch("ops:job:note")
+    wait_for(lambda: bool(ops.json("runs", "--message", done_id)["runs"]), timeout_s=30)
+    assert [r["message_id"] for r in ops.json("runs", "--since", "1h")["runs"]] == [done_id]
+    assert [r["message_id"] for r in ops.json("runs", "--since", "2d")["runs"]] == [done_id]
+    assert ops.json("runs", "--before", "30m")["runs"] == []
+    assert ops.json("runs", "--since", "1h30m", "--before", "1h")["runs"] == []
+
+
+def test_wide_characters_keep_the_columns_aligned(ops: Ops) -> None:
+    # Given dedup keys in Japanese and in ASCII
+    ids = [ops.producer.dispatch("ops:job:note", dedup_key=k) for k in ("請求書-2024", "inv-2024")]
+    header, *lines = ops.kumiko("dedup").stdout.splitlines()
+    # Then the message column starts at the same screen column on every line
+    starts = {display_width(line[: line.index(i)]) for i in ids for line in lines if i in line}
+    assert starts == {header.index("message")}, [header, *lines]
+
+
+def test_a_closed_pipe_ends_the_command_quietly(ops: Ops) -> None:
+    # as `kumiko runs --json | head -1` does once head has its line
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kumiko_dramatiq.ops.cli", "jobs", "--json"],
+        cwd=ROOT,
+        env=ops.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    proc.stdout.close()
+    status = proc.wait(timeout=60)
+    stderr = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert status == 0, stderr
+    assert stderr == ""
+    # and through a real shell pipeline
+    shell = subprocess.run(
+        f"{sys.executable} -m kumiko_dramatiq.ops.cli jobs --json | head -1",
+        shell=True,
+        cwd=ROOT,
+        env=ops.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert shell.stdout == "{\n"
+    assert shell.stderr == ""
+
+
+def test_a_server_that_is_not_redis_is_one_line_and_status_1(
+    ops: Ops, not_redis_server: int
+) -> None:
+    ops.env["KUMIKO_REDIS_URL"] = f"redis://127.0.0.1:{not_redis_server}/0"
+    done = ops.kumiko("status")
+    assert done.returncode == 1
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"127.0.0.1:{not_redis_server}" in done.stderr
+    assert "does not speak the Redis protocol" in done.stderr
+
+
+def test_a_listing_that_stops_at_its_limit_says_more_exist(ops: Ops) -> None:
+    ops.worker()
+    for _ in range(3):
+        ops.producer.dispatch("ops:job:flaky")
+    wait_for(lambda: len(ops.json("dead")["dead_letters"]) == 3, timeout_s=60, what="3 dead")
+    # dead: two of three, and a note
+    done = ops.kumiko("dead", "--limit", "2", "--no-tracebacks")
+    assert "2 dead letters shown; more exist" in done.stdout
+    assert len(ops.json("dead", "--limit", "2")["dead_letters"]) == 2
+    assert "more exist" not in ops.kumiko("dead", "--limit", "3").stdout
+    # runs, dedup: the same
+    assert "runs shown; more exist" in ops.kumiko("runs", "--limit", "2").stdout
+    for key in ("a", "b"):
+        ops.producer.dispatch("ops:job:block", dedup_key=key)
+    assert "1 keys shown; more exist" in ops.kumiko("dedup", "--limit", "1").stdout
+
+
+def test_tracebacks_show_in_the_text_output(ops: Ops) -> None:
+    ops.worker()
+    message_id = ops.producer.dispatch("ops:job:flaky")
+    wait_for(lambda: bool(ops.json("dead")["dead_letters"]), timeout_s=30, what="a dead letter")
+    dead = ops.kumiko("dead").stdout
+    assert f"--- {message_id} ops:job:flaky" in dead
+    assert "    Traceback" in dead or '    File "' in dead
+    assert "RuntimeError: export failed on attempt 2: <disk full>" in dead
+    runs = ops.kumiko("runs", "--message", message_id).stdout
+    assert "RuntimeError: export failed on attempt 1" in runs
+    assert "RuntimeError: export failed on attempt 2" in runs
+    assert "--- " not in ops.kumiko("runs").stdout  # a plain listing: the table alone

@@ -164,6 +164,23 @@ def test_dispatch_against_an_unreachable_redis_raises(silent_server: int) -> Non
         runner.stop()
 
 
+def test_dispatch_to_a_server_that_is_not_redis_raises_one_line_naming_the_url(
+    not_redis_server: int,
+) -> None:
+    url = f"redis://127.0.0.1:{not_redis_server}/0"
+    runner = JobRunner(billing_registry(), redis_url=url, boot_redis_timeout_ms=500)
+    try:
+        with pytest.raises(RedisUnavailableError) as raised:
+            runner.dispatch("billing:job:send")
+        message = str(raised.value)
+        assert f"127.0.0.1:{not_redis_server}" in message
+        assert "does not speak the Redis protocol" in message
+        assert "dispatching billing:job:send" in message
+        assert "\n" not in message
+    finally:
+        runner.stop()
+
+
 def test_two_runners_with_different_prefixes_never_see_each_others_jobs(
     redis_url: str, redis_client: redis.Redis
 ) -> None:

@@ -405,7 +405,8 @@ def test_waiting_messages_re_check_the_lock_at_most_once_per_delay(
 # -- Redis failures ---------------------------------------------------------------
 @pytest.fixture
 def lockless_user(redis_client: redis.Redis, prefix: str) -> Iterator[str]:
-    """A Redis user that may touch every key of the test except its locks.
+    """A Redis user that may touch every key of the test except its locks (and their index,
+    ``kumiko:{prefix}:locks``).
 
     Request it before ``make_runner``, so the runner stops before the user goes.
     """
@@ -443,7 +444,7 @@ def test_a_redis_error_while_taking_the_lock_fails_the_attempt_without_running_i
 
     def on_job_failed(name: str, message_id: str, meta: JobMeta, exc: BaseException) -> None:
         # Redis "recovers" before the retry runs
-        redis_client.acl_setuser(lockless_user, enabled=True, keys=[f"kumiko:{prefix}:lock:*"])
+        redis_client.acl_setuser(lockless_user, enabled=True, keys=[f"kumiko:{prefix}:lock*"])
         recorder.on_job_failed(name, message_id, meta, exc)
 
     runner = make_runner(

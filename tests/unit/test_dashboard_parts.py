@@ -15,6 +15,7 @@ from kumiko_dramatiq.dashboard.security import (
     csrf_token,
     csrf_valid,
     new_session,
+    session_digest,
     session_valid,
 )
 from kumiko_dramatiq.errors import JobConfigError
@@ -66,6 +67,14 @@ def test_a_session_is_valid_for_its_token_and_its_lifetime_only() -> None:
     assert not session_valid(TOKEN, f"{int(issued) + 60}.{nonce}.{mac}", NOW_S)
     for forged in (None, "", "1.2", "x.y.z", f"{issued}.{nonce}.{'0' * 64}"):
         assert not session_valid(TOKEN, forged, NOW_S)
+
+
+def test_a_session_is_stored_under_a_digest_that_is_not_its_cookie() -> None:
+    one, other = new_session(TOKEN, NOW_S), new_session(TOKEN, NOW_S)
+    assert session_digest(one) == session_digest(one)
+    assert session_digest(one) != session_digest(other)
+    assert one not in session_digest(one)
+    assert len(session_digest(one)) == 64
 
 
 def test_a_csrf_token_belongs_to_one_session() -> None:

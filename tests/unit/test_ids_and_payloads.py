@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 
 from kumiko_dramatiq import PayloadError
-from kumiko_dramatiq.ids import boot_message_id, child_message_id, cron_tick_id
+from kumiko_dramatiq.ids import (
+    boot_message_id,
+    child_message_id,
+    cron_tick_id,
+    handoff_redis_id,
+    redis_id_candidates,
+    redis_message_id,
+)
 from kumiko_dramatiq.limits import check_payload
 
 
@@ -44,6 +51,33 @@ def test_cron_tick_ids_identify_the_instant_not_the_zone() -> None:
     assert cron_tick_id("f:job:a", utc) != cron_tick_id("f:job:a", utc + timedelta(seconds=1))
     with pytest.raises(ValueError, match="aware"):
         cron_tick_id("f:job:a", datetime(2026, 11, 29, 12, 0))
+
+
+def test_each_live_copy_of_a_message_id_has_its_own_derived_redis_id() -> None:
+    first = redis_message_id("m1")
+    retries = [redis_message_id("m1", attempt) for attempt in (2, 3, 4)]
+    assert len({first, *retries, redis_message_id("m2")}) == 5
+    assert redis_message_id("m1") == first  # deterministic
+
+
+def test_a_hand_off_never_takes_the_redis_id_of_the_delivery_that_writes_it() -> None:
+    one = handoff_redis_id("origin", redis_message_id("origin"))
+    two = handoff_redis_id("origin", one)
+    assert one != two
+    assert handoff_redis_id("origin", two) == one  # they alternate
+    assert one not in (redis_message_id("origin"), handoff_redis_id("other", "x"))
+
+
+def test_the_candidates_of_an_id_cover_its_first_write_its_next_retries_and_its_hand_offs() -> None:
+    never_ran = redis_id_candidates("m1", 0)
+    assert redis_message_id("m1") in never_ran
+    assert redis_message_id("m1", 2) in never_ran  # a retry written while the caller read
+    after_two = redis_id_candidates("m1", 2)
+    assert {redis_message_id("m1", 3), redis_message_id("m1", 4)} <= set(after_two)
+    hand_off = handoff_redis_id("m1", redis_message_id("m1"))
+    assert hand_off in after_two
+    assert handoff_redis_id("m1", hand_off) in after_two
+    assert len(redis_id_candidates("m1", 9_999)) == 5  # bounded, however often it retried
 
 
 def test_none_is_an_empty_payload() -> None:

@@ -116,8 +116,9 @@ def test_only_the_broker_imports_dramatiqs_redis_broker() -> None:
 #: every segment ``broker/keys.py`` builds kumiko's keys with.
 KEY_PIECES = re.compile(
     r"kumiko:|dramatiq:|\.msgs|\.XQ|\.DQ|__acks__|__heartbeats__|"
-    r"(?<![\w-])(?:sent|enqueued|boot|lock|dedup|done|cron|inflight|suspects|probe|cancel|"
-    r"paused|parked|proc|procs|run|runs|dead|bell|tenant|status|job|origin):"
+    r"(?<![\w-])(?:sent|enqueued|boot|lock|locks|dedup|dedupidx|done|cron|inflight|suspects|"
+    r"probe|cancel|paused|parked|parked-withdrawn|withdrawn|proc|procs|run|runs|dead|bell|"
+    r"tenant|status|job|origin):"
 )
 
 

@@ -90,6 +90,7 @@ class LuaScripts:
     cancel: Script
     retry_dead: Script
     resume: Script
+    count_attempt: Script
     # the start-up check of a user's permissions
     probe: Script
 

@@ -4,22 +4,31 @@
 -- hand-off carries on as its origin)   ARGV[3] now (ms)   ARGV[4] TTL (ms) of completed and
 -- cancelled run records   ARGV[5] TTL (ms) of failed ones   ARGV[6] how long past its due
 -- time a delayed message held in a worker's memory may still be moved (ms)
--- ARGV[7..] the lane queues to look in
--- Looks for the message in each lane queue and its delay queue (their message hashes). Not
--- found: {0, "gone"}. Claimed from a lane queue by a live worker (in a worker's ack set:
--- kumiko workers fetch only what their threads start, so it runs): {0, "running"}, nothing
--- changed. Waiting (in the queue list, the suspects list, a paused job's parked list, or the
--- delay queue list): removed. Held in a worker's memory, waiting to come due: the cancel
--- marker "<root>cancel:<message id>" is set until it is due plus ARGV[6], and its move drops
--- it. Either way its run record says "cancelled" and a dedup key it held is freed.
+-- ARGV[7..] pairs: a queue (a lane queue or its delay queue) and a redis id the message may
+-- have there (ids.redis_id_candidates: kumiko derives a message's redis ids from its id)
+-- Looks the message up by those ids only (a few HGETs, never a search of a queue). Not
+-- found: {0, "ended"} if the id has a run record or a dead letter note (it completed, died or
+-- was cancelled), else {0, "gone"}. Claimed from a lane queue by a worker (in a worker's ack
+-- set: kumiko workers fetch only what their threads start, so it runs): {0, "running"},
+-- nothing changed. Waiting in a lane queue (its list, its suspects list or a paused job's
+-- parked list): its body is deleted and its redis id noted as withdrawn (in
+-- "<queue list>:withdrawn", or "<root>parked-withdrawn:<job>" while its job is paused), so
+-- the fetch or resume that meets the id drops it and counts leave it out: no search of the
+-- list. Waiting on a delay queue's list: its body is deleted (the worker that fetches the id
+-- finds nothing to run). Held in a worker's memory, waiting to come due: the cancel marker
+-- "<root>cancel:<message id>" is set until it is due plus ARGV[6], and its move drops it (a
+-- second cancel then finds the marker: {0, "ended"}).
+-- Either way its run record says "cancelled" and a dedup key it held is freed (and leaves
+-- its job's index, include/dedup_index.lua).
 -- Returns {1, queue, redis id} (cancelled) or {0, reason}.
 -- @include history
+-- @include dedup_index
 local namespace, root, wanted = KEYS[1], ARGV[1], ARGV[2]
 local now = tonumber(ARGV[3])
 
--- the decoded message with this id (or a hand-off carrying it on), if body is one
-local function matches(body)
-    if not string.find(body, wanted, 1, true) then
+-- the decoded message of body if it is the one wanted (or a hand-off carrying it on)
+local function wanted_in(body)
+    if not body then
         return nil
     end
     local ok, message = pcall(cjson.decode, body)
@@ -36,23 +45,6 @@ local function matches(body)
     return nil
 end
 
--- {redis id, body, decoded} of the message in a queue's hash, or nil
-local function find(messages)
-    local cursor = "0"
-    repeat
-        local page = redis.call("hscan", messages, cursor, "COUNT", 1000)
-        cursor = page[1]
-        local entries = page[2]
-        for i = 1, #entries, 2 do
-            local message = matches(entries[i + 1])
-            if message then
-                return {entries[i], entries[i + 1], message}
-            end
-        end
-    until cursor == "0"
-    return nil
-end
-
 -- whether any worker has the redis id in its ack set of the queue
 local function claimed(queue, rid)
     local workers = redis.call("zrange", namespace .. ":__heartbeats__", 0, -1)
@@ -65,48 +57,54 @@ local function claimed(queue, rid)
     return false
 end
 
-for i = 7, #ARGV do
-    for _, queue in ipairs({ARGV[i], ARGV[i] .. ".DQ"}) do
-        local list = namespace .. ":" .. queue
-        local hit = find(list .. ".msgs")
-        if hit then
-            local rid, body, message = hit[1], hit[2], hit[3]
-            local delayed = string.sub(queue, -3) == ".DQ"
-            local waiting = redis.call("lrem", list, 1, rid) == 1
-            if not waiting and not delayed then
-                waiting = redis.call("lrem", root .. "suspects:" .. queue, 1, rid) == 1
+for i = 7, #ARGV, 2 do
+    local queue, rid = ARGV[i], ARGV[i + 1]
+    local list = namespace .. ":" .. queue
+    local body = redis.call("hget", list .. ".msgs", rid)
+    local message = wanted_in(body)
+    if message then
+        local delayed = string.sub(queue, -3) == ".DQ"
+        local job = string.gsub(message.actor_name or "", ":fanout$", "")
+        if claimed(queue, rid) then
+            if not delayed then
+                return {0, "running"}
             end
-            local job = string.gsub(message.actor_name or "", ":fanout$", "")
-            if not waiting and not delayed then
-                waiting = redis.call("lrem", root .. "parked:" .. job, 1, rid) == 1
+            -- held in a worker's memory until due: its move drops it
+            if redis.call("exists", root .. "cancel:" .. message.message_id) == 1 then
+                return {0, "ended"}
             end
-            if not waiting then
-                if not delayed or not claimed(queue, rid) then
-                    return {0, "running"}
-                end
-                -- held in a worker's memory until due: its move drops it
-                local due = tonumber(message.options.eta) or now
-                local ttl = math.max(due - now, 0) + tonumber(ARGV[6])
-                redis.call("set", root .. "cancel:" .. message.message_id, "1", "PX", ttl)
-            else
-                redis.call("hdel", list .. ".msgs", rid)
+            local due = tonumber(message.options.eta) or now
+            local ttl = math.max(due - now, 0) + tonumber(ARGV[6])
+            redis.call("set", root .. "cancel:" .. message.message_id, "1", "PX", ttl)
+        else
+            redis.call("hdel", list .. ".msgs", rid)
+            if not delayed then
                 redis.call("hdel", root .. "inflight", rid)
-            end
-            local run = run_of(root, body, "")
-            if run then
-                run.s, run.en, run.w = "cancelled", now, nil
-                put_run(root, run.m, run.a, run.j, "cancelled", run.t or "", run.o, now,
-                    cjson.encode(run), tonumber(ARGV[4]), tonumber(ARGV[5]))
-            end
-            local key = message.options.kumiko_dedup_key
-            if type(key) == "string" then
-                local record = root .. "dedup:" .. job .. ":" .. key
-                if redis.call("hget", record, "id") == message.message_id then
-                    redis.call("del", record)
+                if redis.call("sismember", root .. "paused", job) == 1 then
+                    redis.call("sadd", root .. "parked-withdrawn:" .. job, rid)
+                else
+                    redis.call("sadd", list .. ":withdrawn", rid)
                 end
             end
-            return {1, queue, rid}
         end
+        local run = run_of(root, body, "")
+        if run then
+            run.s, run.en, run.w = "cancelled", now, nil
+            put_run(root, run.m, run.a, run.j, "cancelled", run.t or "", run.o, now,
+                cjson.encode(run), tonumber(ARGV[4]), tonumber(ARGV[5]))
+        end
+        local key = message.options.kumiko_dedup_key
+        if type(key) == "string" then
+            local record = root .. "dedup:" .. job .. ":" .. key
+            if redis.call("hget", record, "id") == message.message_id then
+                redis.call("del", record)
+                unindex_dedup(root .. "dedupidx:" .. job, key)
+            end
+        end
+        return {1, queue, rid}
     end
+end
+if redis.call("exists", root .. "run:" .. wanted, root .. "dead:" .. wanted) > 0 then
+    return {0, "ended"}
 end
 return {0, "gone"}

@@ -14,7 +14,9 @@
 -- but parked in "<root>parked:<job>" until the job is resumed. An id with deliveries already
 -- (a suspect) is never delivered beside other messages: to a consumer that holds nothing it
 -- is delivered alone (first from the suspects list), else it waits in the suspects list. A
--- message whose id carries an "already completed" marker is acked unrun. A message at
+-- message whose id carries an "already completed" marker is acked unrun. An id that cancel
+-- withdrew (its body gone, the id in "<queue list>:withdrawn" or a paused job's
+-- "<root>parked-withdrawn:<job>") is dropped without a word. A message at
 -- the max is dead-lettered, its run record "dead" ("worker died during N deliveries"). The
 -- queue's doorbell rings when a suspect is left waiting for an idle consumer, or a full batch
 -- (or a suspect claimed alone) left messages behind.
@@ -49,8 +51,27 @@ local function paused_job(body)
     return nil
 end
 
+-- whether rid is one that cancel withdrew (its body deleted while it waited): forget it
+local function withdrawn(rid)
+    if redis.call("srem", queue_list .. ":withdrawn", rid) == 1 then
+        return true
+    end
+    if any_paused then
+        for _, job in ipairs(redis.call("smembers", root .. "paused")) do
+            if redis.call("srem", root .. "parked-withdrawn:" .. job, rid) == 1 then
+                return true
+            end
+        end
+    end
+    return false
+end
+
 local function claim(rid, seen)
     local body = redis.call("hget", queue_messages, rid)
+    if not body and withdrawn(rid) then
+        redis.call("hdel", inflight, rid)
+        return false
+    end
     if any_paused then
         local job = paused_job(body)
         if job then

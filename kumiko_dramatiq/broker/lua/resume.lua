@@ -1,28 +1,34 @@
--- resume: a paused job runs again; its held-back messages go back to the head of its queue.
+-- resume: a paused job runs again; its held-back messages go back to the head of its queue,
+-- a bounded step at a time.
 -- KEYS[1] the set of paused jobs   KEYS[2] the job's parked list   KEYS[3] the queue's list
--- KEYS[4] the queue's message hash
+-- KEYS[4] the queue's message hash   KEYS[5] the job's withdrawn parked ids (cancelled while
+-- parked: keys.parked_withdrawn)
 -- ARGV[1] the job   ARGV[2] kumiko root "kumiko:<prefix>:"   ARGV[3] now (ms)
 -- ARGV[4] TTL (ms) of cancelled run records   ARGV[5] TTL (ms) of failed ones
--- ARGV[6..] redis ids of parked messages to drop instead (cron ticks its misfire policy skips)
--- The job leaves the paused set; each parked id goes back to the queue, ahead of what was
--- queued meanwhile and in its parked order, except the ids to drop, whose messages are
--- deleted and whose run record (if any) says "cancelled". The queue's doorbell rings if any
--- went back.
--- Returns {requeued, dropped}.
+-- ARGV[6] at most this many parked ids this step
+-- ARGV[7..] redis ids of parked messages to drop instead (cron ticks its misfire policy skips)
+-- The job leaves the paused set. Up to ARGV[6] ids leave the parked list from its tail (the
+-- last parked first) for the head of the queue, so once the list is empty they wait ahead of
+-- what was queued meanwhile, in their parked order; except the ids to drop, whose messages
+-- are deleted and whose run record (if any) says "cancelled", and ids whose message was
+-- cancelled while parked (no body), which are dropped without a word. Once the parked list
+-- is empty its withdrawn set goes too. The queue's doorbell rings if any went back.
+-- Returns {1 if the job was paused, requeued, dropped, parked ids left}.
 -- @include history
 -- @include bell
 local drop = {}
-for i = 6, #ARGV do
+for i = 7, #ARGV do
     drop[ARGV[i]] = true
 end
-redis.call("srem", KEYS[1], ARGV[1])
-local parked = redis.call("lrange", KEYS[2], 0, -1)
-redis.call("del", KEYS[2])
+local was_paused = redis.call("srem", KEYS[1], ARGV[1])
+local step = redis.call("rpop", KEYS[2], tonumber(ARGV[6])) or {}
 local requeued, dropped = 0, 0
-for i = #parked, 1, -1 do
-    local rid = parked[i]
-    if drop[rid] then
-        local run = run_of(ARGV[2], redis.call("hget", KEYS[4], rid), "")
+for _, rid in ipairs(step) do
+    local body = redis.call("hget", KEYS[4], rid)
+    if not body then
+        redis.call("srem", KEYS[5], rid)
+    elseif drop[rid] then
+        local run = run_of(ARGV[2], body, "")
         if run then
             run.s, run.en, run.em = "cancelled", tonumber(ARGV[3]), "skipped on resume (misfire)"
             put_run(ARGV[2], run.m, run.a, run.j, "cancelled", run.t or "", run.o,
@@ -35,7 +41,11 @@ for i = #parked, 1, -1 do
         requeued = requeued + 1
     end
 end
+local left = redis.call("llen", KEYS[2])
+if left == 0 then
+    redis.call("del", KEYS[5])
+end
 if requeued > 0 then
     ring(KEYS[3])
 end
-return {requeued, dropped}
+return {was_paused, requeued, dropped, left}
