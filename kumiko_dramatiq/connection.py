@@ -437,14 +437,16 @@ _CONNECTION_CLASSES: Final[dict[type[Connection] | type[UnixDomainSocketConnecti
 # -- pools ----------------------------------------------------------------------------------
 class SentinelPool(SentinelConnectionPool):
     """redis-py's Sentinel pool that also closes its connections to the sentinels when it
-    is disconnected (``JobRunner.stop()`` closes every connection the runner opened)."""
+    is disconnected (``JobRunner.stop()`` closes every connection the runner opened). Only
+    the idle ones when only the pool's idle ones go: redis-py does that when it sees the
+    primary move, while other threads may be asking a sentinel for the primary on theirs."""
 
     sentinel_manager: Sentinel
 
     def disconnect(self, inuse_connections: bool = True) -> None:
         super().disconnect(inuse_connections)
         for sentinel in self.sentinel_manager.sentinels:
-            sentinel.connection_pool.disconnect()
+            sentinel.connection_pool.disconnect(inuse_connections)
 
 
 def connection_pool(
