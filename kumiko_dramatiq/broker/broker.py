@@ -180,6 +180,9 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         self._identity = (0, "")
         self._held_delayed: set[str] = set()
         self._moved: set[str] = set()
+        #: per queue, the redis ids this process's consumers fetched and have not settled yet
+        #: (handed to Dramatiq's worker, or running; see ``KumikoConsumer``, "lost claims")
+        self.held: dict[str, set[str]] = {}
         #: Redis client ids of this broker's consumers blocked on a doorbell, by consumer
         self._blocked: dict[int, int] = {}
         #: per delay queue, redis ids a closed consumer held and could not put back

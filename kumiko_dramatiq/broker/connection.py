@@ -191,7 +191,9 @@ class SentinelPool(SentinelConnectionPool):
     """redis-py's Sentinel pool with a :class:`~kumiko_dramatiq.broker.failover.PrimaryWatch`
     its connections share, which also closes its connections to the sentinels, and stops
     the watch, when it is disconnected (``JobRunner.stop()`` closes every connection the
-    runner opened)."""
+    runner opened). Only the idle ones when only the pool's idle ones go: redis-py does that
+    when it sees the primary move, while other threads may be asking a sentinel for the
+    primary on theirs."""
 
     sentinel_manager: KumikoSentinel
 
@@ -210,7 +212,7 @@ class SentinelPool(SentinelConnectionPool):
     def disconnect(self, inuse_connections: bool = True) -> None:
         super().disconnect(inuse_connections)
         for sentinel in self.sentinel_manager.sentinels:
-            sentinel.connection_pool.disconnect()
+            sentinel.connection_pool.disconnect(inuse_connections)
         if inuse_connections:
             self.watch.close()
 

@@ -18,7 +18,8 @@ from dramatiq.errors import ConnectionClosed
 from dramatiq.message import Message
 
 from kumiko_dramatiq.broker.delivery import Delivery, Outcome, RunWrite
-from kumiko_dramatiq.broker.keys import is_delay_queue, queue_bell
+from kumiko_dramatiq.broker.keys import consumer_acks, is_delay_queue, queue_bell
+from kumiko_dramatiq.broker.replies import text
 
 if TYPE_CHECKING:
     from kumiko_dramatiq.broker.broker import KumikoBroker
@@ -66,6 +67,18 @@ class KumikoConsumer(Consumer):
     fetches nothing else until it is settled. So a poison message (one that kills its worker)
     takes no healthy message down with it, and after ``max_deliveries`` deaths in a row it is
     dead-lettered (``lua/fetch_lane.lua``).
+
+    **Lost claims.** A fetch claims its messages for this worker in Redis (its ack set) before
+    the reply comes back. When the reply never does (the connection dropped while the fetch
+    ran, or a fetch sent into a cut link that Redis ran only once the link was back, after
+    the consumer had given up on it), the claims stay with a worker that is alive, so no
+    maintenance recovers them, and their messages would count as running until this process
+    stops. So once per ``maintenance_interval_ms`` (and first thing after the consumer is
+    made, which Dramatiq does again after a connection error) the consumer puts back on the
+    queue every id of its ack set that this process does not hold (``requeue``: a lane
+    message's delivery is undone, it never ran). Held means fetched and not settled yet, by
+    any consumer of this queue in this process (a failed ack keeps its claim held until
+    Dramatiq's retry of it lands).
     """
 
     def __init__(self, broker: KumikoBroker, queue_name: str, prefetch: int, timeout: int) -> None:
@@ -81,6 +94,10 @@ class KumikoConsumer(Consumer):
         self._batch = max(1, self._slots // 2) if self._lane else 1
         self._cache: deque[tuple[str, bytes | None]] = deque()
         self._outstanding: set[str] = set()
+        #: what this process holds of the queue (shared by its consumers of the queue), and
+        #: when this consumer last gave back lost claims (ms; 0: never)
+        self._held = broker.held.setdefault(queue_name, set())
+        self._claims_checked_ms = 0
         self._settled = threading.Condition()
         #: the suspect this consumer runs alone, if any
         self._alone: str | None = None
@@ -100,6 +117,8 @@ class KumikoConsumer(Consumer):
 
     def __next__(self) -> Delivery | None:
         try:
+            if current_millis() - self._claims_checked_ms >= self.broker.maintenance_interval_ms:
+                self._give_back_lost_claims()
             if self._delayed and self.queue_name in self.broker._abandoned:
                 self._requeue_abandoned()
             while True:
@@ -201,6 +220,26 @@ class KumikoConsumer(Consumer):
             self.broker._abandoned.setdefault(self.queue_name, set()).update(held)
             raise
 
+    def _give_back_lost_claims(self) -> None:
+        """Requeue the ids of this worker's ack set that this process does not hold (see
+        "Lost claims" above). What is held is read before the ack set, and only this thread
+        claims for this queue, so an id read as not held is not held; an id settled since is
+        no longer in the ack set, and ``requeue`` moves only ids that still are."""
+        self._claims_checked_ms = current_millis()
+        held = self._held.copy()  # one C call: a worker thread's discard cannot interleave
+        held.update(rid for rid, _ in self._cache)
+        acks = consumer_acks(self.broker.broker_id, self.queue_name, self.broker.namespace)
+        claimed = {text(rid) for rid in self.broker.thread_client().smembers(acks)}
+        lost = sorted(claimed - held)
+        if lost:
+            logger.warning(
+                "%d message(s) on %s were claimed for this worker by a fetch whose reply never "
+                "came back: putting them back on the queue",
+                len(lost),
+                self.queue_name,
+            )
+            self.broker.do_requeue(self.queue_name, *lost)
+
     def _fill(self) -> bool:
         """Fetch what there is room for; ``False`` if nothing was (or could be) fetched."""
         outstanding = self.outstanding_message_count
@@ -273,6 +312,7 @@ class KumikoConsumer(Consumer):
                 policy.rejected(message)
             return None
         self._outstanding.add(rid)
+        self._held.add(rid)
         if self._delayed:
             self.broker._held_delayed.add(rid)
             eta = message.options.get("eta")
@@ -301,8 +341,13 @@ class KumikoConsumer(Consumer):
             self.broker.do_ack(self.queue_name, rid)
         self._done(rid)
 
-    def _done(self, rid: str) -> None:
+    def _done(self, rid: str, *, settled: bool = True) -> None:
+        """``rid`` is no longer out with this consumer; ``settled``: nor is its claim (False
+        for an ack or nack that Redis did not take: Dramatiq retries it, and until then the
+        claim is still this process's)."""
         self._outstanding.discard(rid)
+        if settled:
+            self._held.discard(rid)
         if rid == self._alone:
             self._alone = None
         if self._suspects_waiting and not self._outstanding and self._bell is not None:
@@ -316,6 +361,7 @@ class KumikoConsumer(Consumer):
 
     def ack(self, message: MessageProxy) -> None:
         rid = _redis_id(message)
+        settled = True
         try:
             if rid in self.broker._moved:
                 return  # moved off the delay queue by ``move``: nothing left to ack
@@ -350,12 +396,14 @@ class KumikoConsumer(Consumer):
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             # Dramatiq retries the ack until Redis takes it; settling twice is safe (the
             # second finds the delivery settled and writes no follow-up again)
+            settled = False
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         finally:
-            self._done(rid)
+            self._done(rid, settled=settled)
 
     def nack(self, message: MessageProxy) -> None:
         rid = _redis_id(message)
+        settled = True
         try:
             if self._lane:
                 run = message.settlement.run if isinstance(message, Delivery) else None
@@ -367,9 +415,10 @@ class KumikoConsumer(Consumer):
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             # Dramatiq retries the ack until Redis takes it; settling twice is safe (the
             # second finds the delivery settled and writes no follow-up again)
+            settled = False
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         finally:
-            self._done(rid)
+            self._done(rid, settled=settled)
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """Put ``messages`` (and what this consumer fetched but did not hand out) back on

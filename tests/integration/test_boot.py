@@ -517,10 +517,13 @@ def test_the_cli_worker_with_two_processes_runs_the_gate_in_each_and_the_boot_jo
     wait_for(lambda: len(records(redis_client, prefix, "boot")) >= 1, what="the boot job")
     wait_for(lambda: len(records(redis_client, prefix, "gate")) == 2, what="both gates")
 
-    # A graceful stop lets each process finish its boot and its running job.
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.communicate(timeout=30)
+    # A graceful stop lets each process finish its boot and its running job. (SIGTERM goes to
+    # the main process only, which forwards it to each worker process: a second SIGTERM, as
+    # from os.killpg, makes Dramatiq kill a worker process at once, mid-job.)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
 
+    assert proc.returncode == 0, stderr
     gates = records(redis_client, prefix, "gate")
     assert len(set(gates)) == 2  # one per worker process
     assert len(records(redis_client, prefix, "boot")) == 1

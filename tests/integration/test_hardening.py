@@ -243,6 +243,9 @@ def supervised_worker(redis_url: str, prefix: str) -> Iterator[list[int]]:
         KUMIKO_MAINTENANCE_CHANCE="1000000",
     )
     command = [sys.executable, "-m", "dramatiq", "kumiko_dramatiq.app", "-p", "1", "-t", "4"]
+    # A worker that takes the poison as it boots dies before saying it booted: without this,
+    # Dramatiq's main process waits out its default 30 s for that before it sees the death.
+    command += ["--worker-fork-timeout", "100"]
     exits: list[int] = []
     procs: list[subprocess.Popen[bytes]] = []
     lock = threading.Lock()

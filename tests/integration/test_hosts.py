@@ -164,10 +164,10 @@ def test_a_host_cut_off_mid_run_loses_its_work_to_the_others_and_comes_back(
 
         # When h3's link goes down mid-run (and the work it holds ends there, unheard)
         cluster.network.cut(h3)
-        cut_at = time.time()
         lock = kumiko_keys.sequential_lock(PREFIX, SEQ, None)
+        asked_at = time.time()  # before the PTTL: the earliest the lock can expire
         lock_ttl_ms = int(admin.pttl(lock))
-        lock_expires_at = time.time() + lock_ttl_ms / 1000
+        lock_expires_at = asked_at + lock_ttl_ms / 1000
         last_heartbeat_ms = admin.zscore(heartbeats(), cluster.broker_ids["h3"])
         assert last_heartbeat_ms is not None
         cluster.release.with_name("release.seq").touch()
@@ -209,6 +209,7 @@ def test_a_host_cut_off_mid_run_loses_its_work_to_the_others_and_comes_back(
 
         # When h3 comes back (its acks of what it ran while cut off arrive late), and later
         # is the only host left
+        cut_until = time.time()  # h3 can fetch nothing before this
         cluster.network.restore(h3)
         restored_at = time.time()
         cluster.stop(h1)
@@ -223,7 +224,10 @@ def test_a_host_cut_off_mid_run_loses_its_work_to_the_others_and_comes_back(
     for event in events:
         if event.kind == "start":
             starts.setdefault(event.message_id, []).append(event)
-    on_h3 = {m for m, seen in starts.items() if any(e.host == "h3" and e.at < cut_at for e in seen)}
+    # (what starts on h3 until its link is back, the cut included, is what it held when cut)
+    on_h3 = {
+        m for m, seen in starts.items() if any(e.host == "h3" and e.at < cut_until for e in seen)
+    }
     completed = {run.message_id for run in _completed_runs(producer)}
     producer.stop()
     # nothing was lost

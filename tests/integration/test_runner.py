@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import redis
+from dramatiq.message import Message
 from dramatiq.middleware import Retries as DramatiqRetries
 
 from kumiko_dramatiq import (
@@ -422,3 +423,59 @@ def test_a_forked_child_never_talks_on_its_parents_connection(make_runner: Runne
     os.close(read)
     assert broker.thread_client() is parent
     assert parent.ping()
+
+
+def test_messages_claimed_by_a_fetch_whose_reply_was_lost_go_back_and_run(
+    make_runner: RunnerFactory, recorder: Recorder, prefix: str
+) -> None:
+    release = threading.Event()
+    feature = Feature("lost")
+
+    @feature.job("work")
+    def work(payload: dict[str, Any], ctx: JobContext) -> None:
+        if payload.get("hold"):
+            release.wait(20)
+
+    # Given a live worker with one thread, busy (so its consumer fetches nothing more)
+    runner = make_runner(
+        Registry([feature]), worker_threads=1, heartbeat_timeout_ms=2_000, **recorder.hooks()
+    )
+    runner.start()
+    held = runner.dispatch("lost:job:work", {"hold": True})
+    recorder.wait_until(lambda r: bool(r.of("start")), what="the held run")
+    # and two messages claimed for it by a fetch whose reply it never got (a connection lost
+    # mid-fetch, or a fetch sent into a cut link that Redis ran once the link was back)
+    lost = [runner.dispatch("lost:job:work") for _ in range(2)]
+    fetch = runner.broker.fetch_lane(f"{prefix}-worker", 2, outstanding=0)
+    assert sorted(Message.decode(body).message_id for _, body in fetch.fetched if body) == sorted(
+        lost
+    )
+    # When it is free again
+    release.set()
+    # Then they run there, once each, as first attempts (never presumed dead: it is alive)
+    recorder.wait_until(
+        lambda r: {e.message_id for e in r.of("complete")} == {held, *lost},
+        what="the runs of the lost claims",
+    )
+    runner.drain(timeout_s=10)
+    done = recorder.of("complete")
+    assert sorted(e.message_id for e in done) == sorted([held, *lost])
+    assert {e.meta.attempt for e in done} == {1}
+
+
+def test_a_delayed_message_claimed_by_a_lost_fetch_runs_once_the_worker_starts(
+    make_runner: RunnerFactory, recorder: Recorder, prefix: str
+) -> None:
+    # Given a delayed message claimed for this worker by a fetch whose reply it never got
+    runner = make_runner(billing_registry(), **recorder.hooks())
+    message_id = runner.dispatch("billing:job:send", delay_ms=50)
+    [(_, body)] = runner.broker.fetch(f"{prefix}-worker.DQ", 10)
+    assert body is not None
+    assert Message.decode(body).message_id == message_id
+    # When the worker starts
+    runner.start()
+    # Then the message goes back to the delay queue and runs when due
+    recorder.wait_until(
+        lambda r: [e.message_id for e in r.of("complete")] == [message_id],
+        what="the delayed run",
+    )

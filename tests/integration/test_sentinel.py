@@ -19,11 +19,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
 from kumiko_dramatiq import Cron, Feature, JobContext, JobMeta, JobRunner, Registry
 from kumiko_dramatiq.broker import keys as kumiko_keys
+from kumiko_dramatiq.broker.connection import SentinelPool, connection_pool
 from kumiko_dramatiq.errors import RedisUnavailableError
 from tests.conftest import wait_for
 from tests.deployment import SentinelGroup, Server, sentinel_group, wait_for_fail_over
@@ -457,3 +459,26 @@ def test_a_planned_fail_over_under_a_steady_producer_loses_no_accepted_dispatch(
         f"{(max((t for t, _ in load.errors), default=began) - began):.2f} s"
     )
     assert ran_twice <= in_flight
+
+
+def test_a_moved_primary_leaves_the_sentinel_connections_in_use_open(redis_url: str) -> None:
+    # Given a Sentinel pool (its sentinel here: the tests' Redis, which answers PING as one
+    # does) and a connection to that sentinel in use by a thread asking it for the primary
+    address = urlsplit(redis_url)
+    pool = connection_pool(
+        f"redis+sentinel://{address.hostname}:{address.port}/0?master=m", timeout_s=5
+    )
+    assert isinstance(pool, SentinelPool)
+    [sentinel] = pool.sentinel_manager.sentinels
+    in_use = sentinel.connection_pool.get_connection()
+    # When redis-py sees the primary move: it disconnects the pool's idle connections
+    pool.disconnect(inuse_connections=False)
+    # Then the connection in use stays open under its thread (closing it there made the
+    # thread's command fail with "I/O operation on closed file" in a fail-over)
+    assert in_use.is_connected
+    in_use.send_command("PING")  # type: ignore[no-untyped-call]
+    assert in_use.read_response() in (b"PONG", "PONG")
+    # and a full disconnect (a runner's stop) still closes it
+    sentinel.connection_pool.release(in_use)
+    pool.disconnect()
+    assert not in_use.is_connected

@@ -40,7 +40,7 @@ from kumiko_dramatiq import (
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.keys import queue_messages
 from kumiko_dramatiq.errors import SequentialLockError
-from kumiko_dramatiq.ids import handoff_message_id
+from kumiko_dramatiq.ids import child_message_id, handoff_message_id
 from tests.apps import sequential_app
 from tests.conftest import Recorder, RunnerFactory, wait_for
 
@@ -181,17 +181,21 @@ def test_a_held_tenant_lock_delays_only_that_tenant(
     make_runner: RunnerFactory, recorder: Recorder, prefix: str, redis_client: redis.Redis
 ) -> None:
     redis_client.set(lock_key(prefix, "acme"), OTHER_HOLDER, px=60_000)
-    started_runner(
+    runner, enqueues = started_runner(
         make_runner,
         registry_of(noop, per_tenant=True),
         recorder,
         get_active_tenant_ids=lambda: ["acme", "globex"],
-    )[0].dispatch(JOB)
+    )
+    wrapper = runner.dispatch(JOB)
 
     recorder.wait_until(
         lambda r: [e.meta.tenant_id for e in r.of("complete") if e.meta.tenant_id] == ["globex"],
         what="globex done",
     )
+    # (globex may finish before acme's child has even met its lock: wait for its hand-off)
+    acme_child = child_message_id(wrapper, "acme")
+    wait_for(lambda: enqueues.hand_offs(acme_child) != [], what="acme's hand-off")
     assert [e.meta.tenant_id for e in recorder.of("start") if e.meta.tenant_id] == ["globex"]
 
     redis_client.delete(lock_key(prefix, "acme"))

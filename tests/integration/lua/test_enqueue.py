@@ -1,0 +1,331 @@
+"""State tables of the scripts that write a message: Dramatiq's ``enqueue`` (and the dispatch
+head every broker command starts with), the doorbell a write rings, ``move`` (a due delayed
+message to its queue), ``guarded_enqueue`` and ``guarded_enqueue_batch``, and what every enqueue
+step shares (the message is written before its guard). Rows and helpers:
+:mod:`tests.integration.lua.tables`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+
+from tests.integration.lua.tables import (
+    BELL,
+    BELL_TTL,
+    BOOT_MARKER,
+    CANCEL_M1,
+    DEAD_TTL,
+    DEDUP_INDEX,
+    DQ,
+    DQ_ACKS,
+    DQ_ACKS_W2,
+    DQ_BELL,
+    DQ_LIST,
+    DQ_MSGS,
+    ENDING,
+    GUARD,
+    GUARD_2,
+    GUARD_3,
+    HEARTBEAT_TIMEOUT,
+    LAST_TICK,
+    LIST,
+    MSGS,
+    NAMESPACE,
+    NO_TTL,
+    NOW,
+    QUEUE,
+    RECORD,
+    SENT,
+    SHORT_TTL,
+    TICK,
+    TTL,
+    Env,
+    State,
+)
+
+
+# The dispatch head: every broker command starts by parsing ARGV[2]; a head it cannot read
+# is an error before anything is written (not even the heartbeat).
+@pytest.mark.parametrize(
+    "packed",
+    [
+        pytest.param(f"{NOW} w {HEARTBEAT_TIMEOUT} {DEAD_TTL}", id="a-field-missing"),
+        pytest.param(f"{NOW} w {HEARTBEAT_TIMEOUT} {DEAD_TTL} 2", id="maintenance-not-0-or-1"),
+        pytest.param(f"-{NOW} w {HEARTBEAT_TIMEOUT} {DEAD_TTL} 0", id="negative-now"),
+        pytest.param(str(NOW), id="the-old-unpacked-head"),
+    ],
+)
+def test_a_malformed_dispatch_head_is_refused(env: Env, packed: str) -> None:
+    with pytest.raises(redis.ResponseError, match="malformed dispatch head"):
+        env.lua.enqueue(keys=[NAMESPACE], args=[env.key(QUEUE), packed, "r1", "body"])
+
+    env.assert_state({})
+
+
+# Dramatiq's own enqueue command: no marker (kumiko's idempotent enqueue of a new message is
+# guarded_enqueue behind its "sent" marker, see test_guarded_enqueue). It rings the queue's
+# doorbell, as every write of a message does (enqueue_message in lua/_enqueue.lua).
+@pytest.mark.parametrize(
+    ("given", "queue", "after"),
+    [
+        pytest.param(
+            {},
+            QUEUE,
+            {LIST: ["r1"], MSGS: {"r1": "body"}, BELL: ["1"]},
+            id="writes-hash-and-list-and-rings",
+        ),
+        pytest.param(
+            {LIST: ["r0"], MSGS: {"r0": "b0"}},
+            QUEUE,
+            {LIST: ["r0", "r1"], MSGS: {"r0": "b0", "r1": "body"}, BELL: ["1"]},
+            id="appends-to-the-tail",
+        ),
+        pytest.param(
+            {},
+            DQ,
+            {DQ_LIST: ["r1"], DQ_MSGS: {"r1": "body"}, DQ_BELL: ["1"]},
+            id="delay-queue-rings-its-own-bell",
+        ),
+    ],
+)
+def test_enqueue(env: Env, given: State, queue: str, after: State) -> None:
+    env.seed(given)
+
+    assert env.lua.enqueue(keys=[NAMESPACE], args=[*env.head(queue), "r1", "body"]) == 1
+
+    env.assert_state(after)
+    assert env.heartbeat("w1") == NOW
+
+
+# The doorbell (lua/_bell.lua, rung here by enqueue) holds one token at most, however many
+# writes: a token is pushed, with its TTL, only when none waits; a waiting token is left as
+# it is (its TTL not refreshed).
+@pytest.mark.parametrize(
+    ("waiting", "enqueues", "ttl"),
+    [
+        pytest.param(False, 1, BELL_TTL, id="an-enqueue-leaves-one-token-for-a-minute"),
+        pytest.param(False, 3, BELL_TTL, id="many-enqueues-leave-one-token"),
+        pytest.param(True, 2, SHORT_TTL, id="a-waiting-token-gets-no-second-and-keeps-its-ttl"),
+    ],
+)
+def test_the_bell_holds_one_token_at_most(env: Env, waiting: bool, enqueues: int, ttl: int) -> None:
+    # Given: a token left SHORT_TTL to live waits, or none does
+    if waiting:
+        env.seed({BELL: ["1"]})
+        env.expire(BELL, SHORT_TTL)
+    rids = [f"r{n}" for n in range(1, enqueues + 1)]
+
+    for rid in rids:
+        assert env.lua.enqueue(keys=[NAMESPACE], args=[*env.head(), rid, "body"]) == 1
+
+    env.assert_state({LIST: rids, MSGS: dict.fromkeys(rids, "body"), BELL: ["1"]})
+    env.assert_ttls({BELL: ttl})
+
+
+def test_a_taken_token_is_rung_again_by_the_next_enqueue(env: Env) -> None:
+    # Given: r1 was enqueued and an idle consumer took the token (its BLPOP)
+    assert env.lua.enqueue(keys=[NAMESPACE], args=[*env.head(), "r1", "body"]) == 1
+    assert env.client.lpop(env.key(BELL)) == b"1"
+    env.assert_state({LIST: ["r1"], MSGS: {"r1": "body"}})
+
+    # When: r2 is enqueued
+    assert env.lua.enqueue(keys=[NAMESPACE], args=[*env.head(), "r2", "body"]) == 1
+
+    # Then: a new token waits, for a minute again
+    env.assert_state({LIST: ["r1", "r2"], MSGS: {"r1": "body", "r2": "body"}, BELL: ["1"]})
+    env.assert_ttls({BELL: BELL_TTL})
+
+
+# A due delayed message d1 (claimed off the delay queue by w1) goes to the queue as r9, in
+# one step; its message id's cancel marker drops it instead (and is deleted).
+MOVE_GIVEN: State = {LIST: ["r0"], MSGS: {"r0": "b0"}, DQ_MSGS: {"d1": "delayed"}}
+
+
+@pytest.mark.parametrize(
+    ("given", "reply", "after"),
+    [
+        pytest.param(
+            {**MOVE_GIVEN, DQ_ACKS: {"d1", "d2"}},
+            1,
+            {
+                LIST: ["r0", "r9"],
+                MSGS: {"r0": "b0", "r9": "moved"},
+                DQ_ACKS: {"d2"},
+                BELL: ["1"],
+            },
+            id="owned-leaves-the-delay-queue-for-the-queues-tail-and-rings",
+        ),
+        pytest.param(
+            {**MOVE_GIVEN, DQ_ACKS: {"d1"}, CANCEL_M1: "1"},
+            2,
+            {LIST: ["r0"], MSGS: {"r0": "b0"}},
+            id="cancelled-is-dropped-and-its-marker-deleted",
+        ),
+        pytest.param(
+            {**MOVE_GIVEN, DQ_ACKS_W2: {"d1"}, CANCEL_M1: "1"},
+            0,
+            {**MOVE_GIVEN, DQ_ACKS_W2: {"d1"}, CANCEL_M1: "1"},
+            id="not-owned-changes-nothing",
+        ),
+    ],
+)
+def test_move(env: Env, given: State, reply: int, after: State) -> None:
+    env.seed(given)
+
+    result = env.lua.move(
+        keys=[NAMESPACE, env.key(CANCEL_M1)],
+        args=[*env.head(DQ), "d1", env.key(QUEUE), "r9", "moved"],
+    )
+
+    assert result == reply
+    env.assert_state(after)
+    assert env.heartbeat("w1") == NOW
+
+
+# Like every enqueue step below, a message written rings its queue's doorbell; one guarded
+# out writes nothing, the bell included.
+@pytest.mark.parametrize(
+    ("given", "reply", "after", "ttls"),
+    [
+        pytest.param(
+            {},
+            [1],
+            {LIST: ["r1"], MSGS: {"r1": "body"}, GUARD: "sched-1", BELL: ["1"]},
+            {GUARD: TTL, BELL: BELL_TTL},
+            id="guard-absent-enqueues-and-rings",
+        ),
+        pytest.param(
+            {GUARD: "sched-0"},
+            [0],
+            {GUARD: "sched-0"},
+            {GUARD: NO_TTL},
+            id="guard-present-writes-nothing",
+        ),
+    ],
+)
+def test_guarded_enqueue(
+    env: Env, given: State, reply: list[int], after: State, ttls: dict[str, int]
+) -> None:
+    env.seed(given)
+
+    result = env.lua.guarded_enqueue(
+        keys=[env.key(MSGS), env.key(LIST), env.key(GUARD)], args=["r1", "body", TTL, "sched-1"]
+    )
+
+    assert result == reply
+    env.assert_state(after)
+    env.assert_ttls(ttls)
+
+
+def test_guarded_enqueue_behind_a_sent_marker_is_written_once(env: Env) -> None:
+    # Given: the call KumikoBroker.enqueue makes: the guard is the "sent" marker of the rid
+    keys = [env.key(MSGS), env.key(LIST), env.key(SENT)]
+    args: list[str | int] = ["r1", "body", TTL, "1"]
+
+    # When: the same write is sent twice (a command re-sent after a dropped connection)
+    first = env.lua.guarded_enqueue(keys=keys, args=args)
+    second = env.lua.guarded_enqueue(keys=keys, args=args)
+
+    # Then: the message is there once, and the marker keeps its first TTL
+    assert (first, second) == ([1], [0])
+    env.assert_state({LIST: ["r1"], MSGS: {"r1": "body"}, SENT: "1", BELL: ["1"]})
+    env.assert_ttls({SENT: TTL, BELL: BELL_TTL})
+
+
+@pytest.mark.parametrize(
+    ("given", "triples", "reply", "after", "ttls"),
+    [
+        pytest.param(
+            {GUARD_2: "sched-0"},
+            [(GUARD, "r1", "b1"), (GUARD_2, "r2", "b2"), (GUARD_3, "r3", "b3")],
+            [1, 0, 1],
+            {
+                LIST: ["r1", "r3"],
+                MSGS: {"r1": "b1", "r3": "b3"},
+                GUARD: "sched-1",
+                GUARD_2: "sched-0",
+                GUARD_3: "sched-1",
+                BELL: ["1"],
+            },
+            {GUARD: TTL, GUARD_2: NO_TTL, GUARD_3: TTL, BELL: BELL_TTL},
+            id="mixed-guards-two-written-one-token",
+        ),
+        pytest.param(
+            {},
+            [(GUARD, "r1", "b1"), (GUARD, "r2", "b2")],
+            [1, 0],
+            {LIST: ["r1"], MSGS: {"r1": "b1"}, GUARD: "sched-1", BELL: ["1"]},
+            {GUARD: TTL, BELL: BELL_TTL},
+            id="same-guard-twice-in-one-batch",
+        ),
+        pytest.param(
+            {GUARD: "sched-0"},
+            [(GUARD, "r1", "b1")],
+            [0],
+            {GUARD: "sched-0"},
+            {GUARD: NO_TTL},
+            id="all-guarded-no-ring",
+        ),
+        pytest.param({}, [], [], {}, {}, id="empty-batch"),
+    ],
+)
+def test_guarded_enqueue_batch(
+    env: Env,
+    given: State,
+    triples: list[tuple[str, str, str]],
+    reply: list[int],
+    after: State,
+    ttls: dict[str, int],
+) -> None:
+    env.seed(given)
+    args: list[Any] = [TTL, "sched-1"]
+    for guard, rid, body in triples:
+        args += [env.key(guard), rid, body]
+
+    result = env.lua.guarded_enqueue_batch(keys=[env.key(MSGS), env.key(LIST)], args=args)
+
+    assert result == reply
+    env.assert_state(after)
+    env.assert_ttls(ttls)
+
+
+# Enqueue steps write the message before its guard. Lua does not roll back: a message that
+# fails to write (here: its hash key holds a string) must leave no guard, marker or record
+# behind that would block it for good.
+@pytest.mark.parametrize(
+    "script",
+    ["guarded_enqueue", "guarded_enqueue_batch", "boot_once", "cron_tick", "dedup_handover"],
+)
+def test_a_failed_message_write_leaves_no_guard(env: Env, script: str) -> None:
+    # Given: the queue's message hash key holds a string
+    env.seed({MSGS: "not a hash"})
+    if script == "dedup_handover":
+        env.seed({RECORD: ENDING})
+    queue_keys = [env.key(MSGS), env.key(LIST)]
+    calls: dict[str, tuple[list[str], list[str | int]]] = {
+        "guarded_enqueue": ([*queue_keys, env.key(GUARD)], ["r1", "body", TTL, "sched-1"]),
+        "guarded_enqueue_batch": (queue_keys, [TTL, "sched-1", env.key(GUARD), "r1", "body"]),
+        "boot_once": (
+            [*queue_keys, env.key(BOOT_MARKER), env.key(GUARD)],
+            ["r1", "body", TTL, "m1"],
+        ),
+        "cron_tick": (
+            [*queue_keys, env.key(GUARD), env.key(LAST_TICK)],
+            ["r1", "body", TTL, "sched-1", TICK, TTL],
+        ),
+        "dedup_handover": (
+            [*queue_keys, env.key(RECORD), env.key(DEDUP_INDEX)],
+            ["r5", "follow-up", "m1", "m5", TTL, "k1"],
+        ),
+    }
+    keys, args = calls[script]
+
+    # When / Then: the script errors out, and nothing besides the seeded keys exists
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        getattr(env.lua, script)(keys=keys, args=args)
+    expected: State = {MSGS: "not a hash"}
+    if script == "dedup_handover":
+        expected[RECORD] = ENDING
+    env.assert_state(expected)

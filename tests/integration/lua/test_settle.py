@@ -1,0 +1,848 @@
+"""State tables of the scripts that end a delivery: ``ack``, ``settle`` (every outcome, the
+retry or hand-off it enqueues, the run record it writes and the trimming it does, a delivery
+that maintenance recovered meanwhile) and ``nack``. Rows and helpers:
+:mod:`tests.integration.lua.tables`."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from tests.integration.lua.tables import (
+    ACKS,
+    ACKS_W2,
+    BELL,
+    BELL_TTL,
+    COMPLETED_TTL,
+    DEAD_TTL,
+    DONE_M1,
+    DQ,
+    DQ_ACKS,
+    DQ_BELL,
+    DQ_LIST,
+    DQ_MSGS,
+    ENQUEUED_AT,
+    FAILED_M1,
+    FAILED_TTL,
+    INFLIGHT,
+    JOB,
+    LIST,
+    LONG_TTL,
+    MSGS,
+    NAMESPACE,
+    NOW,
+    OTHER_RUN_WORKER,
+    PAST_COMPLETED_AGE,
+    QUEUE,
+    RUN_WORKER,
+    SECOND_ATTEMPT,
+    SUSPECTS,
+    TENANT_JOB,
+    TTL,
+    XQ,
+    XQ_MSGS,
+    Env,
+    J,
+    State,
+    Z,
+    by_job,
+    by_origin,
+    by_tenant,
+    dead_note,
+    earlier,
+    ended,
+    entry,
+    header,
+    header_of,
+    indexed,
+    kumiko_message,
+    merge,
+    record,
+    run_hash,
+)
+
+
+@pytest.mark.parametrize(
+    ("given", "reply", "after"),
+    [
+        pytest.param(
+            {MSGS: {"r1": "b1", "r2": "b2"}, ACKS: {"r1", "r2"}},
+            1,
+            {MSGS: {"r2": "b2"}, ACKS: {"r2"}},
+            id="owned",
+        ),
+        pytest.param(
+            {MSGS: {"r1": "b1"}, ACKS_W2: {"r1"}},
+            0,
+            {MSGS: {"r1": "b1"}, ACKS_W2: {"r1"}},
+            id="not-owned",
+        ),
+        pytest.param(
+            {MSGS: {"r1": "b1"}, ACKS: {"r1"}, DONE_M1: "1", INFLIGHT: {"r1": entry(1)}},
+            1,
+            {DONE_M1: "1", INFLIGHT: {"r1": entry(1)}},
+            id="kumiko-records-untouched",
+        ),
+    ],
+)
+def test_ack(env: Env, given: State, reply: int, after: State) -> None:
+    env.seed(given)
+
+    assert env.lua.ack(keys=[NAMESPACE], args=[*env.head(), "r1"]) == reply
+
+    env.assert_state(after)
+    assert env.heartbeat("w1") == NOW
+
+
+# A call for a delivery of w1's removes r1's in-flight entry (r2's stays); one no longer w1's
+# (w2 holds r1) leaves the entry, w2's now, as it was; "completed" writes the marker even
+# when the delivery is no longer this worker's; an enqueued retry rings its queue's doorbell.
+# These rows write no run record (header ""): see test_settle_writes_the_run_record.
+R2_ENTRY = {"r2": earlier(1)}
+SETTLE_OWNED: State = {
+    MSGS: {"r1": "b1", "r0": "b0"},
+    ACKS: {"r1"},
+    INFLIGHT: {"r1": entry(1), **R2_ENTRY},
+}
+SETTLE_FOREIGN: State = {
+    MSGS: {"r1": "b1"},
+    ACKS_W2: {"r1"},
+    INFLIGHT: {"r1": entry(2), **R2_ENTRY},
+}
+
+
+@pytest.mark.parametrize(
+    ("given", "outcome", "retry_queue", "reply", "after", "expiry"),
+    [
+        pytest.param(
+            SETTLE_OWNED,
+            "ack",
+            None,
+            1,
+            {MSGS: {"r0": "b0"}, INFLIGHT: R2_ENTRY},
+            {},
+            id="ack-owned",
+        ),
+        pytest.param(
+            SETTLE_FOREIGN,
+            "ack",
+            None,
+            0,
+            SETTLE_FOREIGN,
+            {},
+            id="ack-not-owned-changes-nothing",
+        ),
+        pytest.param(
+            {MSGS: {"r1": "b1"}, ACKS: {"r1"}},
+            "ack",
+            None,
+            1,
+            {},
+            {},
+            id="ack-without-an-entry",
+        ),
+        pytest.param(
+            SETTLE_OWNED,
+            "completed",
+            None,
+            1,
+            {MSGS: {"r0": "b0"}, INFLIGHT: R2_ENTRY, DONE_M1: "1"},
+            {DONE_M1: TTL},
+            id="completed-owned-sets-the-marker",
+        ),
+        pytest.param(
+            SETTLE_FOREIGN,
+            "completed",
+            None,
+            0,
+            {**SETTLE_FOREIGN, DONE_M1: "1"},
+            {DONE_M1: TTL},
+            id="completed-not-owned-still-sets-the-marker",
+        ),
+        pytest.param(
+            SETTLE_OWNED,
+            "retry",
+            QUEUE,
+            1,
+            {LIST: ["r3"], MSGS: {"r0": "b0", "r3": "retry"}, INFLIGHT: R2_ENTRY, BELL: ["1"]},
+            {BELL: BELL_TTL},
+            id="retry-owned-on-the-queue-rings",
+        ),
+        pytest.param(
+            SETTLE_OWNED,
+            "retry",
+            DQ,
+            1,
+            {
+                MSGS: {"r0": "b0"},
+                DQ_LIST: ["r3"],
+                DQ_MSGS: {"r3": "retry"},
+                INFLIGHT: R2_ENTRY,
+                DQ_BELL: ["1"],
+            },
+            {DQ_BELL: BELL_TTL},
+            id="retry-owned-on-the-delay-queue-rings-its-bell",
+        ),
+        pytest.param(
+            SETTLE_FOREIGN,
+            "retry",
+            QUEUE,
+            0,
+            SETTLE_FOREIGN,
+            {},
+            id="retry-not-owned-enqueues-nothing",
+        ),
+        pytest.param(
+            SETTLE_OWNED,
+            "dead",
+            None,
+            1,
+            {
+                MSGS: {"r0": "b0"},
+                INFLIGHT: R2_ENTRY,
+                XQ: Z({"r1": NOW}),
+                XQ_MSGS: {"r1": "b1"},
+            },
+            {},
+            id="dead-owned-dead-letters",
+        ),
+        pytest.param(
+            {ACKS: {"r1"}, INFLIGHT: {"r1": entry(1)}},
+            "dead",
+            None,
+            1,
+            {},
+            {},
+            id="dead-owned-without-body-drops-the-claim-and-the-entry",
+        ),
+        pytest.param(
+            SETTLE_FOREIGN,
+            "dead",
+            None,
+            0,
+            SETTLE_FOREIGN,
+            {},
+            id="dead-not-owned-moves-nothing",
+        ),
+    ],
+)
+def test_settle(
+    env: Env,
+    given: State,
+    outcome: str,
+    retry_queue: str | None,
+    reply: int,
+    after: State,
+    expiry: dict[str, int],
+) -> None:
+    env.seed(given)
+    retry = None if retry_queue is None else (retry_queue, "r3", "retry")
+
+    assert env.settle(outcome, retry=retry) == reply
+
+    env.assert_state(after)
+    env.assert_expiry(expiry)
+    assert env.heartbeat("w1") == NOW
+
+
+def test_settle_retry_sent_twice_enqueues_once(env: Env) -> None:
+    # Given: r1 claimed by w1
+    env.seed({MSGS: {"r1": "b1"}, ACKS: {"r1"}, INFLIGHT: {"r1": entry(1)}})
+
+    # When: the same settle is sent twice (a command re-sent after a dropped connection)
+    first = env.settle("retry", retry=(QUEUE, "r3", "retry"))
+    second = env.settle("retry", retry=(QUEUE, "r3", "retry"))
+
+    # Then: the retry is there once (its bell holds one token)
+    assert (first, second) == (1, 0)
+    env.assert_state({LIST: ["r3"], MSGS: {"r3": "retry"}, BELL: ["1"]})
+
+
+@pytest.mark.parametrize(
+    ("outcome", "marker_ttl", "run_header"),
+    [
+        pytest.param("completed", 0, "", id="completed-marker-ttl-0"),
+        pytest.param("completed", 2**48 + 1, "", id="completed-marker-ttl-beyond-2-48"),
+        pytest.param(
+            "ack",
+            TTL,
+            header().replace(str(COMPLETED_TTL), "0"),
+            id="completed-record-ttl-0",
+        ),
+        pytest.param(
+            "ack",
+            TTL,
+            header().replace(str(FAILED_TTL), "-5"),
+            id="failed-record-ttl-negative-header-unreadable",
+        ),
+    ],
+)
+def test_settle_refuses_a_bad_ttl_before_writing(
+    env: Env, outcome: str, marker_ttl: int, run_header: str
+) -> None:
+    given: State = {MSGS: {"r1": kumiko_message("m1")}, ACKS: {"r1"}, INFLIGHT: {"r1": entry(1)}}
+    env.seed(given)
+
+    with pytest.raises(redis.ResponseError, match="TTL must be an integer"):
+        env.settle(outcome, marker_ttl=marker_ttl, run_header=run_header, run=ended())
+
+    env.assert_state(given)
+
+
+# settle and the run history: the record (ARGV[6], its header ARGV[5]) is written on every
+# outcome, owned or not; a delivery still this worker's adds "n" = the deliveries of its
+# entry when more than one (another worker's entry is left as it was, unread); its hash
+# lives its status TTL (at least the failed TTL after the first attempt), its tenant and
+# origin indexes the longer TTL; a "dead" outcome that moves the message also writes the
+# dead letter's note (ARGV[7], kept as long as dead letters). Status "" (a sequential
+# hand-off) writes no record; "malformed" reads the record off the body.
+SETTLE_M1: State = {MSGS: {"r1": kumiko_message("m1")}, ACKS: {"r1"}, INFLIGHT: {"r1": entry(1)}}
+DEAD_M1 = ended(status="dead", et="ValueError", em="boom", tb="Traceback ...")
+#: The dead letter's note as history.end_record writes it (Python's json.dumps).
+DEAD_NOTE_M1 = J(
+    {
+        "r": "r1",
+        "q": QUEUE,
+        "j": JOB,
+        "m": "m1",
+        "o": "m1",
+        "t": None,
+        "a": 1,
+        "ma": 3,
+        "et": "ValueError",
+        "em": "boom",
+        "tb": "Traceback ...",
+        "at": NOW,
+    }
+)
+TENANT_RUN = ended(job=TENANT_JOB, max_attempts=2, t="acme", o="o1")
+#: What settle writes for a message dead-lettered unrun (malformed): its record read off the
+#: message, the reason from ARGV[6].
+MALFORMED_M1 = record(
+    "m1",
+    1,
+    "dead",
+    q=ENQUEUED_AT,
+    w=RUN_WORKER,
+    en=NOW,
+    et="MalformedMessage",
+    em="no such actor",
+    n=2,
+)
+#: The entry of w2, which took r1 over: its third delivery (w1's settle must not count it).
+W2_ENTRY = entry(3, NOW - 1_000, OTHER_RUN_WORKER)
+
+
+@pytest.mark.parametrize(
+    ("given", "outcome", "run_header", "run", "note", "retry", "reply", "after", "expiry"),
+    [
+        pytest.param(
+            SETTLE_M1,
+            "completed",
+            header_of(ended()),
+            ended(),
+            "",
+            None,
+            1,
+            {DONE_M1: "1", **indexed(ended(), NOW)},
+            {DONE_M1: TTL, run_hash("m1"): COMPLETED_TTL},
+            id="completed-record-indexed-with-the-completed-ttl",
+        ),
+        pytest.param(
+            SETTLE_M1,
+            "retry",
+            header_of(FAILED_M1),
+            FAILED_M1,
+            "",
+            (DQ, "r3", "retry"),
+            1,
+            {
+                DQ_LIST: ["r3"],
+                DQ_MSGS: {"r3": "retry"},
+                DQ_BELL: ["1"],
+                **indexed(FAILED_M1, NOW),
+            },
+            {run_hash("m1"): FAILED_TTL, DQ_BELL: BELL_TTL},
+            id="failed-record-with-the-failed-ttl-and-the-retry-enqueued",
+        ),
+        pytest.param(
+            {**SETTLE_M1, INFLIGHT: {"r1": entry(3)}},
+            "completed",
+            header_of(ended()),
+            ended(),
+            "",
+            None,
+            1,
+            {DONE_M1: "1", **indexed(ended(n=3), NOW)},
+            {DONE_M1: TTL, run_hash("m1"): COMPLETED_TTL},
+            id="a-redelivered-attempts-record-counts-its-deliveries",
+        ),
+        pytest.param(
+            {**SETTLE_M1, **indexed(FAILED_M1, NOW - 60_000)},
+            "completed",
+            header_of(SECOND_ATTEMPT),
+            SECOND_ATTEMPT,
+            "",
+            None,
+            1,
+            {DONE_M1: "1", **merge(indexed(FAILED_M1, NOW - 60_000), indexed(SECOND_ATTEMPT, NOW))},
+            {DONE_M1: TTL, run_hash("m1"): FAILED_TTL},
+            id="a-second-attempt-keeps-the-failed-ttl-of-the-first",
+        ),
+        pytest.param(
+            {**SETTLE_M1, **indexed(FAILED_M1, NOW - 60_000)},
+            "completed",
+            header_of(ended()),
+            ended(),
+            "",
+            None,
+            1,
+            {DONE_M1: "1", **indexed(ended(), NOW)},
+            {DONE_M1: TTL, run_hash("m1"): COMPLETED_TTL},
+            id="an-attempt-written-again-leaves-its-old-status-indexes",
+        ),
+        pytest.param(
+            SETTLE_M1,
+            "dead",
+            header_of(DEAD_M1),
+            DEAD_M1,
+            DEAD_NOTE_M1,
+            None,
+            1,
+            {
+                XQ: Z({"r1": NOW}),
+                XQ_MSGS: {"r1": kumiko_message("m1")},
+                dead_note("m1"): DEAD_NOTE_M1,
+                **indexed(DEAD_M1, NOW),
+            },
+            {run_hash("m1"): FAILED_TTL, dead_note("m1"): DEAD_TTL},
+            id="dead-owned-dead-letter-with-its-note-and-record",
+        ),
+        pytest.param(
+            {MSGS: {"r1": kumiko_message("m1")}, ACKS_W2: {"r1"}, INFLIGHT: {"r1": entry(1)}},
+            "dead",
+            header_of(DEAD_M1),
+            DEAD_M1,
+            DEAD_NOTE_M1,
+            None,
+            0,
+            {
+                MSGS: {"r1": kumiko_message("m1")},
+                ACKS_W2: {"r1"},
+                INFLIGHT: {"r1": entry(1)},
+                **indexed(DEAD_M1, NOW),
+            },
+            {run_hash("m1"): FAILED_TTL},
+            id="dead-not-owned-record-written-but-no-dead-letter-and-no-note",
+        ),
+        pytest.param(
+            {MSGS: {"r1": kumiko_message("m1")}, ACKS_W2: {"r1"}, INFLIGHT: {"r1": W2_ENTRY}},
+            "completed",
+            header_of(ended()),
+            ended(),
+            "",
+            None,
+            0,
+            {
+                MSGS: {"r1": kumiko_message("m1")},
+                ACKS_W2: {"r1"},
+                INFLIGHT: {"r1": W2_ENTRY},
+                DONE_M1: "1",
+                **indexed(ended(), NOW),
+            },
+            {DONE_M1: TTL, run_hash("m1"): COMPLETED_TTL},
+            id="not-owned-the-other-workers-entry-keeps-its-count-the-record-gets-no-n",
+        ),
+        pytest.param(
+            SETTLE_M1,
+            "completed",
+            header_of(TENANT_RUN),
+            TENANT_RUN,
+            "",
+            None,
+            1,
+            {DONE_M1: "1", **indexed(TENANT_RUN, NOW)},
+            {
+                DONE_M1: TTL,
+                run_hash("m1"): COMPLETED_TTL,
+                by_tenant("acme"): LONG_TTL,
+                by_origin("o1"): LONG_TTL,
+            },
+            id="tenant-and-origin-indexes-live-the-longer-ttl",
+        ),
+        pytest.param(
+            SETTLE_M1,
+            "retry",
+            header(status=""),
+            "",
+            "",
+            (DQ, "r3", "handoff"),
+            1,
+            {DQ_LIST: ["r3"], DQ_MSGS: {"r3": "handoff"}, DQ_BELL: ["1"]},
+            {DQ_BELL: BELL_TTL},
+            id="a-hand-off-enqueues-its-message-and-writes-no-record",
+        ),
+        pytest.param(
+            {**SETTLE_M1, MSGS: {"r1": "not json {"}},
+            "dead",
+            header("r1", 0, "", "malformed", "", ""),
+            "it does not decode",
+            "",
+            None,
+            1,
+            {XQ: Z({"r1": NOW}), XQ_MSGS: {"r1": "not json {"}},
+            {},
+            id="malformed-not-kumikos-dead-lettered-without-a-record",
+        ),
+        pytest.param(
+            {**SETTLE_M1, INFLIGHT: {"r1": entry(2)}},
+            "dead",
+            header("r1", 0, "", "malformed", "", ""),
+            "no such actor",
+            "",
+            None,
+            1,
+            {
+                XQ: Z({"r1": NOW}),
+                XQ_MSGS: {"r1": kumiko_message("m1")},
+                **indexed(MALFORMED_M1, NOW),
+            },
+            {run_hash("m1"): FAILED_TTL},
+            id="malformed-kumikos-record-says-dead-names-the-in-flight-worker",
+        ),
+    ],
+)
+def test_settle_writes_the_run_record(
+    env: Env,
+    given: State,
+    outcome: str,
+    run_header: str,
+    run: J | str,
+    note: J | str,
+    retry: tuple[str, str, str] | None,
+    reply: int,
+    after: State,
+    expiry: dict[str, int],
+) -> None:
+    env.seed(given)
+
+    assert env.settle(outcome, run_header=run_header, run=run, note=note, retry=retry) == reply
+
+    env.assert_state(after)
+    env.assert_expiry(expiry)
+
+
+# A settle with a trim budget trims after its write: entries older than their status age
+# leave the status indexes and its job's (a hand-off names no job), then the oldest records
+# beyond the cap go (trim_runs, see test_trim_runs).
+OLD_COMPLETED = ended("c1")
+RECENT_COMPLETED = ended("c2")
+
+
+@pytest.mark.parametrize(
+    ("given", "run_header", "run", "after"),
+    [
+        pytest.param(
+            indexed(RECENT_COMPLETED, NOW - 5_000),
+            header_of(ended(), cap=1, trim=32),
+            ended(),
+            indexed(ended(), NOW),
+            id="beyond-the-cap-the-oldest-record-goes",
+        ),
+        pytest.param(
+            indexed(RECENT_COMPLETED, NOW - 5_000),
+            header_of(ended(), cap=1, trim=0),
+            ended(),
+            merge(indexed(RECENT_COMPLETED, NOW - 5_000), indexed(ended(), NOW)),
+            id="no-budget-no-trim",
+        ),
+        pytest.param(
+            indexed(OLD_COMPLETED, PAST_COMPLETED_AGE),
+            header(status="", trim=4),
+            "",
+            {
+                run_hash("c1"): {"1": OLD_COMPLETED},
+                by_job("completed"): Z({"c1:1": PAST_COMPLETED_AGE}),
+            },
+            id="a-hand-off-ages-out-the-status-indexes-only",
+        ),
+    ],
+)
+def test_settle_trims_the_run_history(
+    env: Env, given: State, run_header: str, run: J | str, after: State
+) -> None:
+    env.seed({**SETTLE_M1, **given})
+
+    assert env.settle("ack", run_header=run_header, run=run) == 1
+
+    env.assert_state(after)
+
+
+# settle of a delivery maintenance recovered (w1 was presumed dead and its ack set went
+# back to the queue): while the recovered copy still waits, in the queue (behind r0) or in the
+# suspects list (behind the suspect r2), settle takes the copy back and settles the delivery
+# as if w1 still held it (reply 1), so no second copy of a settled message is left to run;
+# once another worker (w2) took the copy, nothing but the marker ("completed") and the record
+# is written (reply 0), r1's entry (w2's now) left as it was and uncounted in the record: the
+# copy runs there, at least once. Each row's "after" lists what the outcome leaves besides its
+# run record and r2's entry, which every row adds (r1's entry, when left, is in "after").
+#: m1's end record with status "cancelled", as an ack writes it (unlike CANCELLED_M1, the
+#: record cancel writes for a message that never started).
+ENDED_CANCELLED_M1 = ended(status="cancelled")
+#: outcome -> the run record its settle writes, and that record's TTL
+OUTCOME_RUNS: dict[str, tuple[J, int]] = {
+    "ack": (ENDED_CANCELLED_M1, COMPLETED_TTL),
+    "completed": (ended(), COMPLETED_TTL),
+    "retry": (FAILED_M1, FAILED_TTL),
+    "dead": (DEAD_M1, FAILED_TTL),
+}
+RECOVERED_TO_QUEUE: State = {
+    LIST: ["r0", "r1"],
+    MSGS: {"r0": "b0", "r1": "b1"},
+    INFLIGHT: {"r1": entry(1), **R2_ENTRY},
+}
+RECOVERED_TO_SUSPECTS: State = {
+    SUSPECTS: ["r2", "r1"],
+    MSGS: {"r1": "b1", "r2": "b2"},
+    INFLIGHT: {"r1": entry(1), **R2_ENTRY},
+}
+#: w2 fetched the recovered copy: its entry says so (a second delivery, by w2's process)
+TAKEN_BY_W2: State = {
+    MSGS: {"r1": "b1"},
+    ACKS_W2: {"r1"},
+    INFLIGHT: {"r1": entry(2, NOW - 1_000, OTHER_RUN_WORKER), **R2_ENTRY},
+}
+#: what settle leaves of it: all of it (w2's claim, its entry and the message)
+TAKEN_LEFT: State = TAKEN_BY_W2
+
+
+@pytest.mark.parametrize(
+    ("given", "outcome", "retry_queue", "reply", "after", "expiry"),
+    [
+        pytest.param(
+            RECOVERED_TO_QUEUE,
+            "ack",
+            None,
+            1,
+            {LIST: ["r0"], MSGS: {"r0": "b0"}},
+            {},
+            id="in-the-queue-ack-takes-the-copy-back",
+        ),
+        pytest.param(
+            RECOVERED_TO_QUEUE,
+            "completed",
+            None,
+            1,
+            {LIST: ["r0"], MSGS: {"r0": "b0"}, DONE_M1: "1"},
+            {DONE_M1: TTL},
+            id="in-the-queue-completed-takes-the-copy-back-and-marks",
+        ),
+        pytest.param(
+            RECOVERED_TO_QUEUE,
+            "retry",
+            QUEUE,
+            1,
+            {LIST: ["r0", "r3"], MSGS: {"r0": "b0", "r3": "retry"}, BELL: ["1"]},
+            {BELL: BELL_TTL},
+            id="in-the-queue-retry-replaces-the-copy-by-the-retry",
+        ),
+        pytest.param(
+            RECOVERED_TO_QUEUE,
+            "dead",
+            None,
+            1,
+            {
+                LIST: ["r0"],
+                MSGS: {"r0": "b0"},
+                XQ: Z({"r1": NOW}),
+                XQ_MSGS: {"r1": "b1"},
+                dead_note("m1"): DEAD_NOTE_M1,
+            },
+            {dead_note("m1"): DEAD_TTL},
+            id="in-the-queue-dead-dead-letters-the-copy-with-its-note",
+        ),
+        pytest.param(
+            RECOVERED_TO_SUSPECTS,
+            "ack",
+            None,
+            1,
+            {SUSPECTS: ["r2"], MSGS: {"r2": "b2"}},
+            {},
+            id="a-suspect-ack-takes-the-copy-back",
+        ),
+        pytest.param(
+            RECOVERED_TO_SUSPECTS,
+            "completed",
+            None,
+            1,
+            {SUSPECTS: ["r2"], MSGS: {"r2": "b2"}, DONE_M1: "1"},
+            {DONE_M1: TTL},
+            id="a-suspect-completed-takes-the-copy-back-and-marks",
+        ),
+        pytest.param(
+            RECOVERED_TO_SUSPECTS,
+            "retry",
+            DQ,
+            1,
+            {
+                SUSPECTS: ["r2"],
+                MSGS: {"r2": "b2"},
+                DQ_LIST: ["r3"],
+                DQ_MSGS: {"r3": "retry"},
+                DQ_BELL: ["1"],
+            },
+            {DQ_BELL: BELL_TTL},
+            id="a-suspect-retry-takes-the-copy-back-and-delays-the-retry",
+        ),
+        pytest.param(
+            RECOVERED_TO_SUSPECTS,
+            "dead",
+            None,
+            1,
+            {
+                SUSPECTS: ["r2"],
+                MSGS: {"r2": "b2"},
+                XQ: Z({"r1": NOW}),
+                XQ_MSGS: {"r1": "b1"},
+                dead_note("m1"): DEAD_NOTE_M1,
+            },
+            {dead_note("m1"): DEAD_TTL},
+            id="a-suspect-dead-dead-letters-the-copy-with-its-note",
+        ),
+        pytest.param(
+            TAKEN_BY_W2,
+            "ack",
+            None,
+            0,
+            TAKEN_LEFT,
+            {},
+            id="taken-by-another-worker-ack-writes-the-record-only",
+        ),
+        pytest.param(
+            TAKEN_BY_W2,
+            "completed",
+            None,
+            0,
+            {**TAKEN_LEFT, DONE_M1: "1"},
+            {DONE_M1: TTL},
+            id="taken-by-another-worker-completed-writes-the-marker-and-record-only",
+        ),
+        pytest.param(
+            TAKEN_BY_W2,
+            "retry",
+            QUEUE,
+            0,
+            TAKEN_LEFT,
+            {},
+            id="taken-by-another-worker-retry-enqueues-nothing",
+        ),
+        pytest.param(
+            TAKEN_BY_W2,
+            "dead",
+            None,
+            0,
+            TAKEN_LEFT,
+            {},
+            id="taken-by-another-worker-dead-moves-nothing-and-writes-no-note",
+        ),
+    ],
+)
+def test_settle_of_a_delivery_recovered_by_maintenance(
+    env: Env,
+    given: State,
+    outcome: str,
+    retry_queue: str | None,
+    reply: int,
+    after: State,
+    expiry: dict[str, int],
+) -> None:
+    env.seed(given)
+    run, run_ttl = OUTCOME_RUNS[outcome]
+    # no "n": a recovered copy's entry counts 1 delivery, and w2's entry is not w1's to count
+    note = DEAD_NOTE_M1 if outcome == "dead" else ""
+    retry = None if retry_queue is None else (retry_queue, "r3", "retry")
+
+    assert env.settle(outcome, run_header=header_of(run), run=run, note=note, retry=retry) == reply
+
+    env.assert_state({INFLIGHT: R2_ENTRY, **after, **indexed(run, NOW)})
+    env.assert_expiry({**expiry, run_hash("m1"): run_ttl})
+    assert env.heartbeat("w1") == NOW
+
+
+# The follow-up (a retry or a hand-off) is settle's first write: when it fails (here the
+# delay queue's message hash is not a hash), the script stops before anything else is
+# written, so the delivery stays as it was: its claim, its entry, its message (or its
+# recovered copy), no record; the worker's next attempt (or the copy) still runs it.
+WRONG_TYPED_DQ: State = {DQ_MSGS: "not a hash"}
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        pytest.param(SETTLE_OWNED, id="owned"),
+        pytest.param(RECOVERED_TO_QUEUE, id="recovered-to-the-queue"),
+        pytest.param(RECOVERED_TO_SUSPECTS, id="recovered-to-the-suspects"),
+    ],
+)
+def test_settle_writes_the_follow_up_first(env: Env, given: State) -> None:
+    env.seed({**given, **WRONG_TYPED_DQ})
+
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        env.settle(
+            "retry", run_header=header_of(FAILED_M1), run=FAILED_M1, retry=(DQ, "r3", "retry")
+        )
+
+    env.assert_state({**given, **WRONG_TYPED_DQ})
+
+
+@pytest.mark.parametrize(
+    ("given", "queue", "reply", "after"),
+    [
+        pytest.param(
+            {MSGS: {"r1": "b1", "r2": "b2"}, ACKS: {"r1", "r2"}},
+            QUEUE,
+            1,
+            {MSGS: {"r2": "b2"}, ACKS: {"r2"}, XQ: Z({"r1": NOW}), XQ_MSGS: {"r1": "b1"}},
+            id="owned-with-body-dead-letters",
+        ),
+        pytest.param(
+            {ACKS: {"r1"}},
+            QUEUE,
+            0,
+            {},
+            id="owned-without-body-drops-the-claim",
+        ),
+        pytest.param(
+            {MSGS: {"r1": "b1"}, ACKS_W2: {"r1"}},
+            QUEUE,
+            0,
+            {MSGS: {"r1": "b1"}, ACKS_W2: {"r1"}},
+            id="not-owned",
+        ),
+        pytest.param(
+            {DQ_MSGS: {"r1": "b1"}, DQ_ACKS: {"r1"}},
+            DQ,
+            1,
+            {XQ: Z({"r1": NOW}), XQ_MSGS: {"r1": "b1"}},
+            id="delay-queue-dead-letters-into-canonical-xq",
+        ),
+    ],
+)
+def test_nack(env: Env, given: State, queue: str, reply: int, after: State) -> None:
+    env.seed(given)
+
+    assert env.lua.nack(keys=[NAMESPACE], args=[*env.head(queue), "r1"]) == reply
+
+    env.assert_state(after)
+    assert env.heartbeat("w1") == NOW
+
+
+def test_nack_scores_the_dead_letter_by_a_real_millisecond_clock(env: Env) -> None:
+    # Given: a 13-digit "now", as the broker passes it (Lua numbers must keep every digit)
+    now = 1_796_080_435_717
+    env.seed({MSGS: {"r1": "b1"}, ACKS: {"r1"}})
+
+    assert env.lua.nack(keys=[NAMESPACE], args=[*env.head(now=now), "r1"]) == 1
+
+    env.assert_state({XQ: Z({"r1": now}), XQ_MSGS: {"r1": "b1"}})
+    assert env.heartbeat("w1") == now
