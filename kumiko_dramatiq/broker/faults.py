@@ -26,6 +26,7 @@ import redis
 
 from kumiko_dramatiq.errors import (
     KumikoError,
+    NotRedisError,
     RedisAccessError,
     RedisUnavailableError,
 )
@@ -46,11 +47,7 @@ def kumiko_error(redis_url: str, action: str, exc: redis.RedisError) -> KumikoEr
             redis_url, action, "Redis refuses writes: maxmemory reached; free memory or raise it"
         )
     if isinstance(exc, redis.exceptions.InvalidResponse):
-        return RedisUnavailableError(
-            redis_url,
-            action,
-            f"the peer does not speak Redis's protocol ({text}): check host and port",
-        )
+        return NotRedisError(redis_url, action, exc)
     if isinstance(
         exc, redis.exceptions.ClusterError | redis.exceptions.AskError
     ) or text.startswith(("CROSSSLOT", "MOVED", "ASK ", "CLUSTERDOWN")):
