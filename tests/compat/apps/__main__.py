@@ -29,8 +29,13 @@ import redis
 from examples.redis_server import private_redis
 from tests.compat.apps.common import ROOT
 
-#: The apps, each a module of this package (see its docstring for the Dramatiq example or
-#: feature it stands for).
+#: The apps, each a module of this package (its docstring names the Dramatiq example or
+#: feature it stands for). Dramatiq's 13 examples: ``asyncio`` (async_actors), ``basic``,
+#: ``composition`` (composition, pickled), ``crawler``, ``issue_351`` (retries),
+#: ``long_running`` and ``time_limit`` (limits), ``max_tasks_per_child``, ``persistent``,
+#: ``results``, ``scheduling``, ``use_actors_from_different_files`` (split_actors); the 13th,
+#: ``callable_broker`` (``dramatiq app:setup_broker``), has no app of its own: on kumiko the
+#: ``KUMIKO_APP`` module plays that function's part, as in every app here.
 APPS: tuple[str, ...] = (
     "basic",
     "async_actors",
@@ -41,6 +46,14 @@ APPS: tuple[str, ...] = (
     "limits",
     "delayed",
     "rate_limits",
+    "prometheus",
+    "max_tasks_per_child",
+    "crawler",
+    "scheduling",
+    "periodic",
+    "persistent",
+    "split_actors",
+    "pickled",
 )
 
 #: Fields of an app's outcome that may differ on kumiko's broker, as ``"app.field"``, with
@@ -67,6 +80,8 @@ def run_app(app: str, broker: str, url: str, logs: Path) -> Run:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KUMIKO_", "COMPAT_"))}
     env.update(
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        # as in an activated venv: the CLI reloads itself (SIGHUP) as `python -m dramatiq`
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
         COMPAT_APP=app,
         COMPAT_BROKER=broker,
         COMPAT_REDIS_URL=url,

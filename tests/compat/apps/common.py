@@ -52,8 +52,9 @@ def client() -> redis.Redis:
 
 
 def record(event: str, **fields: Any) -> None:
-    """Note that ``event`` happened, with JSON ``fields``, in the run's event list."""
-    client().rpush(EVENTS, json.dumps({"event": event, **fields}, sort_keys=True))
+    """Note that ``event`` happened, with ``fields`` (JSON, else their ``repr``), in the run's
+    event list."""
+    client().rpush(EVENTS, json.dumps({"event": event, **fields}, sort_keys=True, default=repr))
 
 
 def events() -> list[dict[str, Any]]:

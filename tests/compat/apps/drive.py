@@ -1,30 +1,27 @@
 """One run of one app on one broker: ``python -m tests.compat.apps.drive`` (the harness runs it).
 
-Sets the broker up as the app's producers do (:mod:`.plain`, or ``kumiko_dramatiq.app`` with
-``KUMIKO_APP`` naming :mod:`.app`), then calls the app module's ``drive(context)``, which
-starts CLI workers, sends messages and returns what happened as JSON values; that goes to
-the file ``COMPAT_OUTCOME`` names, as ``{"outcome": ...}`` or ``{"error": "..."}``.
+Sets the broker up as the app's producers do (:func:`.setup_broker.load_app`), then calls the
+app module's ``drive(context)``, which starts CLI workers, sends messages and returns what
+happened as JSON values; that goes to the file ``COMPAT_OUTCOME`` names, as
+``{"outcome": ...}`` or ``{"error": "...", "trace": "..."}``.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
 import traceback
 from pathlib import Path
 
-from tests.compat.apps.common import APP, BROKER, Context
+from tests.compat.apps.common import BROKER, Context
+from tests.compat.apps.setup_broker import load_app
 
 
 def main() -> int:
     target = Path(os.environ["COMPAT_OUTCOME"])
     try:
-        importlib.import_module(
-            "tests.compat.apps.plain" if BROKER == "plain" else "kumiko_dramatiq.app"
-        )
-        app = sys.modules[f"tests.compat.apps.{APP}"]
+        app = load_app()
         outcome = app.drive(Context(BROKER, Path(os.environ["COMPAT_LOGS"])))
         target.write_text(json.dumps({"outcome": outcome}, sort_keys=True))
     except BaseException as exc:  # the harness reports it, whatever it is
