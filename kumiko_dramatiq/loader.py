@@ -69,9 +69,9 @@ class ActorCollector(Broker):
     A reference to it kept past the import stays usable: after :meth:`hand_over`, every
     attribute but the collector's own (:data:`_COLLECTOR_OWN`, and dunder names) is read from,
     and written to, the kumiko broker, so the reference acts as that broker. Before it, a
-    message sent through it is an :class:`AppLoadError`: while the module is imported there is
-    no broker to send it to yet; after an import whose app then failed to load there never
-    will be.
+    message sent through it is an :class:`AppLoadError` saying which case it is: while the
+    module is imported there is no broker to send it to yet; after the import, the app failed
+    to load (or is still being built).
     """
 
     _target: Broker | None
@@ -112,8 +112,8 @@ class ActorCollector(Broker):
             )
         raise AppLoadError(
             f"KUMIKO_APP={self._app!r}: actor {message.actor_name!r} sent a message through "
-            "the global broker kept from the import of an app that did not load: there is "
-            "no kumiko broker to send it to"
+            "the global broker kept from the module's import, but the app is not loaded (it "
+            "failed to load, or is still being built): there is no kumiko broker to send it to"
         )
 
     def import_done(self) -> None:

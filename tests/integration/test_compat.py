@@ -513,7 +513,7 @@ def test_a_message_sent_through_a_kept_reference_after_a_failed_load_says_so(
         tasks.record.send("lost")
     # Then the error says the app did not load (not that it is being imported), in one line
     message = str(raised.value)
-    assert "of an app that did not load" in message
+    assert "the app is not loaded (it failed to load" in message
     assert "being imported" not in message
     assert "\n" not in message
 
