@@ -52,7 +52,7 @@ def drive(ctx: Context) -> dict[str, Any]:
         seen = ctx.wait(
             lambda s: (
                 len(of(s, "dead", actor="long_running")) == 1
-                and len(of(s, "caught")) == 1
+                and len(of(s, "processed", actor="long_running_with_catch")) == 1
                 and len(of(s, "finished")) == 1
                 and len(of(s, "skipped")) == 1
                 and len(of(s, "fresh")) == 1

@@ -61,15 +61,20 @@ def drive(ctx: Context) -> dict[str, Any]:
             lambda s: len(of(s, "processed", actor="count")) == 5 and len(of(s, "dead")) == 1,
             "five counts and a dead letter",
         )
-        wanted = "dramatiq_message_rejects_total{broken}"
+        # the counters follow the events by a hook or two: wait for the last ones to move
+        wanted = {
+            "dramatiq_message_durations_milliseconds_count{count}": 5.0,
+            "dramatiq_message_durations_milliseconds_count{broken}": 2.0,
+            "dramatiq_message_rejects_total{broken}": 1.0,
+        }
         deadline = time.monotonic() + 30
-        while True:  # the counters follow the events by a hook or two
+        while True:
             try:
                 samples = scrape(port)
             except OSError:
                 samples = {}
-            settled = samples.get("dramatiq_messages_total{count}") == 5
-            if (settled and samples.get(wanted) == 1) or time.monotonic() > deadline:
+            settled = all(samples.get(name) == value for name, value in wanted.items())
+            if settled or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
     return {"samples": samples}
