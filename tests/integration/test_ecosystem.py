@@ -86,35 +86,39 @@ def test_django_dramatiq_runs_plain_actors_and_jobs_on_kumikos_broker(
         DJANGO_SITE_DB=str(tmp_path / "site.sqlite3"),
     )
     django(env, "migrate", "--verbosity", "0")
-    # When `manage.py rundramatiq` runs the workers and a Django process sends a plain
-    # actor's message and dispatches a kumiko job
+    # When a Django process sends a plain actor's message and dispatches a kumiko job, and
+    # `manage.py rundramatiq` runs the workers (started after the sends: django_dramatiq's
+    # AdminMiddleware writes "enqueued" after the enqueue, which a worker already waiting
+    # could overtake, leaving "enqueued" as the record's last word)
+    django(
+        env,
+        "shell",
+        "--no-imports",
+        "-c",
+        "from tests.apps.django_site.shop.tasks import record\n"
+        "from tests.apps.django_site.kumiko import runner\n"
+        "import dramatiq\n"
+        "assert dramatiq.get_broker() is runner.broker\n"
+        "record.send('actor')\n"
+        "runner.dispatch('shop:job:note', {'text': 'job'})\n",
+    )
+    statuses = (
+        "from django_dramatiq.models import Task\n"
+        "print(sorted((t.actor_name, t.status) for t in Task.tasks.all()))"
+    )
+    queued = "[('record', 'enqueued'), ('shop:job:note', 'enqueued')]"
+    assert django(env, "shell", "--no-imports", "-c", statuses).strip() == queued
     with running([sys.executable, "-m", "django", "rundramatiq", "-p", "1", "-t", "2"], env):
-        django(
-            env,
-            "shell",
-            "--no-imports",
-            "-c",
-            "from tests.apps.django_site.shop.tasks import record\n"
-            "from tests.apps.django_site.kumiko import runner\n"
-            "import dramatiq\n"
-            "assert dramatiq.get_broker() is runner.broker\n"
-            "record.send('actor')\n"
-            "runner.dispatch('shop:job:note', {'text': 'job'})\n",
-        )
         # Then the workers run both
         seen = f"kumiko:{prefix}:test:seen"
         wait_for(lambda: redis_client.llen(seen) == 2, timeout_s=60, what="both messages ran")
         assert sorted(redis_client.lrange(seen, 0, -1)) == [b"actor", b"job"]
         # And django_dramatiq's admin middleware recorded them as done
-        statuses = (
-            "from django_dramatiq.models import Task\n"
-            "print(sorted((t.actor_name, t.status) for t in Task.tasks.all()))"
-        )
-        wanted = "[('record', 'done'), ('shop:job:note', 'done')]"
+        done = "[('record', 'done'), ('shop:job:note', 'done')]"
         wait_for(
-            lambda: django(env, "shell", "--no-imports", "-c", statuses).strip() == wanted,
+            lambda: django(env, "shell", "--no-imports", "-c", statuses).strip() == done,
             timeout_s=30,
-            what=f"the admin's records {wanted}",
+            what=f"the admin's records {done}",
         )
 
 
