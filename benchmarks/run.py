@@ -49,6 +49,7 @@ from .harness import (
 from .latency import LatencyBench
 from .memory import MemoryBench
 from .metrics import MetricsBench
+from .plain_actors import suite as plain_actors
 from .typed import TypedBench
 
 WORKER_THREADS = 8
@@ -498,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
             "memory": MemoryBench(bench, args.memory_jobs),
             "metrics": MetricsBench(bench),
             "typed": TypedBench(bench),
+            # on a private redis-server of its own: it flushes its database between runs
+            "plain_actors": lambda: bench.notes.append(plain_actors(bench.rounds)),
         }
         chosen = [s for s in args.only.split(",") if s] or list(suites)
         for name in chosen:
@@ -519,6 +522,8 @@ def report(bench: Bench) -> None:
     ]
     for key, value in bench.extra.items():
         lines.append(f"- {key}: {json.dumps(value)}")
+    for note in bench.notes:
+        lines.extend(["", note])
     text = "\n".join(lines)
     print(text)
     RESULTS.mkdir(exist_ok=True)

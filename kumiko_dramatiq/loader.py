@@ -13,6 +13,14 @@ the module has defined the app: during the import Dramatiq's global broker is an
 broker) and hands them over to the runner's broker (:meth:`ActorCollector.hand_over`). The
 global broker is put back afterwards; ``dramatiq kumiko_dramatiq.app`` then makes the
 runner's broker the global one.
+
+Code that kept a reference to the global broker during the import (``broker =
+dramatiq.get_broker()`` at module level, as Dramatiq's own examples do) holds the collector:
+once it has handed over, the collector forwards every attribute to the runner's broker, so
+``broker.enqueue(...)``, ``broker.join(...)``, ``broker.add_middleware(...)`` and the rest
+reach the app's kumiko broker, as they reach the one global broker under plain Dramatiq. A
+message sent through it before then (while the module is being imported, or after a load
+that failed) is an :class:`~kumiko_dramatiq.errors.AppLoadError` saying which of the two.
 """
 
 from __future__ import annotations
@@ -46,32 +54,76 @@ def check_runner_agrees(runner: JobRunner, environ: Mapping[str, str] | None = N
             )
 
 
+#: The collector's own attributes: everything else is forwarded once it has handed over.
+_COLLECTOR_OWN = frozenset({"hand_over", "import_done", "_target", "_app", "_importing"})
+
+
 class ActorCollector(Broker):
     """Dramatiq's global broker while ``KUMIKO_APP``'s module is imported.
 
     Holds the actors declared on it and the middleware added to it until the app's kumiko
     broker exists, then :meth:`hand_over` binds them to that broker. Accepts any actor option
     (the middleware defining it may be added later in the module); the hand-over checks them
-    against the kumiko broker's middleware, as ``dramatiq.actor`` would have. Sending a
-    message while the module is imported is an error: there is no broker to send it to yet.
+    against the kumiko broker's middleware, as ``dramatiq.actor`` would have.
+
+    A reference to it kept past the import stays usable: after :meth:`hand_over`, every
+    attribute but the collector's own (:data:`_COLLECTOR_OWN`, and dunder names) is read from,
+    and written to, the kumiko broker, so the reference acts as that broker. Before it, a
+    message sent through it is an :class:`AppLoadError` saying which case it is: while the
+    module is imported there is no broker to send it to yet; after the import, the app failed
+    to load (or is still being built).
     """
 
-    def __init__(self) -> None:
+    _target: Broker | None
+    _importing: bool
+
+    def __init__(self, app: str) -> None:
         super().__init__(middleware=[])
         self.actor_options = AnyActorOptions()
         self.queues: dict[str, None] = {}
+        self._app = app
+        self._importing = True
+        self._target = None
+
+    def __getattribute__(self, name: str) -> Any:
+        if name.startswith("__") or name in _COLLECTOR_OWN:
+            return object.__getattribute__(self, name)
+        target = object.__getattribute__(self, "_target")
+        if target is None:
+            return object.__getattribute__(self, name)
+        return getattr(target, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        target = self.__dict__.get("_target")
+        if target is None or name.startswith("__") or name in _COLLECTOR_OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(target, name, value)
 
     def declare_queue(self, queue_name: str) -> None:
         self.queues[queue_name] = None
 
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
+        if self._importing:
+            raise AppLoadError(
+                f"KUMIKO_APP={self._app!r}: actor {message.actor_name!r} sent a message while "
+                "the module was being imported, before the app's kumiko broker exists: send "
+                "messages once the app is loaded, not at import"
+            )
         raise AppLoadError(
-            f"{message.actor_name}: a message was sent while KUMIKO_APP's module was being "
-            "imported, before the kumiko broker exists; send it once the app is loaded"
+            f"KUMIKO_APP={self._app!r}: actor {message.actor_name!r} sent a message through "
+            "the global broker kept from the module's import, but the app is not loaded (it "
+            "failed to load, or is still being built): there is no kumiko broker to send it to"
         )
 
-    def hand_over(self, broker: Broker, target: str) -> None:
-        """Add the collected middleware to ``broker`` and bind the collected actors to it."""
+    def import_done(self) -> None:
+        """The module's import has ended (whether or not the app then loads)."""
+        self._importing = False
+
+    def hand_over(self, broker: Broker) -> None:
+        """Add the collected middleware to ``broker``, bind the collected actors to it, and
+        forward to it from now on."""
+        target = self._app
         for middleware in self.middleware:
             broker.add_middleware(middleware)
         for actor in self.actors.values():
@@ -88,6 +140,7 @@ class ActorCollector(Broker):
                 )
             actor.broker = broker
             broker.declare_actor(actor)
+        self._target = broker
 
 
 def load_runner(environ: Mapping[str, str] | None = None) -> JobRunner:
@@ -104,11 +157,13 @@ def load_runner(environ: Mapping[str, str] | None = None) -> JobRunner:
             f"KUMIKO_APP={target!r} must look like 'package.module:attribute' "
             "(a Registry or a JobRunner)"
         )
-    collector = ActorCollector()
+    collector = ActorCollector(target)
     previous = dramatiq.broker.global_broker
     dramatiq.set_broker(collector)
     try:
         module = importlib.import_module(module_name)
+    except AppLoadError as exc:  # a message sent at import (ActorCollector.enqueue)
+        raise AppLoadError(str(exc)) from None
     except ImportError as exc:
         raise AppLoadError(
             f"KUMIKO_APP={target!r}: cannot import module {module_name!r} ({exc}); "
@@ -122,9 +177,10 @@ def load_runner(environ: Mapping[str, str] | None = None) -> JobRunner:
             f"{type(exc).__name__}: {detail}{where}"
         ) from None
     finally:
+        collector.import_done()
         dramatiq.broker.global_broker = previous
     runner = _runner_of(module, target, attribute, environ)
-    collector.hand_over(runner.broker, target)
+    collector.hand_over(runner.broker)
     return runner
 
 

@@ -31,6 +31,7 @@ from dramatiq.middleware.prometheus import Prometheus
 from kumiko_dramatiq import Feature, JobContext, JobRunner, Registry
 from kumiko_dramatiq.broker.keys import dead_letters
 from kumiko_dramatiq.codec import TRIGGER
+from kumiko_dramatiq.errors import AppLoadError
 from kumiko_dramatiq.loader import load_runner
 from kumiko_dramatiq.middleware.timeouts import DRAMATIQ_TIME_LIMIT_MS
 from tests.conftest import Recorder, RunnerFactory, wait_for
@@ -468,3 +469,122 @@ def test_a_middleware_put_into_or_taken_out_of_the_list_is_seen_at_the_next_mess
     # Then it saw exactly the acks of the two messages that ran while it was there
     assert len(recorder.of("complete")) == 4
     assert counter.acks == 2
+
+
+def load_app(monkeypatch: pytest.MonkeyPatch, redis_url: str, prefix: str, app: str) -> None:
+    """Set the ``KUMIKO_*`` variables for ``app`` and forget its modules (fresh import)."""
+    for name, value in worker_env(redis_url, prefix, app).items():
+        if name.startswith("KUMIKO_"):
+            monkeypatch.setenv(name, value)
+    for module in ("tests.apps.kept_broker_app", "tests.apps.kept_broker_tasks"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+
+
+def test_a_reference_to_the_global_broker_kept_at_import_acts_as_the_apps_kumiko_broker(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an app module importing an unchanged module that kept dramatiq.get_broker()
+    load_app(monkeypatch, redis_url, prefix, "tests.apps.kept_broker_app:runner")
+    # When the app is loaded
+    runner = load_runner()
+    try:
+        kept = sys.modules["tests.apps.kept_broker_tasks"].broker
+        # Then what the reference reads and calls is the kumiko broker's
+        assert kept.enqueue == runner.broker.enqueue
+        assert kept.actors is runner.broker.actors
+        assert kept.get_actor("relay").broker is runner.broker
+        assert kept.get_declared_queues() == runner.broker.get_declared_queues()
+        # And the middleware added through it at import is on the kumiko broker
+        assert type(runner.broker.middleware[-1]).__name__ == "Processed"
+    finally:
+        runner.stop()
+
+
+def test_a_message_sent_through_a_kept_reference_after_a_failed_load_says_so(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an app whose module imports, but whose attribute does not exist
+    load_app(monkeypatch, redis_url, prefix, "tests.apps.kept_broker_app:nothing")
+    with pytest.raises(AppLoadError, match="has no attribute 'nothing'"):
+        load_runner()
+    # When a message is sent through the reference kept at import
+    tasks = sys.modules["tests.apps.kept_broker_tasks"]
+    with pytest.raises(AppLoadError) as raised:
+        tasks.record.send("lost")
+    # Then the error says the app did not load (not that it is being imported), in one line
+    message = str(raised.value)
+    assert "the app is not loaded (it failed to load" in message
+    assert "being imported" not in message
+    assert "\n" not in message
+
+
+@pytest.mark.slow
+def test_the_cli_worker_runs_a_module_that_kept_the_global_broker_from_its_import(
+    redis_url: str, prefix: str, plain_queue: str, redis_client: redis.Redis
+) -> None:
+    # Given `dramatiq kumiko_dramatiq.app` on a docs-style app.py importing an unchanged
+    # module that kept dramatiq.get_broker() at import and added a middleware through it
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "dramatiq", "kumiko_dramatiq.app", "-p", "1", "-t", "2"],
+        cwd=ROOT,
+        env=worker_env(redis_url, prefix, "tests.apps.kept_broker_app:runner"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # When its actor runs, enqueueing through the kept reference and looking an actor
+        # up on it
+        with JobRunner(Registry([]), redis_url=redis_url, queue_prefix=prefix) as producer:
+            producer.broker.enqueue(
+                Message(
+                    queue_name=plain_queue,
+                    actor_name="relay",
+                    args=("hi",),
+                    kwargs={},
+                    options={},
+                )
+            )
+        # Then both messages reach the app's kumiko broker and run, once each
+        seen = f"kumiko:{prefix}:test:seen"
+        processed = f"kumiko:{prefix}:test:processed"
+        wait_for(
+            lambda: redis_client.llen(processed) == 3,
+            timeout_s=60,
+            what="relay and both record messages processed",
+        )
+        assert sorted(redis_client.lrange(seen, 0, -1)) == [b"hi via enqueue", b"hi via get_actor"]
+        # And the middleware added through the reference saw every message
+        assert sorted(redis_client.lrange(processed, 0, -1)) == [b"record", b"record", b"relay"]
+        assert worker.poll() is None
+    finally:
+        worker.terminate()
+        try:
+            _, stderr = worker.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            _, stderr = worker.communicate()
+    assert "AppLoadError" not in stderr
+
+
+def test_the_cli_worker_refuses_an_app_that_sends_a_message_at_import_in_one_line(
+    redis_url: str, prefix: str
+) -> None:
+    # Given an app module that sends a message while it is imported
+    done = subprocess.run(
+        [sys.executable, "-m", "dramatiq", "kumiko_dramatiq.app", "-p", "1", "-t", "1"],
+        cwd=ROOT,
+        env=worker_env(redis_url, prefix, "tests.apps.import_send_app:registry"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    # Then the worker refuses to start, in one line naming the app and the actor
+    assert done.returncode == 2, done.stderr
+    ours = [line for line in done.stderr.splitlines() if line.startswith("kumiko_dramatiq.app:")]
+    assert ours == [
+        "kumiko_dramatiq.app: KUMIKO_APP='tests.apps.import_send_app:registry': actor 'ping' "
+        "sent a message while the module was being imported, before the app's kumiko broker "
+        "exists: send messages once the app is loaded, not at import"
+    ], done.stderr
+    assert "Traceback" not in done.stderr

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import redis
+from dramatiq.middleware import TimeLimit
 
 from kumiko_dramatiq import (
     Backoff,
@@ -391,6 +392,36 @@ def test_a_run_that_overran_in_a_blocking_call_is_a_failed_attempt(
             if "timeout_ms=300" in r.getMessage()
         ),
         what="a time-limit line naming the job and message",
+    )
+
+
+def test_the_interruption_line_comes_from_dramatiqs_time_limit_logger_naming_the_run(
+    make_runner: RunnerFactory, recorder: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a job whose Python code runs past its timeout_ms
+    release = threading.Event()
+    feature = Feature("slow")
+
+    @feature.job("looper", timeout_ms=200)
+    def looper(payload: dict[str, Any], ctx: JobContext) -> None:
+        while not release.wait(0.01):
+            pass
+
+    runner = make_runner(Registry([feature]), timeout_check_ms=100, **recorder.hooks())
+    runner.start()
+    caplog.set_level(logging.WARNING, logger=TimeLimit().logger.name)
+    try:
+        message_id = runner.dispatch("slow:job:looper")
+        recorder.wait_until(lambda r: len(r.of("failed")) == 1, what="the interrupted attempt")
+    finally:
+        release.set()
+    # Then the interruption is logged once, by Dramatiq's own TimeLimit logger (where a
+    # logging config that routes Dramatiq's lines finds it), naming the kumiko run
+    (line,) = [r for r in caplog.records if "exceeded timeout_ms" in r.getMessage()]
+    assert line.name == "dramatiq.middleware.time_limit.TimeLimit"
+    assert line.levelno == logging.WARNING
+    assert line.getMessage() == (
+        f"slow:job:looper {message_id} (attempt 1 of 1) exceeded timeout_ms=200: interrupting it"
     )
 
 

@@ -1,0 +1,1 @@
+"""Actors spread over modules of a package (:mod:`tests.compat.apps.split_actors`)."""
