@@ -228,7 +228,13 @@ class Fleet:
 
     def start(self, role: str, slot: int) -> Proc:
         if role == "worker":
-            command = ["-m", "dramatiq", "kumiko_dramatiq.app", "-p", "1", "-t", "4"]
+            # --worker-fork-timeout: Dramatiq's main process waits this long for its worker to
+            # say it booted before it watches it; a poison message can kill the worker before
+            # it says so, and the default 30 s would leave that dead group running meanwhile
+            command = [
+                *("-m", "dramatiq", "kumiko_dramatiq.app", "-p", "1", "-t", "4"),
+                *("--worker-fork-timeout", "500"),
+            ]
         else:
             command = ["-m", "kumiko_dramatiq.scheduler"]
         with self.lock:
