@@ -121,7 +121,7 @@ def test_an_operator_retries_a_dead_letter_and_sees_it_complete(
         assert "/login" in browser.current_url
         browser.find_element(By.ID, "token").send_keys(TOKEN)
         browser.find_element(By.ID, "sign-in").click()
-        assert browser.current_url == f"{base}/dead"
+        wait_for(lambda: browser.current_url == f"{base}/dead", what="the dead letters page")
 
         # Then the error, HTML and all, is shown as text, never run
         error = browser.find_element(By.CSS_SELECTOR, "table.dead .error")
@@ -195,6 +195,7 @@ def test_signing_out_ends_the_session_for_a_copy_of_its_cookie_too(
         assert runner.queue_prefix not in browser.page_source
         browser.find_element(By.ID, "token").send_keys(TOKEN)
         browser.find_element(By.ID, "sign-in").click()
+        wait_for(lambda: browser.current_url == f"{base}/", what="the overview, signed in")
         copied = browser.get_cookie("kumiko-dashboard")
         assert copied is not None
         assert runner.queue_prefix in browser.page_source  # signed in: where it is
