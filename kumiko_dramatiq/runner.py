@@ -156,7 +156,11 @@ class JobRunner:
             )
         )
         presence = Presence(
-            client, settings.queue_prefix, settings.lane, settings.heartbeat_timeout_ms
+            client,
+            settings.queue_prefix,
+            settings.lane,
+            settings.heartbeat_timeout_ms,
+            deferred=self.runtime.deferred,
         )
         self.broker = KumikoBroker(
             middleware=build_middleware(self.runtime, dedup, presence),

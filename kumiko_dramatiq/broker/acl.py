@@ -77,6 +77,7 @@ CLIENT_COMMANDS: Final[dict[str, str]] = {
     "hlen": "status: delayed messages",
     "hmget": "dead letters, run records",
     "hscan": "drain: messages in flight",
+    "info": "worker start and status: Redis's maxmemory-policy (INFO memory)",
     "llen": "status: queued messages",
     "lrange": "parked messages of paused jobs",
     "mget": "presence, boot markers, the start-up check's Cluster probe",

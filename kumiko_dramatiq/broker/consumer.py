@@ -19,6 +19,7 @@ from dramatiq.message import Message
 
 from kumiko_dramatiq.broker.delivery import Delivery, Outcome, RunWrite
 from kumiko_dramatiq.broker.keys import consumer_acks, is_delay_queue, queue_bell
+from kumiko_dramatiq.broker.outage import Outage
 from kumiko_dramatiq.broker.replies import text
 
 if TYPE_CHECKING:
@@ -109,6 +110,10 @@ class KumikoConsumer(Consumer):
         self._bell_key = queue_bell(queue_name, broker.namespace)
         self._bell: redis.Redis | None = None
         self._bell_id = 0
+        #: when ``__next__`` was last called (``time.monotonic()``; the supervisor's "stuck"),
+        #: and this consumer's view of a Redis fault
+        self.active_at = time.monotonic()
+        self._outage = Outage(f"the consumer of {queue_name}")
 
     @property
     def outstanding_message_count(self) -> int:
@@ -116,30 +121,50 @@ class KumikoConsumer(Consumer):
         return len(self._outstanding) + len(self._cache)
 
     def __next__(self) -> Delivery | None:
+        self.active_at = time.monotonic()
         try:
-            if current_millis() - self._claims_checked_ms >= self.broker.maintenance_interval_ms:
-                self._give_back_lost_claims()
-            if self._delayed and self.queue_name in self.broker._abandoned:
-                self._requeue_abandoned()
-            while True:
-                if self._cache:
-                    delivery = self._deliver(*self._cache.popleft())
-                    if delivery is not None:
-                        self.misses = 0
-                        return delivery
-                    continue
-                if self._fill():
-                    continue
-                if self._lane and self.outstanding_message_count > self._slots - self._batch:
-                    # Busy: wait for an ack to free room (bounded, so Dramatiq's loop goes
-                    # round to notice a shutdown).
-                    with self._settled:
-                        self._settled.wait(self.timeout / 1000)
-                    return None
-                self._idle()
+            delivery = self._next()
+        except redis.RedisError as exc:
+            # Survive any Redis fault here (a frozen, restarted or full Redis, a killed
+            # connection): Dramatiq's loop would end this thread on some of them. Logged once
+            # per outage; the next fetch comes after a backoff of at most a second, and the
+            # claims of a fetch whose reply was lost are given back first thing once Redis
+            # answers ("lost claims").
+            self._claims_checked_ms = 0
+            self._close_bell()
+            self._pause(self._outage.failed(exc))
+            return None
+        self._outage.succeeded()
+        return delivery
+
+    def _pause(self, wait_s: float) -> None:
+        """Wait ``wait_s`` (a backoff), in short steps so that a worker stopping is noticed."""
+        end = time.monotonic() + wait_s
+        while not self.broker._stopping and (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, REDIS_TICK_MS / 1000))
+
+    def _next(self) -> Delivery | None:
+        if current_millis() - self._claims_checked_ms >= self.broker.maintenance_interval_ms:
+            self._give_back_lost_claims()
+        if self._delayed and self.queue_name in self.broker._abandoned:
+            self._requeue_abandoned()
+        while True:
+            if self._cache:
+                delivery = self._deliver(*self._cache.popleft())
+                if delivery is not None:
+                    self.misses = 0
+                    return delivery
+                continue
+            if self._fill():
+                continue
+            if self._lane and self.outstanding_message_count > self._slots - self._batch:
+                # Busy: wait for an ack to free room (bounded, so Dramatiq's loop goes
+                # round to notice a shutdown).
+                with self._settled:
+                    self._settled.wait(self.timeout / 1000)
                 return None
-        except redis.ConnectionError as exc:
-            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+            self._idle()
+            return None
 
     def _idle(self) -> None:
         """Wait until a message may be there: the doorbell rings, the earliest held delayed
@@ -393,9 +418,11 @@ class KumikoConsumer(Consumer):
                     "its outcome is left to that delivery",
                     message.message_id,
                 )
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            # Dramatiq retries the ack until Redis takes it; settling twice is safe (the
-            # second finds the delivery settled and writes no follow-up again)
+        except redis.RedisError as exc:
+            # Dramatiq retries the ack until Redis takes it (any Redis error: one it does not
+            # retry, such as a write refused at maxmemory, would leave the message unsettled
+            # until this worker stops); settling twice is safe (the second finds the delivery
+            # settled and writes no follow-up again)
             settled = False
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         finally:
@@ -412,9 +439,11 @@ class KumikoConsumer(Consumer):
                 )
             else:
                 self.broker.do_nack(self.queue_name, rid)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            # Dramatiq retries the ack until Redis takes it; settling twice is safe (the
-            # second finds the delivery settled and writes no follow-up again)
+        except redis.RedisError as exc:
+            # Dramatiq retries the ack until Redis takes it (any Redis error: one it does not
+            # retry, such as a write refused at maxmemory, would leave the message unsettled
+            # until this worker stops); settling twice is safe (the second finds the delivery
+            # settled and writes no follow-up again)
             settled = False
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         finally:

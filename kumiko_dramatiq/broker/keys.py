@@ -149,6 +149,18 @@ def processes(queue_prefix: str) -> str:
     return f"{_root(queue_prefix)}:procs"
 
 
+def dataset_marker(queue_prefix: str) -> str:
+    """Persistent: a token written by the first live process of the dataset; it vanishing (or
+    changing) under a running process means the dataset was reset (Redis restarted without
+    persistence, or flushed)."""
+    return f"{_root(queue_prefix)}:dataset"
+
+
+def dataset_reset(queue_prefix: str) -> str:
+    """A note (JSON, with a TTL) that a running process found the dataset reset."""
+    return f"{_root(queue_prefix)}:dataset-reset"
+
+
 def run_record(queue_prefix: str, message_id: str) -> str:
     """Hash attempt -> run record (JSON) of one message id (written in Lua, see
     :mod:`kumiko_dramatiq.ops.history`)."""

@@ -36,6 +36,12 @@ that breaks when the host library changes what it relies on; see docs/upgrading.
    (re)connects through ``connect_to(address)`` with the primary's address from its pool,
    and turns a ``READONLY`` reply into a ``ConnectionError`` raised while handling it (the
    ``ReadOnlyError`` is its ``__context__``).
+10. **A worker's consumer threads** (:func:`consumer_threads`, :func:`consumer_of`,
+    :func:`restart_consumer`): Dramatiq's ``Worker`` keeps one ``ConsumerThread`` per queue
+    in ``consumers`` (read by its worker threads on every ack: an entry is replaced, never
+    removed), each with its ``consumer`` (``None`` until it runs) and built from the
+    worker's ``queue_prefetch``/``delay_prefetch``, ``work_queue`` and ``worker_timeout``. A
+    thread that ended (an exception its loop does not catch) is not restarted by Dramatiq.
 
 Guests: the middleware added to a kumiko broker after it was built, and what they see.
 
@@ -77,13 +83,15 @@ on each emit, a C-level list comparison).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from dramatiq.broker import Broker
 from dramatiq.middleware import Middleware, MiddlewareError, TimeLimit
-from dramatiq.worker import Worker
+from dramatiq.worker import ConsumerThread, Worker
 from redis._parsers.encoders import Encoder
 
 #: A bound hook, with whether it is skipped for a handed-off delivery.
@@ -258,3 +266,38 @@ def clear_pending_in_thread(thread_id: int) -> None:
 def has_socket(connection: Any) -> bool:
     """Whether a redis-py connection is connected now (``Connection._sock``)."""
     return getattr(connection, "_sock", None) is not None
+
+
+def consumer_threads(worker: Worker) -> dict[str, threading.Thread]:
+    """The consumer thread of each queue ``worker`` consumes (a copy)."""
+    return dict(worker.consumers)
+
+
+def consumer_of(thread: threading.Thread) -> Any:
+    """The consumer a Dramatiq consumer thread iterates (``None`` before it runs)."""
+    return getattr(thread, "consumer", None)
+
+
+def restart_consumer(worker: Worker, queue_name: str) -> None:
+    """Replace ``worker``'s ended consumer thread of ``queue_name`` with a new one, started.
+
+    The new thread takes over the old one's consumer until it builds its own, so a worker
+    thread acking meanwhile finds one; the old consumer is closed (a delay-queue consumer
+    puts back the delayed messages it held, or leaves them to its successor). Worker
+    threads look the thread up in ``worker.consumers`` on each ack: the entry is replaced in
+    one step, never missing."""
+    old = worker.consumers[queue_name]
+    delay = queue_name.endswith(".DQ")
+    thread = ConsumerThread(
+        broker=worker.broker,
+        queue_name=queue_name,
+        prefetch=worker.delay_prefetch if delay else worker.queue_prefetch,
+        work_queue=worker.work_queue,
+        worker_timeout=worker.worker_timeout,
+    )
+    thread.consumer = old.consumer
+    if old.consumer is not None:
+        with contextlib.suppress(Exception):
+            old.consumer.close()
+    worker.consumers[queue_name] = thread
+    thread.start()

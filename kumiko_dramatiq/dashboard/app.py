@@ -234,12 +234,21 @@ class Dashboard:
             version=self.version if exposed else "",
             flash=flash if exposed else None,
             now=_now(),
+            problems=self._problems() if exposed else [],
             **context,
         )
         response = HTMLResponse(html, status_code)
         if flash is not None:
             response.delete_cookie(FLASH_COOKIE, path=_cookie_path(request))
         return response
+
+    def _problems(self) -> list[str]:
+        """The dataset's problems for the banner of every page (``runner.status()``'s);
+        when Redis does not answer, that is the one problem."""
+        try:
+            return self.runner.admin.current_problems()
+        except redis.RedisError as exc:
+            return [f"Redis does not answer: {' '.join(str(exc).split())[:200]}"]
 
     def _view(
         self, template: str, build: Callable[[Request], dict[str, Any]]

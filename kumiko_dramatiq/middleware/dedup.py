@@ -39,6 +39,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Literal, cast
 
+import redis
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware
@@ -288,9 +289,12 @@ class Dedup(Middleware):
     - ``after_skip_message`` (any skip) and :meth:`release_rejected` (a malformed
       message dead-lettered at fetch, before it ran): the job ended for good, as above.
 
-    Redis errors: a failed transition is logged and never stops the message; the
-    record then frees itself at its TTL (the run itself goes ahead even if it
-    could not be marked running: a trigger during it then collapses into it).
+    Redis errors: a failed transition is logged and never stops the message; it goes to
+    the worker's retry list (:class:`~kumiko_dramatiq.worker.supervision.Deferred`), which
+    writes it once Redis answers, so a key stays blocked no longer than the outage and a
+    few seconds; if the worker stops first, the record frees itself at its TTL (the run
+    itself goes ahead even if it could not be marked running: a trigger during it then
+    collapses into it).
     """
 
     def __init__(self, runtime: Runtime) -> None:
@@ -377,30 +381,26 @@ class Dedup(Middleware):
         outcome: Outcome,
         execution: Execution | None,
     ) -> None:
-        record = self._record(job, dedup_key)
-        index = self._index(job)
+        handoff_id = None if execution is None else execution.handoff_id
         ttl_ms = self._ttl_ms(job)
-        lua = self.runtime.broker.lua
         try:
-            if outcome == "retry":
-                lua.dedup_requeue(
-                    keys=[record, index], args=[message_id, message_id, ttl_ms, dedup_key]
-                )
-                return
-            if outcome == "handoff":
-                handoff_id = None if execution is None else execution.handoff_id
-                if handoff_id is not None:
-                    lua.dedup_requeue(
-                        keys=[record, index], args=[message_id, handoff_id, ttl_ms, dedup_key]
-                    )
-                    return
-                logger.warning(
-                    "%s %s handed off without a hand-off id; freeing dedup key %r",
-                    job.qualified_name,
-                    message_id,
-                    dedup_key,
-                )
-            self._finish(job, dedup_key, record, message_id, ttl_ms)
+            self._apply(job, dedup_key, message_id, outcome, handoff_id)
+        except redis.RedisError as exc:
+            # Redis is away: the worker's retry list writes it once Redis answers (each
+            # script checks the record still points at this message, so late is safe)
+            logger.warning(
+                "%s %s: could not update dedup key %r (%s: %s); retrying until Redis takes it",
+                job.qualified_name,
+                message_id,
+                dedup_key,
+                outcome,
+                " ".join(str(exc).split())[:200],
+            )
+            self.runtime.deferred.add(
+                f"{job.qualified_name} {message_id}: dedup key {dedup_key!r} ({outcome})",
+                lambda: self._apply(job, dedup_key, message_id, outcome, handoff_id),
+                bound_ms=ttl_ms,
+            )
         except Exception:
             logger.exception(
                 "%s %s: could not update dedup key %r (%s); it frees itself within %d ms",
@@ -410,6 +410,38 @@ class Dedup(Middleware):
                 outcome,
                 ttl_ms,
             )
+
+    def _apply(
+        self,
+        job: JobDefinition,
+        dedup_key: str,
+        message_id: str,
+        outcome: Outcome,
+        handoff_id: str | None,
+    ) -> None:
+        """One transition's writes (idempotent: each script checks the owner first)."""
+        record = self._record(job, dedup_key)
+        index = self._index(job)
+        ttl_ms = self._ttl_ms(job)
+        lua = self.runtime.broker.lua
+        if outcome == "retry":
+            lua.dedup_requeue(
+                keys=[record, index], args=[message_id, message_id, ttl_ms, dedup_key]
+            )
+            return
+        if outcome == "handoff":
+            if handoff_id is not None:
+                lua.dedup_requeue(
+                    keys=[record, index], args=[message_id, handoff_id, ttl_ms, dedup_key]
+                )
+                return
+            logger.warning(
+                "%s %s handed off without a hand-off id; freeing dedup key %r",
+                job.qualified_name,
+                message_id,
+                dedup_key,
+            )
+        self._finish(job, dedup_key, record, message_id, ttl_ms)
 
     def _finish(
         self, job: JobDefinition, dedup_key: str, record: str, message_id: str, ttl_ms: int

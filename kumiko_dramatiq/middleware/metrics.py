@@ -75,6 +75,7 @@ from dramatiq.worker import Worker
 from kumiko_dramatiq.broker.broker import KumikoBroker
 from kumiko_dramatiq.broker.delivery import Delivery
 from kumiko_dramatiq.codec import FAILURES, SCHEDULED_AT, TRIGGER
+from kumiko_dramatiq.middleware.presence import consumers_down
 from kumiko_dramatiq.ops.exposition import (
     NAMESPACE,
     DatasetCollector,
@@ -295,7 +296,13 @@ class Metrics(Middleware):
                     self.prometheus,
                     self.directory,
                     self.port,
-                    DatasetCollector(self.runtime.broker, self.runtime.registry),
+                    DatasetCollector(
+                        self.runtime.broker,
+                        self.runtime.registry,
+                        consumers_down=lambda: consumers_down(
+                            self.runtime.broker.client, self.runtime.queue_prefix
+                        ),
+                    ),
                     managed=self.managed,
                 )
             self._exposition.start()

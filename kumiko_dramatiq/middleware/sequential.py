@@ -75,6 +75,7 @@ import time
 import uuid
 from typing import Any
 
+import redis
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.middleware import Middleware
 from dramatiq.worker import Worker
@@ -256,10 +257,26 @@ class Sequential(Middleware):
                 extra=execution.log_fields(),
             )
             return
+        lua = self.runtime.broker.lua
         try:
-            released = self.runtime.broker.lua.lock_release(
-                keys=[lease.lock_key], args=[lease.token]
+            released = lua.lock_release(keys=[lease.lock_key], args=[lease.token])
+        except redis.RedisError as exc:
+            # compare-and-delete on the owner token: safe to write late, so the worker's
+            # retry list writes it once Redis answers (the lock expires by itself anyway)
+            logger.warning(
+                "%s %s: could not release lock %s (%s: %s); retrying until Redis takes it",
+                execution.job.qualified_name,
+                execution.message_id,
+                lease.lock_key,
+                type(exc).__name__,
+                exc,
             )
+            self.runtime.deferred.add(
+                f"release of lock {lease.lock_key}",
+                lambda: lua.lock_release(keys=[lease.lock_key], args=[lease.token]),
+                bound_ms=self.lock_ttl_ms,
+            )
+            return
         except Exception as exc:
             logger.warning(
                 "%s %s: could not release lock %s (%s: %s); it expires within %d ms",

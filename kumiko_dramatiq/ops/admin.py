@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -62,6 +62,7 @@ from kumiko_dramatiq.codec import (
 from kumiko_dramatiq.cron import Cron
 from kumiko_dramatiq.ids import redis_id_candidates
 from kumiko_dramatiq.middleware.presence import ProcessInfo, live_processes
+from kumiko_dramatiq.ops.health import problems, read_health
 from kumiko_dramatiq.ops.history import STATUSES, RunHistory, run_ttls_ms
 from kumiko_dramatiq.options import LANES, lane_queue
 from kumiko_dramatiq.payloads import PayloadField, schema_fields
@@ -92,6 +93,9 @@ class Status:
     workers: list[ProcessInfo]
     schedulers: list[ProcessInfo]
     paused: list[str]
+    #: what an operator must look at, one line each; empty when healthy
+    #: (:mod:`kumiko_dramatiq.ops.health`)
+    problems: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -99,6 +103,7 @@ class Status:
             "workers": [worker.to_json() for worker in self.workers],
             "schedulers": [scheduler.to_json() for scheduler in self.schedulers],
             "paused": self.paused,
+            "problems": self.problems,
         }
 
 
@@ -280,12 +285,28 @@ class Admin:
             )
             for lane in lanes
         ]
+        schedulers = [p for p in processes if p.role == "scheduler"]
         return Status(
             lanes=lanes,
             workers=workers,
-            schedulers=[p for p in processes if p.role == "scheduler"],
+            schedulers=schedulers,
             paused=paused,
+            problems=self.problems(workers, schedulers),
         )
+
+    def current_problems(self) -> list[str]:
+        """:attr:`Status.problems` alone (the liveness listing and two reads), for the
+        dashboard's banner on every page."""
+        processes = live_processes(self.client, self.prefix)
+        return self.problems(
+            [p for p in processes if p.role == "worker"],
+            [p for p in processes if p.role == "scheduler"],
+        )
+
+    def problems(self, workers: list[ProcessInfo], schedulers: list[ProcessInfo]) -> list[str]:
+        """The dataset's problems (:mod:`kumiko_dramatiq.ops.health`), one line each."""
+        reading = read_health(self.client, self.prefix)
+        return problems(reading, self.registry, workers, schedulers, datetime.now(UTC))
 
     def jobs(self, now: datetime | None = None) -> list[JobInfo]:
         now = datetime.now(UTC) if now is None else now

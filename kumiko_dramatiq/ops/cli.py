@@ -4,8 +4,9 @@ kumiko_dramatiq.scheduler``).
 
 ``kumiko`` commands (every one takes ``--json``: one JSON document on stdout)::
 
-    status                       per lane: queued, delayed, running, dead, parked; live
-                                 workers and schedulers; paused jobs
+    status [--check]             per lane: queued, delayed, running, dead, parked; live
+                                 workers and schedulers; paused jobs; problems (--check:
+                                 exit 1 when there is any, with one line on stderr)
     jobs                         declared jobs: options, lane, next/last cron fire, paused;
                                  each typed job's payload fields (name, type, required)
     runs [--job J] [--status S] [--tenant T] [--message ID] [--origin ID]
@@ -136,7 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     when = "ISO-8601 time (UTC when no offset) or a span before now: 30m, 1h, 2d, 1h30m"
     an_id = "a message id, or a unique prefix of one (at least 4 characters)"
-    command("status", "queues per lane, live workers and schedulers, paused jobs")
+    status = command(
+        "status", "queues per lane, live workers and schedulers, paused jobs, problems"
+    )
+    status.add_argument(
+        "--check", action="store_true", help="exit 1 when there is any problem (for a probe)"
+    )
     command(
         "jobs", "declared jobs: options, lane, next and last cron fire, paused, payload schemas"
     )
@@ -304,7 +310,19 @@ def _status(runner: JobRunner, args: argparse.Namespace) -> Result:
     )
     paused = ", ".join(status.paused) or "none"
     text = f"{lanes}\n\n{procs or 'no live worker or scheduler'}\n\npaused jobs: {paused}"
-    return status.to_json(), text, EXIT_OK
+    text += "\n\n" + _problems_text(status.problems)
+    code = EXIT_OK
+    if args.check and status.problems:
+        code = EXIT_NOTHING
+        sys.stderr.write(f"kumiko status: {len(status.problems)} problem(s)\n")
+    return status.to_json(), text, code
+
+
+def _problems_text(problems: Sequence[str]) -> str:
+    """The problems of ``kumiko status``, one line each."""
+    if not problems:
+        return "problems: none"
+    return "\n".join([f"problems ({len(problems)}):", *(f"  - {p}" for p in problems)])
 
 
 def _jobs(runner: JobRunner, args: argparse.Namespace) -> Result:

@@ -54,7 +54,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -247,12 +247,19 @@ def lane_counts(
 class DatasetCollector:
     """Scrape-time gauges of one dataset, read in ONE round trip (a ``MULTI`` pipeline, so
     the counts are one consistent snapshot): ``kumiko_queue_messages{lane,state}``,
-    ``kumiko_run_history_records{status}`` and ``kumiko_redis_up`` (0 when the read failed;
-    the other two are then left out). Never called on a message's path."""
+    ``kumiko_run_history_records{status}``, ``kumiko_consumers_down`` and ``kumiko_redis_up``
+    (0 when the read failed; the others are then left out). Never called on a message's path."""
 
-    def __init__(self, broker: KumikoBroker, registry: Registry) -> None:
+    def __init__(
+        self,
+        broker: KumikoBroker,
+        registry: Registry,
+        consumers_down: Callable[[], int] | None = None,
+    ) -> None:
         self.broker = broker
         self.prefix = broker.queue_prefix
+        #: reads how many consumers of the live workers are down (Redis errors propagate)
+        self.consumers_down = consumers_down
         self.jobs_by_lane = {
             lane: sorted(name for name, job in registry.jobs.items() if job.options.run_in == lane)
             for lane in LANES
@@ -319,6 +326,24 @@ class DatasetCollector:
         for status, count in reading.records.items():
             records.add_metric([status], count)
         yield records
+        yield from self.collect_consumers_down(core)
+
+    def collect_consumers_down(self, core: ModuleType) -> Iterator[Any]:
+        """``kumiko_consumers_down``: consumer threads of the dataset's live workers that are
+        down (ended and not restarted yet, or stuck), from their liveness records."""
+        if self.consumers_down is None:
+            return
+        try:
+            count = self.consumers_down()
+        except redis.RedisError as exc:
+            logger.warning("kumiko metrics: could not read the live workers (%s)", exc)
+            return
+        down = core.GaugeMetricFamily(
+            metric_name("consumers_down"),
+            "Consumer threads of the live workers that are down (ended, or stuck)",
+        )
+        down.add_metric([], count)
+        yield down
 
 
 class GroupCollector:

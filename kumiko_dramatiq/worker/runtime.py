@@ -22,6 +22,7 @@ from kumiko_dramatiq.settings import Settings
 from kumiko_dramatiq.worker.execution import Execution, execution_of
 from kumiko_dramatiq.worker.fencing import Fence
 from kumiko_dramatiq.worker.loop import EventLoopThread
+from kumiko_dramatiq.worker.supervision import Deferred
 
 logger = logging.getLogger("kumiko_dramatiq")
 
@@ -59,6 +60,9 @@ class Runtime:
         self.loop = EventLoopThread(settings.queue_prefix)
         #: the watchdog of the runs that hold leases (its thread starts on first use)
         self.fence = Fence(settings.queue_prefix)
+        #: bookkeeping writes Redis did not take, retried until they land (its thread
+        #: starts on first use)
+        self.deferred = Deferred(settings.queue_prefix)
         self.broker: KumikoBroker
 
     def attach(self, broker: KumikoBroker) -> None:
