@@ -90,6 +90,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from dramatiq.broker import Broker
+from dramatiq.common import q_name
 from dramatiq.middleware import Middleware, MiddlewareError, TimeLimit
 from dramatiq.worker import ConsumerThread, Worker
 from redis._parsers.encoders import Encoder
@@ -287,7 +288,7 @@ def restart_consumer(worker: Worker, queue_name: str) -> None:
     threads look the thread up in ``worker.consumers`` on each ack: the entry is replaced in
     one step, never missing."""
     old = worker.consumers[queue_name]
-    delay = queue_name.endswith(".DQ")
+    delay = queue_name != q_name(queue_name)
     thread = ConsumerThread(
         broker=worker.broker,
         queue_name=queue_name,

@@ -38,6 +38,9 @@ lane}``                                   (a retry follows), ``dead``; the statu
                                           ``delayed``, ``running``, ``parked``, ``dead``
 ``kumiko_run_history_records{status}``    read from Redis at scrape time
 ``kumiko_redis_up``                       1 if that read worked
+``kumiko_consumers_down``                 read from the live workers' liveness records at
+                                          scrape time: consumer threads down (ended and
+                                          being restarted, or stuck)
 ========================================= ================================================
 
 Where the counts come from (no Redis round trip on a message's path): the
@@ -190,6 +193,13 @@ SPECS: Final[tuple[Spec, ...]] = (
         scraped=True,
     ),
     Spec("redis_up", "gauge", (), "1 if this scrape read the dataset from Redis", scraped=True),
+    Spec(
+        "consumers_down",
+        "gauge",
+        (),
+        "Consumer threads of the live workers that are down (ended, or stuck)",
+        scraped=True,
+    ),
 )
 
 

@@ -56,6 +56,7 @@ import os
 import re
 import signal
 import sys
+import textwrap
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
@@ -322,7 +323,10 @@ def _problems_text(problems: Sequence[str]) -> str:
     """The problems of ``kumiko status``, one line each."""
     if not problems:
         return "problems: none"
-    return "\n".join([f"problems ({len(problems)}):", *(f"  - {p}" for p in problems)])
+    lines = [f"problems ({len(problems)}):"]
+    for problem in problems:
+        lines += textwrap.wrap(problem, 100, initial_indent="  - ", subsequent_indent="    ")
+    return "\n".join(lines)
 
 
 def _jobs(runner: JobRunner, args: argparse.Namespace) -> Result:

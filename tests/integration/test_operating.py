@@ -139,7 +139,11 @@ def test_status_lists_live_workers_and_schedulers_and_forgets_a_killed_one(ops: 
     )
     (alive,) = ops.json("status")["workers"]
     assert alive["lane"] == "worker"
-    assert set(alive) == {"id", "role", "host", "pid", "lane", "version", "started_at", "last_seen"}
+    assert set(alive) == {
+        *("id", "role", "host", "pid", "lane", "version", "started_at", "last_seen"),
+        *("healthy", "consumers_down", "issues"),
+    }
+    assert alive["healthy"] is True
     # When the worker is killed, Then status forgets it by itself, within its TTL
     os.killpg(worker.pid, signal.SIGKILL)
     worker.wait()

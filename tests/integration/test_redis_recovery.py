@@ -1,0 +1,310 @@
+"""Faults of Redis itself, seen from a running worker: it heals by itself (no restart) and
+says what is wrong (``runner.status().problems``, ``kumiko status --check``).
+
+Each test runs its own ``redis-server`` (frozen with SIGSTOP, restarted without persistence,
+filled to ``maxmemory``, its clients killed). Waits are on events, with generous timeouts;
+no bound here is a timing target (those are in benchmarks/).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from kumiko_dramatiq import (
+    Backoff,
+    Feature,
+    JobContext,
+    JobRunner,
+    RedisUnavailableError,
+    Registry,
+)
+from kumiko_dramatiq.broker.seam import consumer_threads, raise_in_thread
+from tests.conftest import wait_for
+from tests.deployment import Server, cli_env, kumiko, start_server
+
+#: generous: the machine is loaded; none of these is a timing target
+WAIT_S = 60
+
+
+class Jobs:
+    """A registry whose handlers set events, and what they saw."""
+
+    def __init__(self) -> None:
+        self.ran: dict[str, threading.Event] = {
+            name: threading.Event() for name in ("plain", "later", "flaky", "keyed")
+        }
+        self.keyed_runs: list[str] = []
+        self.release_keyed = threading.Event()
+        self.keyed_started = threading.Event()
+        feature = Feature("rec")
+
+        @feature.job("plain")
+        def plain(payload: dict[str, Any], ctx: JobContext) -> None:
+            self.ran["plain"].set()
+
+        @feature.job("later")
+        def later(payload: dict[str, Any], ctx: JobContext) -> None:
+            self.ran["later"].set()
+
+        @feature.job("flaky", retries=2, backoff=Backoff("fixed", delay_ms=500))
+        def flaky(payload: dict[str, Any], ctx: JobContext) -> None:
+            if ctx.attempt == 1:
+                raise RuntimeError("the first attempt fails")
+            self.ran["flaky"].set()
+
+        @feature.job("keyed")
+        def keyed(payload: dict[str, Any], ctx: JobContext) -> None:
+            self.keyed_runs.append(ctx.message_id)
+            self.keyed_started.set()
+            self.release_keyed.wait(WAIT_S)
+            self.ran["keyed"].set()
+
+        self.registry = Registry([feature])
+
+    def reset(self) -> None:
+        for event in self.ran.values():
+            event.clear()
+
+    def wait(self, *names: str) -> None:
+        for name in names:
+            assert self.ran[name].wait(WAIT_S), f"{name} did not run"
+
+
+#: for ``kumiko status`` in a subprocess (KUMIKO_APP); no cron job, so no scheduler is needed
+REGISTRY = Jobs().registry
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    started = start_server("redis", tmp_path)
+    yield started
+    started.stop()
+
+
+def url_of(server: Server) -> str:
+    return f"redis://{server.host}:{server.port}/0"
+
+
+def restart(server: Server) -> Server:
+    """Stop ``server`` (no save) and start a new, empty one on the same port."""
+    server.stop()
+    return start_server("redis", server.directory, port=server.port)
+
+
+def pid_of(server: Server) -> int:
+    return server.process.pid
+
+
+@pytest.fixture
+def jobs() -> Jobs:
+    return Jobs()
+
+
+def runner_on(server: Server, jobs: Jobs, **options: Any) -> JobRunner:
+    # a short socket timeout (boot_redis_timeout_ms), so that a frozen Redis makes every
+    # command of the worker fail with a timeout, and a short liveness TTL
+    settings: dict[str, Any] = {"boot_redis_timeout_ms": 1_000, "heartbeat_timeout_ms": 3_000}
+    settings.update(options)
+    return JobRunner(
+        jobs.registry, redis_url=url_of(server), queue_prefix="rec", worker_threads=4, **settings
+    )
+
+
+def freeze(server: Server, seconds: float) -> None:
+    """SIGSTOP the server for ``seconds`` (long enough for every worker command to time out),
+    then SIGCONT."""
+    os.kill(pid_of(server), signal.SIGSTOP)
+    try:
+        time.sleep(seconds)  # the fault lasts this long: nothing is waited for here
+    finally:
+        os.kill(pid_of(server), signal.SIGCONT)
+
+
+def dispatch_all(runner: JobRunner) -> None:
+    runner.dispatch("rec:job:plain", {})
+    runner.dispatch("rec:job:later", {}, delay_ms=500)
+    runner.dispatch("rec:job:flaky", {})
+
+
+def test_after_redis_is_frozen_queued_delayed_and_retried_work_runs_without_a_restart(
+    server: Server, jobs: Jobs
+) -> None:
+    with runner_on(server, jobs) as runner:
+        runner.start()
+        runner.dispatch("rec:job:plain", {})
+        jobs.wait("plain")
+        jobs.reset()
+        # Given delayed work held while Redis freezes (due in the middle of the freeze)
+        runner.dispatch("rec:job:later", {}, delay_ms=1_000)
+        # When Redis is frozen for a few seconds, then thawed
+        freeze(server, 4)
+        # Then what was due meanwhile runs, and so does new work of every kind
+        jobs.wait("later")
+        jobs.reset()
+        dispatch_all(runner)
+        jobs.wait("plain", "later", "flaky")
+        # and the worker says it is healthy again
+        wait_for(lambda: runner.status().problems == [], WAIT_S, "no problem left")
+        (worker,) = runner.status().workers
+        assert worker.healthy
+
+
+def test_a_redis_restarted_without_persistence_is_a_problem_and_the_worker_resumes(
+    server: Server, jobs: Jobs
+) -> None:
+    with runner_on(server, jobs) as runner:
+        runner.start()
+        runner.dispatch("rec:job:plain", {})
+        jobs.wait("plain")
+        jobs.reset()
+        assert runner.status().problems == []
+        # When Redis restarts empty under the running worker
+        server = restart(server)
+        try:
+            # Then status says the dataset was reset
+            wait_for(
+                lambda: any("was reset" in p for p in runner.status().problems),
+                WAIT_S,
+                "the reset is reported",
+            )
+            # and the worker resumes all its work, without a restart
+            dispatch_all(runner)
+            jobs.wait("plain", "later", "flaky")
+        finally:
+            runner.stop()
+            server.stop()
+
+
+def fill(client: redis.Redis) -> None:
+    """Write another app's keys until Redis refuses one (OOM)."""
+    for i in range(100_000):
+        try:
+            client.set(f"other-app:{i}", "x" * 1024)
+        except redis.exceptions.OutOfMemoryError:
+            return
+    raise AssertionError("Redis never refused a write")
+
+
+def test_after_maxmemory_is_reached_and_freed_delayed_work_resumes(
+    server: Server, jobs: Jobs
+) -> None:
+    client = server.client()
+    client.config_set("maxmemory-policy", "noeviction")
+    with runner_on(server, jobs) as runner:
+        runner.start()
+        # Given a delayed job, and then a Redis at its maxmemory
+        runner.dispatch("rec:job:later", {}, delay_ms=1_000)
+        due = time.monotonic() + 1
+        client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + 256 * 1024)
+        fill(client)
+        # When a producer dispatches, Then it gets kumiko's error, not redis-py's
+        with pytest.raises(RedisUnavailableError, match="maxmemory"):
+            runner.dispatch("rec:job:plain", {})
+        # (the delayed job comes due while writes are refused: its move fails)
+        wait_for(lambda: time.monotonic() > due + 2, WAIT_S, "the delayed job is past due")
+        # When memory is freed, Then the delayed job runs, and new work of every kind too
+        client.config_set("maxmemory", 0)
+        jobs.wait("later")
+        jobs.reset()
+        dispatch_all(runner)
+        jobs.wait("plain", "later", "flaky")
+    client.close()
+
+
+def test_after_its_connections_are_killed_a_worker_resumes(server: Server, jobs: Jobs) -> None:
+    client = server.client()
+    with runner_on(server, jobs) as runner:
+        runner.start()
+        runner.dispatch("rec:job:later", {}, delay_ms=2_000)
+        # When every connection but ours is killed
+        assert client.client_kill_filter(_type="normal", skipme=True) >= 1
+        # Then held and new work runs
+        jobs.wait("later")
+        jobs.reset()
+        dispatch_all(runner)
+        jobs.wait("plain", "later", "flaky")
+    client.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_consumer_thread_that_ends_is_restarted(server: Server, jobs: Jobs) -> None:
+    with runner_on(server, jobs) as runner:
+        runner.start()
+        worker = runner._worker
+        assert worker is not None
+        # Given every consumer thread of the worker ends (an exception no loop catches)
+        threads = consumer_threads(worker)
+        for thread in threads.values():
+            assert thread.ident is not None
+            raise_in_thread(thread.ident, SystemExit)
+        wait_for(lambda: not any(t.is_alive() for t in threads.values()), WAIT_S, "they ended")
+        # Then the supervisor restarts them, and every kind of work runs
+        dispatch_all(runner)
+        jobs.wait("plain", "later", "flaky")
+        assert all(t.is_alive() for t in consumer_threads(worker).values())
+
+
+def test_a_dedup_end_that_failed_during_an_outage_is_written_after_it(
+    server: Server, jobs: Jobs
+) -> None:
+    with runner_on(server, jobs) as runner:
+        runner.start()
+        # Given a keyed job running
+        first = runner.dispatch("rec:job:keyed", {}, dedup_key="K")
+        assert jobs.keyed_started.wait(WAIT_S)
+        # When it ends while Redis is frozen (its dedup key's end is refused)
+        os.kill(pid_of(server), signal.SIGSTOP)
+        try:
+            jobs.release_keyed.set()
+            assert jobs.ran["keyed"].wait(WAIT_S)
+            time.sleep(2)  # the fault lasts this long: the key's end times out meanwhile
+        finally:
+            os.kill(pid_of(server), signal.SIGCONT)
+        # Then the key is freed once Redis answers (not at its TTL, hours later)
+        wait_for(lambda: runner.dedup_keys() == [], WAIT_S, "the dedup key is freed")
+        # and a later dispatch with the key runs again
+        jobs.ran["keyed"].clear()
+        second = runner.dispatch("rec:job:keyed", {}, dedup_key="K")
+        assert second != first
+        jobs.wait("keyed")
+        assert jobs.keyed_runs == [first, second]
+
+
+def test_status_check_exits_1_on_a_problem_and_0_without(server: Server) -> None:
+    env = cli_env(url_of(server), "rec", app="tests.integration.test_redis_recovery:REGISTRY")
+    # Given a healthy dataset, Then `kumiko status --check` exits 0
+    healthy = kumiko(env, "status", "--check")
+    assert healthy.returncode == 0, healthy.stderr
+    assert "problems: none" in healthy.stdout
+    # When Redis may evict keys, Then it is a problem: exit 1, one line on stderr
+    client = server.client()
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    sick = kumiko(env, "status", "--check")
+    assert sick.returncode == 1
+    assert "maxmemory-policy is allkeys-lru" in sick.stdout
+    assert sick.stderr.strip() == "kumiko status: 1 problem(s)"
+    # and without --check the status is read all the same (exit 0)
+    assert kumiko(env, "status").returncode == 0
+    client.close()
+
+
+def test_a_worker_starting_on_an_evicting_redis_logs_an_error(
+    server: Server, jobs: Jobs, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = server.client()
+    client.config_set("maxmemory-policy", "volatile-lru")
+    with runner_on(server, jobs) as runner:
+        runner.start()
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert any("maxmemory-policy is volatile-lru" in line for line in errors)
+        assert any("volatile-lru" in p for p in runner.status().problems)
+    client.close()
