@@ -86,9 +86,16 @@ class Deferred:
     def add(self, what: str, write: Callable[[], Any], *, bound_ms: int) -> None:
         """Retry ``write`` until it lands (``what`` names it in logs)."""
         with self._mutex:
-            self._pending.append(_Write(what, write, bound_ms))
             if self._stopping:
+                logger.warning(
+                    "%s has stopped: a bookkeeping write Redis did not take is left: %s; it "
+                    "frees itself within %d ms",
+                    self.name,
+                    what,
+                    bound_ms,
+                )
                 return
+            self._pending.append(_Write(what, write, bound_ms))
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name=f"kumiko-deferred-{self.name}", daemon=True

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import redis
+from starlette.testclient import TestClient
 
 from kumiko_dramatiq import (
     Backoff,
@@ -28,6 +29,7 @@ from kumiko_dramatiq import (
     Registry,
 )
 from kumiko_dramatiq.broker.seam import consumer_threads, raise_in_thread
+from kumiko_dramatiq.dashboard import create_app
 from tests.conftest import wait_for
 from tests.deployment import Server, cli_env, kumiko, start_server
 
@@ -308,3 +310,22 @@ def test_a_worker_starting_on_an_evicting_redis_logs_an_error(
         assert any("maxmemory-policy is volatile-lru" in line for line in errors)
         assert any("volatile-lru" in p for p in runner.status().problems)
     client.close()
+
+
+def test_the_dashboard_shows_the_problems_on_every_page(server: Server, jobs: Jobs) -> None:
+    client = server.client()
+    runner = runner_on(server, jobs)
+    pages = TestClient(create_app(runner))
+    try:
+        # Given a healthy dataset, Then no page has a problem banner
+        assert "problem" not in pages.get("/jobs").text
+        # When Redis may evict keys, Then every page says so
+        client.config_set("maxmemory-policy", "allkeys-lru")
+        for page in ("/", "/jobs", "/runs", "/locks"):
+            html = pages.get(page).text
+            assert "1 problem:" in html, page
+            assert "maxmemory-policy is allkeys-lru" in html, page
+    finally:
+        pages.close()
+        runner.stop()
+        client.close()
