@@ -169,8 +169,13 @@ class Registration:
         self._outage = Outage(f"the liveness refresh of {identity}")
 
     def start(self) -> None:
-        """Register now (errors propagate: the caller checked Redis), then keep refreshing."""
-        self._refresh()
+        """Register now, then keep refreshing. A first refresh that Redis refuses is logged
+        and retried by the refresh thread like any other (the process registers once Redis
+        answers)."""
+        try:
+            self._refresh()
+        except redis.RedisError as exc:
+            logger.warning("could not register %s as alive yet (%s); retrying", self.identity, exc)
         self._thread = threading.Thread(
             target=self._run, name=f"kumiko-presence-{self.identity[:8]}", daemon=True
         )
@@ -333,11 +338,7 @@ class Presence(Middleware):
             ttl_ms=self.ttl_ms,
             health=supervisor.health,
         )
-        try:
-            registration.start()
-        except redis.RedisError as exc:
-            logger.warning("could not register this worker as alive (%s)", exc)
-            return
+        registration.start()
         self._registration = registration
 
     def before_worker_shutdown(self, broker: Broker, worker: Worker) -> None:

@@ -203,10 +203,7 @@ class Scheduler:
             except BaseException:
                 self._aps = None
                 raise
-            try:
-                self._registration.start()
-            except redis.RedisError as exc:
-                logger.warning("kumiko scheduler: could not register as alive (%s)", exc)
+            self._registration.start()
         logger.info(
             "kumiko scheduler %s started: %d cron job(s), queue prefix %s",
             self.identity,
