@@ -544,7 +544,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
                     prepared.encode(),
                 ],
             )
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except redis.RedisError as exc:
             # Only Dramatiq's consumer thread moves a held message: as a broker connection
             # error its consumer is closed (which puts the held delayed messages back, or
             # leaves them to the next consumer) and restarted; any other error would end

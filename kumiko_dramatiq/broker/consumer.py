@@ -257,13 +257,13 @@ class KumikoConsumer(Consumer):
         claimed = {text(rid) for rid in self.broker.thread_client().smembers(acks)}
         lost = sorted(claimed - held)
         if lost:
+            self.broker.do_requeue(self.queue_name, *lost)
             logger.warning(
                 "%d message(s) on %s were claimed for this worker by a fetch whose reply never "
-                "came back: putting them back on the queue",
+                "came back: put back on the queue",
                 len(lost),
                 self.queue_name,
             )
-            self.broker.do_requeue(self.queue_name, *lost)
 
     def _fill(self) -> bool:
         """Fetch what there is room for; ``False`` if nothing was (or could be) fetched."""
@@ -462,7 +462,7 @@ class KumikoConsumer(Consumer):
             return
         try:
             self.broker.do_requeue(self.queue_name, *rids)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except redis.RedisError as exc:  # any: Dramatiq's close() lets only its own through
             if not self._delayed:
                 raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
             self.broker._abandoned.setdefault(self.queue_name, set()).update(rids)
