@@ -80,6 +80,16 @@ class KumikoConsumer(Consumer):
     message's delivery is undone, it never ran). Held means fetched and not settled yet, by
     any consumer of this queue in this process (a failed ack keeps its claim held until
     Dramatiq's retry of it lands).
+
+    **Redis faults.** A fetch (or wait) that Redis fails in any way (no answer, a timeout, a
+    refused write at ``maxmemory``, a restarted server) does not reach Dramatiq's loop, which
+    would end its thread on some of them: the consumer logs it once per outage, waits a
+    backoff of at most a second (:class:`~kumiko_dramatiq.broker.outage.Outage`) and fetches
+    again, lost claims first. An ack or nack that Redis fails in any way is a
+    ``ConnectionClosed``, which Dramatiq retries until Redis takes it. A consumer thread that
+    ends anyway is restarted by the worker's supervisor
+    (:mod:`kumiko_dramatiq.worker.supervision`), which reads :attr:`active_at` to tell a
+    stuck consumer.
     """
 
     def __init__(self, broker: KumikoBroker, queue_name: str, prefetch: int, timeout: int) -> None:
@@ -123,48 +133,44 @@ class KumikoConsumer(Consumer):
     def __next__(self) -> Delivery | None:
         self.active_at = time.monotonic()
         try:
-            delivery = self._next()
+            if current_millis() - self._claims_checked_ms >= self.broker.maintenance_interval_ms:
+                self._give_back_lost_claims()
+            if self._delayed and self.queue_name in self.broker._abandoned:
+                self._requeue_abandoned()
+            while True:
+                if self._cache:
+                    delivery = self._deliver(*self._cache.popleft())
+                    if delivery is not None:
+                        self.misses = 0
+                        self._outage.succeeded()
+                        return delivery
+                    continue
+                if self._fill():
+                    continue
+                self._outage.succeeded()
+                if self._lane and self.outstanding_message_count > self._slots - self._batch:
+                    # Busy: wait for an ack to free room (bounded, so Dramatiq's loop goes
+                    # round to notice a shutdown).
+                    with self._settled:
+                        self._settled.wait(self.timeout / 1000)
+                    return None
+                self._idle()
+                return None
         except redis.RedisError as exc:
-            # Survive any Redis fault here (a frozen, restarted or full Redis, a killed
-            # connection): Dramatiq's loop would end this thread on some of them. Logged once
-            # per outage; the next fetch comes after a backoff of at most a second, and the
-            # claims of a fetch whose reply was lost are given back first thing once Redis
-            # answers ("lost claims").
-            self._claims_checked_ms = 0
-            self._close_bell()
-            self._pause(self._outage.failed(exc))
+            self._survive(exc)
             return None
-        self._outage.succeeded()
-        return delivery
 
-    def _pause(self, wait_s: float) -> None:
-        """Wait ``wait_s`` (a backoff), in short steps so that a worker stopping is noticed."""
-        end = time.monotonic() + wait_s
+    def _survive(self, exc: redis.RedisError) -> None:
+        """Outlive a Redis fault met while fetching (a frozen, restarted or full Redis, a
+        killed connection; Dramatiq's loop would end this thread on some of them): logged once
+        per outage, the next fetch after a backoff of at most a second, and the claims of a
+        fetch whose reply was lost given back first thing once Redis answers ("lost
+        claims"). Waits in short steps, so that a worker stopping is noticed."""
+        self._claims_checked_ms = 0
+        self._close_bell()
+        end = time.monotonic() + self._outage.failed(exc)
         while not self.broker._stopping and (left := end - time.monotonic()) > 0:
             time.sleep(min(left, REDIS_TICK_MS / 1000))
-
-    def _next(self) -> Delivery | None:
-        if current_millis() - self._claims_checked_ms >= self.broker.maintenance_interval_ms:
-            self._give_back_lost_claims()
-        if self._delayed and self.queue_name in self.broker._abandoned:
-            self._requeue_abandoned()
-        while True:
-            if self._cache:
-                delivery = self._deliver(*self._cache.popleft())
-                if delivery is not None:
-                    self.misses = 0
-                    return delivery
-                continue
-            if self._fill():
-                continue
-            if self._lane and self.outstanding_message_count > self._slots - self._batch:
-                # Busy: wait for an ack to free room (bounded, so Dramatiq's loop goes
-                # round to notice a shutdown).
-                with self._settled:
-                    self._settled.wait(self.timeout / 1000)
-                return None
-            self._idle()
-            return None
 
     def _idle(self) -> None:
         """Wait until a message may be there: the doorbell rings, the earliest held delayed
