@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,7 +33,7 @@ from kumiko_dramatiq import (
 from kumiko_dramatiq.broker.seam import consumer_threads, raise_in_thread
 from kumiko_dramatiq.dashboard import create_app
 from tests.conftest import wait_for
-from tests.deployment import Server, cli_env, kumiko, start_server
+from tests.deployment import ROOT, Server, cli_env, kumiko, start_server
 
 #: generous: the machine is loaded; none of these is a timing target
 WAIT_S = 60
@@ -329,3 +331,43 @@ def test_the_dashboard_shows_the_problems_on_every_page(server: Server, jobs: Jo
         pages.close()
         runner.stop()
         client.close()
+
+
+def completed(runner: JobRunner, message_id: str) -> bool:
+    return any(run.status == "completed" for run in runner.run_record(message_id))
+
+
+def test_a_cli_worker_resumes_every_kind_of_work_after_redis_is_frozen(
+    server: Server, jobs: Jobs
+) -> None:
+    # Given a CLI worker (-p 1 -t 4, its commands time out after 5 s)
+    env = cli_env(url_of(server), "rec", app="tests.integration.test_redis_recovery:REGISTRY")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "dramatiq", "kumiko_dramatiq.app", "-p", "1", "-t", "4"],
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+        stderr=subprocess.DEVNULL,
+    )
+    producer = runner_on(server, jobs)
+    try:
+        first = producer.dispatch("rec:job:plain", {})
+        wait_for(lambda: completed(producer, first), WAIT_S, "the worker runs")
+        # When Redis is frozen longer than the worker's command timeout, then thawed
+        freeze(server, 7)
+        # Then a plain job, a delayed one and one retried after a backoff all run
+        ids = [
+            producer.dispatch("rec:job:plain", {}),
+            producer.dispatch("rec:job:later", {}, delay_ms=500),
+            producer.dispatch("rec:job:flaky", {}),
+        ]
+        wait_for(lambda: all(completed(producer, i) for i in ids), WAIT_S, "all three run")
+        wait_for(lambda: producer.status().problems == [], WAIT_S, "no problem left")
+    finally:
+        producer.stop()
+        os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
