@@ -337,18 +337,59 @@ def completed(runner: JobRunner, message_id: str) -> bool:
     return any(run.status == "completed" for run in runner.run_record(message_id))
 
 
+def start_cli_worker(server: Server, **extra: str) -> subprocess.Popen[bytes]:
+    env = cli_env(url_of(server), "rec", app="tests.integration.test_redis_recovery:REGISTRY")
+    return subprocess.Popen(
+        [sys.executable, "-m", "dramatiq", "kumiko_dramatiq.app", "-p", "1", "-t", "4"],
+        cwd=ROOT,
+        env={**env, **extra},
+        start_new_session=True,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def stop_cli_worker(worker: subprocess.Popen[bytes]) -> None:
+    os.killpg(worker.pid, signal.SIGCONT)
+    os.killpg(worker.pid, signal.SIGTERM)
+    try:
+        worker.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+
+
+@pytest.mark.slow
+def test_a_live_worker_that_does_not_refresh_its_liveness_is_a_problem(
+    server: Server, jobs: Jobs
+) -> None:
+    # Given a CLI worker whose liveness lives 30 s (refreshed every 10 s)
+    worker = start_cli_worker(server, KUMIKO_HEARTBEAT_TIMEOUT_MS="30000")
+    producer = runner_on(server, jobs, heartbeat_timeout_ms=30_000)
+    try:
+        wait_for(lambda: len(producer.status().workers) == 1, WAIT_S, "the worker registers")
+        assert producer.status().problems == []
+        # When it stops refreshing (frozen), Then status says so before it is presumed dead
+        os.killpg(worker.pid, signal.SIGSTOP)
+        wait_for(
+            lambda: any("has not refreshed its liveness" in p for p in producer.status().problems),
+            WAIT_S,
+            "the stale worker is reported",
+        )
+        (stale,) = producer.status().workers
+        assert not stale.healthy
+        # When it runs again, Then the problem goes away by itself
+        os.killpg(worker.pid, signal.SIGCONT)
+        wait_for(lambda: producer.status().problems == [], WAIT_S, "no problem left")
+    finally:
+        producer.stop()
+        stop_cli_worker(worker)
+
+
 def test_a_cli_worker_resumes_every_kind_of_work_after_redis_is_frozen(
     server: Server, jobs: Jobs
 ) -> None:
     # Given a CLI worker (-p 1 -t 4, its commands time out after 5 s)
-    env = cli_env(url_of(server), "rec", app="tests.integration.test_redis_recovery:REGISTRY")
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "dramatiq", "kumiko_dramatiq.app", "-p", "1", "-t", "4"],
-        cwd=ROOT,
-        env=env,
-        start_new_session=True,
-        stderr=subprocess.DEVNULL,
-    )
+    worker = start_cli_worker(server)
     producer = runner_on(server, jobs)
     try:
         first = producer.dispatch("rec:job:plain", {})
@@ -365,9 +406,4 @@ def test_a_cli_worker_resumes_every_kind_of_work_after_redis_is_frozen(
         wait_for(lambda: producer.status().problems == [], WAIT_S, "no problem left")
     finally:
         producer.stop()
-        os.killpg(worker.pid, signal.SIGTERM)
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
+        stop_cli_worker(worker)
