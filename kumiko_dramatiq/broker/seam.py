@@ -39,7 +39,8 @@ that breaks when the host library changes what it relies on; see docs/upgrading.
 10. **A worker's consumer threads** (:func:`consumer_threads`, :func:`consumer_of`,
     :func:`restart_consumer`): Dramatiq's ``Worker`` keeps one ``ConsumerThread`` per queue
     in ``consumers`` (read by its worker threads on every ack: an entry is replaced, never
-    removed), each with its ``consumer`` (``None`` until it runs) and built from the
+    removed), each with its ``consumer`` (``None`` until it runs) and ``paused`` flag
+    (``Worker.pause()``: it sleeps without iterating), and built from the
     worker's ``queue_prefetch``/``delay_prefetch``, ``work_queue`` and ``worker_timeout``. A
     thread that ended (an exception its loop does not catch) is not restarted by Dramatiq.
 
@@ -275,7 +276,10 @@ def consumer_threads(worker: Worker) -> dict[str, threading.Thread]:
 
 
 def consumer_of(thread: threading.Thread) -> Any:
-    """The consumer a Dramatiq consumer thread iterates (``None`` before it runs)."""
+    """The consumer a Dramatiq consumer thread iterates (``None`` before it runs; also
+    ``None`` while the worker is paused, when the thread does not iterate on purpose)."""
+    if getattr(thread, "paused", False) is True:
+        return None
     return getattr(thread, "consumer", None)
 
 

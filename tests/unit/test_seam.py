@@ -30,11 +30,14 @@ from kumiko_dramatiq.broker.seam import (
     argument_encoder,
     clear_pending_in_thread,
     consumed_queues,
+    consumer_of,
+    consumer_threads,
     emit_after,
     emit_before,
     has_socket,
     name_interruptions,
     raise_in_thread,
+    restart_consumer,
     set_consumed_queues,
 )
 
@@ -122,6 +125,42 @@ def test_a_workers_queues_are_its_consumer_whitelist() -> None:
     assert given.consumer_whitelist == {"a", "b"}
     # and the worker decides by it which queue gets a consumer
     assert "consumer_whitelist" in inspect.getsource(Worker._add_consumer)
+
+
+def test_a_workers_consumer_thread_that_ended_can_be_replaced() -> None:
+    broker = StubBroker()
+    ran = threading.Event()
+
+    @dramatiq.actor(broker=broker)
+    def job() -> None:
+        ran.set()
+
+    worker = Worker(broker, worker_timeout=50, worker_threads=1)
+    worker.start()
+    try:
+        old = worker.consumers["default"]
+        assert consumer_threads(worker) == worker.consumers
+        deadline = time.monotonic() + 10
+        while consumer_of(old) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert consumer_of(old) is not None
+        # Given its consumer thread ended
+        old.stop()
+        old.join(10)
+        assert not old.is_alive()
+        # When it is replaced, Then the new one consumes the queue
+        restart_consumer(worker, "default")
+        new = worker.consumers["default"]
+        assert new is not old
+        assert new.is_alive()
+        job.send()
+        assert ran.wait(10)
+        # and a paused consumer thread is not read as iterating
+        new.pause()
+        assert consumer_of(new) is None
+        new.resume()
+    finally:
+        worker.stop(timeout=5_000)
 
 
 def test_any_actor_options_lets_dramatiq_actor_accept_every_option() -> None:
