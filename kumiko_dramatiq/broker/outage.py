@@ -17,6 +17,8 @@ logger = logging.getLogger("kumiko_dramatiq")
 #: First wait after a failed Redis call of a supervised activity, and the cap of the doubling.
 FIRST_BACKOFF_MS: Final = 50
 MAX_BACKOFF_MS: Final = 1_000
+#: A new outage this soon after the last one logged is logged at DEBUG (a flapping Redis).
+QUIET_S: Final = 60.0
 
 
 def backoff_ms(failures: int) -> int:
@@ -27,12 +29,17 @@ def backoff_ms(failures: int) -> int:
 
 
 class Outage:
-    """One activity's Redis faults: logged once per outage, retried with a backoff."""
+    """One activity's Redis faults: logged once per outage, retried with a backoff.
+
+    A Redis that flaps (some commands refused at ``maxmemory``, others going through) would
+    start an outage at every refusal: a new one within :data:`QUIET_S` of the last one
+    logged is logged at DEBUG only."""
 
     def __init__(self, what: str) -> None:
         self.what = what
         self.failures = 0
         self._since = 0.0
+        self._logged_at: float | None = None
 
     @property
     def ongoing(self) -> bool:
@@ -42,9 +49,13 @@ class Outage:
         """Note a failed attempt; return how long to wait (s) before the next one."""
         self.failures += 1
         if self.failures == 1:
-            self._since = time.monotonic()
-            logger.warning(
-                "%s: Redis does not answer (%s: %s); retrying until it does",
+            self._since = now = time.monotonic()
+            loud = self._logged_at is None or now - self._logged_at >= QUIET_S
+            if loud:
+                self._logged_at = now
+            logger.log(
+                logging.WARNING if loud else logging.DEBUG,
+                "%s: Redis fails (%s: %s); retrying until it answers",
                 self.what,
                 type(exc).__name__,
                 " ".join(str(exc).split())[:200],
@@ -54,7 +65,8 @@ class Outage:
     def succeeded(self) -> None:
         """Note a successful attempt (logs the end of an outage)."""
         if self.failures:
-            logger.info(
+            logger.log(
+                logging.INFO if self._logged_at == self._since else logging.DEBUG,
                 "%s: Redis answers again; resumed after %.1f s (%d failed attempts)",
                 self.what,
                 time.monotonic() - self._since,

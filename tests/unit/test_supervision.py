@@ -59,8 +59,13 @@ def test_an_outage_is_logged_once_and_its_end_once(caplog: pytest.LogCaptureFixt
     outage.succeeded()
     outage.succeeded()
     lines = [r.getMessage() for r in caplog.records]
-    assert len([line for line in lines if "does not answer" in line]) == 1
+    assert len([line for line in lines if "Redis fails" in line]) == 1
     assert len([line for line in lines if "answers again" in line]) == 1
+    # and a flapping Redis (a new outage at once) is not logged again at WARNING
+    outage.failed(redis.ConnectionError("gone again"))
+    outage.succeeded()
+    loud = [r for r in caplog.records if r.levelno >= logging.INFO]
+    assert len(loud) == 2
 
 
 def test_a_stuck_consumer_is_one_far_beyond_its_longest_wait() -> None:
