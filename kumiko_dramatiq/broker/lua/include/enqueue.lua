@@ -11,6 +11,8 @@
 --   a mover sleeping until a later due time wakes (lua/move.lua moves it when due). A body
 --   for a delay queue in Dramatiq's own form (JSON, "{..."; nothing of kumiko's writes one)
 --   goes on Dramatiq's list as Dramatiq writes it (lua/schedule_legacy.lua moves it later).
+-- write_message(messages, list, rid, body): Dramatiq's write, whatever the queue (the
+--   "enqueue" command, Dramatiq's own, uses it).
 -- @include bell
 local function schedule_message(messages, list, rid, delay_ms, body)
     local time = redis.call("time")
@@ -23,17 +25,20 @@ local function schedule_message(messages, list, rid, delay_ms, body)
     end
 end
 
-local function enqueue_message(messages, list, rid, body)
-    if string.sub(list, -3) == ".DQ" and string.byte(body, 1) ~= 123 then
-        local space = string.find(body, " ", 1, true)
-        local delay_ms = space and tonumber(string.sub(body, 1, space - 1))
-        if not delay_ms or delay_ms < 0 then
-            error("kumiko: malformed delayed message for " .. list)
-        end
-        schedule_message(messages, list, rid, delay_ms, string.sub(body, space + 1))
-        return
-    end
+local function write_message(messages, list, rid, body)
     redis.call("hset", messages, rid, body)
     redis.call("rpush", list, rid)
     ring(list)
+end
+
+local function enqueue_message(messages, list, rid, body)
+    if string.sub(list, -3) == ".DQ" then
+        local delay_ms = string.match(string.sub(body, 1, 24), "^(%d+) ")
+        if delay_ms then
+            schedule_message(messages, list, rid, tonumber(delay_ms),
+                string.sub(body, #delay_ms + 2))
+            return
+        end
+    end
+    write_message(messages, list, rid, body)
 end
