@@ -124,7 +124,7 @@ def test_plain_actors_keep_dramatiqs_retries_and_jobs_keep_kumikos(
     # And each was dead-lettered once, on its own queue, with nothing left to retry
     assert len(runner.dead_letters()) == 1
     assert redis_client.llen(f"dramatiq:{plain_queue}") == 0
-    assert redis_client.zcard(f"dramatiq:{plain_queue}.DQ") == 0
+    assert redis_client.zcard(f"dramatiq:{plain_queue}.DQ:schedule") == 0
 
 
 def test_dramatiqs_retry_options_are_accepted_on_plain_actors(make_runner: RunnerFactory) -> None:
