@@ -555,7 +555,8 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
     def schedule_legacy(self, queue_name: str, limit: int) -> int:
         """Move up to ``limit`` messages from the head of Dramatiq's own list of delay queue
         ``queue_name`` (written by an older version or a plain ``RedisBroker``) onto the
-        queue's schedule, at their ``eta`` (``lua/schedule_legacy.lua``); returns how many. Each
+        queue's schedule, at their ``eta`` (``lua/schedule_legacy.lua``); returns how many it
+        took off the list (a cancelled one, whose body is gone, is dropped). Each
         is re-encoded here in the form it takes on its queue (Lua could not re-encode a message
         without changing it); one that does not decode is scheduled as it is, due now: the
         queue's consumer dead-letters it with a logged reason."""

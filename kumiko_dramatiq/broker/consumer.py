@@ -132,7 +132,12 @@ class KumikoConsumer(Consumer):
     def __next__(self) -> Delivery | None:
         try:
             if self._delayed:
-                self._move_due()
+                try:
+                    self._move_due()
+                except redis.RedisError as exc:
+                    # any Redis error (a timeout, a refused write): Dramatiq restarts the
+                    # consumer after its restart delay, and the next one moves what is due
+                    raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
                 return None
             if current_millis() - self._claims_checked_ms >= self.broker.maintenance_interval_ms:
                 self._give_back_lost_claims()
@@ -164,10 +169,10 @@ class KumikoConsumer(Consumer):
         if self._wait_ms != 0:
             self._idle(self._wait_ms)
         result = self.broker.move_due(self.queue_name, MOVE_BATCH)
-        scheduled = 0
+        taken = 0
         if result.legacy:
-            scheduled = self.broker.schedule_legacy(self.queue_name, LEGACY_BATCH)
-        if result.moved >= MOVE_BATCH or scheduled:
+            taken = self.broker.schedule_legacy(self.queue_name, LEGACY_BATCH)
+        if result.moved >= MOVE_BATCH or taken:
             self._wait_ms = 0
         elif result.next_due is None:
             self._wait_ms = None

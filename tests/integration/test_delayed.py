@@ -214,3 +214,24 @@ def test_concurrent_movers_move_each_due_message_exactly_once(
     assert redis_client.zcard(keys.queue_schedule(queue)) == 0
     assert redis_client.hlen(keys.queue_messages(dq)) == 0
     assert runner.status().lanes[0].queued == 3_000
+
+
+def test_a_delayed_message_a_dead_old_worker_held_is_scheduled_and_runs(
+    make_runner: RunnerFactory, recorder: Recorder, redis_client: redis.Redis, prefix: str
+) -> None:
+    # Given an old-style delayed message that a worker of the old version had fetched into its
+    # memory (its id in that worker's ack set of the .DQ list) before it died
+    runner = make_runner(registry(), heartbeat_timeout_ms=2_000, **recorder.hooks())
+    (held,) = write_old_style(runner, SOON_MS, 1)
+    dq_list = keys.queue_list(f"{prefix}-worker.DQ")
+    rid = redis_client.lpop(dq_list)
+    assert isinstance(rid, bytes)
+    old_worker = f"old-{prefix}"
+    redis_client.sadd(keys.consumer_acks(old_worker, f"{prefix}-worker.DQ"), rid)
+    redis_client.zadd(keys.heartbeats(), {old_worker: 1})
+    # When a new worker runs
+    runner.start()
+    # Then Dramatiq's maintenance gives it back to the list, it is scheduled, and it runs once
+    recorder.wait_until(lambda r: bool(r.of("complete")), what="the held message")
+    assert [e.message_id for e in recorder.of("complete")] == [held]
+    assert redis_client.llen(dq_list) == 0

@@ -10,15 +10,16 @@
 -- the id joins the schedule at its due time. An id no longer in the list (an old worker
 -- fetched it meanwhile, and moves it itself) is left alone. One script: a kill neither loses
 -- a message nor schedules it twice. The delay queue's doorbell rings if any was scheduled.
--- Returns how many were scheduled.
+-- Returns how many ids it took off the list (scheduled, or dropped for want of a body).
 -- @include dispatch
 -- @include bell
 local schedule = queue_list .. ":schedule"
-local scheduled = 0
+local scheduled, taken = 0, 0
 for i = 3, #ARGV, 3 do
     local rid = ARGV[i]
     if redis.call("lpos", queue_list, rid, "MAXLEN", 1000) then
         redis.call("lrem", queue_list, 1, rid)
+        taken = taken + 1
         if redis.call("hexists", queue_messages, rid) == 1 then
             redis.call("hset", queue_messages, rid, ARGV[i + 2])
             redis.call("zadd", schedule, tonumber(ARGV[i + 1]), rid)
@@ -29,4 +30,4 @@ end
 if scheduled > 0 then
     ring(queue_list)
 end
-return scheduled
+return taken

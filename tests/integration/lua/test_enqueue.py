@@ -281,7 +281,7 @@ def test_schedule_legacy_moves_listed_ids_onto_the_schedule(env: Env) -> None:
         args=[*env.head(DQ), "d1", 123, "new1", "d2", 5, "", "d4", 7, "new4"],
     )
 
-    assert reply == 1
+    assert reply == 2  # d1 scheduled, d2 dropped
     env.assert_state(
         {
             DQ_LIST: ["d3"],
