@@ -36,6 +36,7 @@ from dramatiq.worker import Worker
 from kumiko_dramatiq import Feature, JobContext, JobRunner, Registry
 from kumiko_dramatiq.ops.history import RunHistory
 
+from .delayed import suite as delayed
 from .harness import (
     Comparison,
     Countdown,
@@ -49,7 +50,6 @@ from .harness import (
 from .latency import LatencyBench
 from .memory import MemoryBench
 from .metrics import MetricsBench
-from .delayed import suite as delayed
 from .plain_actors import suite as plain_actors
 from .typed import TypedBench
 
