@@ -9,6 +9,9 @@ Timing here is only "not before its due time"; lateness is measured in
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -235,3 +238,41 @@ def test_a_delayed_message_a_dead_old_worker_held_is_scheduled_and_runs(
     recorder.wait_until(lambda r: bool(r.of("complete")), what="the held message")
     assert [e.message_id for e in recorder.of("complete")] == [held]
     assert redis_client.llen(dq_list) == 0
+
+
+MOVER = """
+import sys
+from kumiko_dramatiq import JobRunner, Registry
+broker = JobRunner(Registry([]), redis_url=sys.argv[1], queue_prefix=sys.argv[2]).broker
+while True:
+    broker.move_due(sys.argv[3], 7)
+"""
+
+
+def test_a_mover_killed_in_the_middle_loses_and_duplicates_nothing(
+    make_runner: RunnerFactory, redis_client: redis.Redis, redis_url: str, prefix: str
+) -> None:
+    # Given 5,000 due messages on the schedule, and a process moving them 7 at a time
+    runner = make_runner(registry())
+    runner.dispatch_many("later:job:note", [{"n": n} for n in range(5_000)], delay_ms=0)
+    queue, dq = f"{prefix}-worker", f"{prefix}-worker.DQ"
+    mover = subprocess.Popen([sys.executable, "-c", MOVER, redis_url, prefix, dq])
+    try:
+        # When it is killed (kill -9) while it moves them
+        wait_for(lambda: redis_client.llen(keys.queue_list(queue)) >= 300, what="moves")
+        mover.send_signal(signal.SIGKILL)
+        mover.wait()
+        assert redis_client.zcard(keys.queue_schedule(queue)) > 0, "it moved them all first"
+    finally:
+        if mover.poll() is None:
+            mover.kill()
+            mover.wait()
+    # and another mover finishes the work
+    while runner.broker.move_due(dq, 500).moved:
+        pass
+    # Then each message is on the queue exactly once, with its body, and none is left behind
+    listed = [text(rid) for rid in redis_client.lrange(keys.queue_list(queue), 0, -1)]
+    assert len(listed) == len(set(listed)) == 5_000
+    assert redis_client.hlen(keys.queue_messages(queue)) == 5_000
+    assert redis_client.hlen(keys.queue_messages(dq)) == 0
+    assert redis_client.zcard(keys.queue_schedule(queue)) == 0
