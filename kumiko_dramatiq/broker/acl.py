@@ -72,7 +72,7 @@ CLIENT_COMMANDS: Final[dict[str, str]] = {
     "del": "presence records, reset-boot",
     "get": "status, locks, dedup records, dead-letter details",
     "hget": "run records",
-    "hgetall": "run records, dedup records",
+    "hgetall": "run records, dedup records, messages waiting for caps",
     "hkeys": "cancel and dead-letter lookups: the attempts a message has records of",
     "hlen": "status: delayed messages",
     "hmget": "dead letters, run records",

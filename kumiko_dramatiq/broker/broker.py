@@ -147,6 +147,8 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         message_policy: MessagePolicy | None = None,
         run_ttls_ms: tuple[int, int] = (86_400_000, 604_800_000),
         history_cap: int = 100_000,
+        capped_queues: frozenset[str] = frozenset(),
+        slot_ttl_ms: int = 30_000,
     ) -> None:
         super().__init__(  # type: ignore[no-untyped-call]
             client=client,
@@ -175,6 +177,10 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         #: (TTL of completed records, TTL of failed ones) in ms
         self.run_ttls_ms = run_ttls_ms
         self.history_cap = history_cap
+        #: the lane queues of jobs with caps (their fetch keeps the caps, ``lua/include/caps.lua``)
+        #: and the lease TTL of a slot; any other queue's fetch does no cap work at all
+        self.capped_queues = capped_queues
+        self.slot_ttl_ms = slot_ttl_ms
         #: redis ids of delayed messages this process's delay-queue consumers hold, and of
         #: those already moved by ``move`` (their ack on the delay queue has nothing left to do)
         self._identity = (0, "")
@@ -344,7 +350,8 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         """Claim up to ``count`` messages of a lane queue (``lua/fetch_lane.lua``), on
         ``client`` (the calling thread's :meth:`thread_client`) or the broker's pool."""
         completed_ttl, failed_ttl = self.run_ttls_ms
-        fetched, completed, buried, waiting, alone = self._call(
+        capped = queue_name in self.capped_queues
+        reply = self._call(
             self.lua.fetch_lane,
             client,
             keys=[
@@ -358,14 +365,25 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
                 keys.completed(self.queue_prefix, ""),
                 keys.root(self.queue_prefix),
                 self.worker_identity(),
+                *((self.slot_ttl_ms,) if capped else ()),
             ],
         )
+        fetched, completed, buried, waiting, alone = reply[:5]
+        slots: dict[str, tuple[str, str]] = {}
+        caps_due_in_ms = None
+        if capped:
+            taken = reply[5]
+            for i in range(0, len(taken), 3):
+                slots[text(taken[i])] = (text(taken[i + 1]), text(taken[i + 2]))
+            caps_due_in_ms = None if int(reply[6]) < 0 else int(reply[6])
         return LaneFetch(
             fetched=[(text(fetched[i]), fetched[i + 1]) for i in range(0, len(fetched), 2)],
             completed=[text(message_id) for message_id in completed],
             buried=[(text(buried[i]), int(buried[i + 1])) for i in range(0, len(buried), 2)],
             suspects_waiting=int(waiting),
             alone=alone == 1,
+            slots=slots,
+            caps_due_in_ms=caps_due_in_ms,
         )
 
     def worker_identity(self) -> str:
@@ -409,10 +427,12 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         retry: tuple[Message[Any], int | None] | None = None,
         run: RunWrite | None = None,
         client: redis.Redis | None = None,
+        slot: tuple[str, str] | None = None,
     ) -> bool:
         """The outcome of one delivery from a lane queue, in one Lua call
         (``lua/settle.lua``, on ``client``, the calling thread's :meth:`thread_client`, or the
-        broker's pool); ``False`` if the delivery was no longer this worker's and its
+        broker's pool); ``slot``: the (slots key, owner token) of the capped job's slot the
+        delivery holds, given back in the same call; ``False`` if the delivery was no longer this worker's and its
         recovered copy was taken by another worker already (then nothing but its in-flight
         entry, marker and run record was written)."""
         header, record, note = "", "", ""
@@ -436,7 +456,9 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         args = [
             *self._head(queue_name, maintenance=False),
             redis_message_id,
-            f"{outcome} {self.completed_ttl_ms}",
+            f"{outcome} {self.completed_ttl_ms}"
+            if slot is None
+            else f"{outcome} {self.completed_ttl_ms} {slot[1]}",
             header,
             record,
             note,
@@ -452,12 +474,22 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
                 keys.inflight(self.queue_prefix),
                 keys.completed(self.queue_prefix, message_id),
                 keys.suspects(self.queue_prefix, queue_name),
+                *(() if slot is None else (slot[0],)),
             ],
             args=args,
         )
         if done == 1 and retry is not None:
             self.emit_after("enqueue", *retry)
         return bool(done == 1)
+
+    def release_slots(self, queue_name: str, slots: Sequence[tuple[str, str]]) -> None:
+        """Give back capped jobs' slots ((slots key, owner token) each) of deliveries that
+        go back to ``queue_name`` unrun or cut short (``lua/slot_release.lua``)."""
+        if slots:
+            self.lua.slot_release(
+                keys=[key for key, _ in slots],
+                args=[*(token for _, token in slots), queue_list(queue_name, self.namespace)],
+            )
 
     @staticmethod
     def _call(

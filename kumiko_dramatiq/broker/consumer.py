@@ -105,6 +105,10 @@ class KumikoConsumer(Consumer):
         #: (eta, redis id) of the delayed messages held (delay queues; stale entries are
         #: dropped when they reach the top)
         self._etas: list[tuple[int, str]] = []
+        #: the capped jobs' slots the fetches took, by redis id: (slots key, owner token, when
+        #: the fetch was sent); and when waiting capped messages are due a look (local ms)
+        self._cap_leases: dict[str, tuple[str, str, float]] = {}
+        self._caps_due: int | None = None
         #: the doorbell, the connection that waits on it and that connection's client id
         self._bell_key = queue_bell(queue_name, broker.namespace)
         self._bell: redis.Redis | None = None
@@ -146,6 +150,8 @@ class KumikoConsumer(Consumer):
         message comes due, or ``2 * timeout`` ms pass."""
         wait_ms = 2 * self.timeout
         due = self._next_due()
+        if self._caps_due is not None:
+            due = self._caps_due if due is None else min(due, self._caps_due)
         if due is not None:
             wait_ms = min(wait_ms, due - current_millis())
             if wait_ms <= REDIS_TICK_MS:
@@ -252,10 +258,15 @@ class KumikoConsumer(Consumer):
             return bool(fetched)
         if self._alone is not None or (self._suspects_waiting and outstanding):
             return False  # a suspect runs alone, or waits for this consumer to drain
+        sent_at = time.monotonic()
         result = self.broker.fetch_lane(
             self.queue_name, room, outstanding=outstanding, client=self.broker.thread_client()
         )
         self._suspects_waiting = result.suspects_waiting
+        for rid, (slots_key, token) in result.slots.items():
+            self._cap_leases[rid] = (slots_key, token, sent_at)
+        due_in = result.caps_due_in_ms
+        self._caps_due = None if due_in is None else current_millis() + due_in
         for message_id in result.completed:
             logger.warning(
                 "message %s on %s already completed: acked without running it again",
@@ -296,6 +307,9 @@ class KumikoConsumer(Consumer):
             delivery = Delivery(
                 message, fetched_from=self.queue_name, redis_message_id=rid, encoded_bytes=len(body)
             )
+            lease = self._cap_leases.get(rid)
+            if lease is not None:
+                delivery.slot, delivery.slot_sent_at = (lease[0], lease[1]), lease[2]
             if policy is not None:
                 problem = policy.admit(delivery)
         if message is None or delivery is None or problem is not None:
@@ -334,7 +348,15 @@ class KumikoConsumer(Consumer):
             run = None
             if outcome == "dead":
                 run = RunWrite(rid, 0, "", "malformed", "", "", reason[:2_000], "")
-            self.broker.settle(self.queue_name, rid, outcome, message_id=rid, run=run)
+            lease = self._cap_leases.get(rid)
+            self.broker.settle(
+                self.queue_name,
+                rid,
+                outcome,
+                message_id=rid,
+                run=run,
+                slot=None if lease is None else (lease[0], lease[1]),
+            )
         elif outcome == "dead":
             self.broker.do_nack(self.queue_name, rid)
         else:
@@ -348,6 +370,7 @@ class KumikoConsumer(Consumer):
         self._outstanding.discard(rid)
         if settled:
             self._held.discard(rid)
+            self._cap_leases.pop(rid, None)
         if rid == self._alone:
             self._alone = None
         if self._suspects_waiting and not self._outstanding and self._bell is not None:
@@ -371,6 +394,8 @@ class KumikoConsumer(Consumer):
             settlement = message.settlement
             if settlement.requeue:
                 self.broker.do_requeue(self.queue_name, rid)
+                if message.slot is not None:
+                    self.broker.release_slots(self.queue_name, [message.slot])
                 return
             outcome: Outcome = "ack"
             follow_up = settlement.retry or settlement.handoff
@@ -386,6 +411,7 @@ class KumikoConsumer(Consumer):
                 retry=follow_up,
                 run=settlement.run,
                 client=self.broker.thread_client(),
+                slot=message.slot,
             )
             if not owned:
                 logger.warning(
@@ -406,9 +432,14 @@ class KumikoConsumer(Consumer):
         settled = True
         try:
             if self._lane:
-                run = message.settlement.run if isinstance(message, Delivery) else None
+                delivery = message if isinstance(message, Delivery) else None
                 self.broker.settle(
-                    self.queue_name, rid, "dead", message_id=str(message.message_id), run=run
+                    self.queue_name,
+                    rid,
+                    "dead",
+                    message_id=str(message.message_id),
+                    run=None if delivery is None else delivery.settlement.run,
+                    slot=None if delivery is None else delivery.slot,
                 )
             else:
                 self.broker.do_nack(self.queue_name, rid)
@@ -433,6 +464,8 @@ class KumikoConsumer(Consumer):
             return
         try:
             self.broker.do_requeue(self.queue_name, *rids)
+            slots = [lease[:2] for rid in rids if (lease := self._cap_leases.get(rid))]
+            self.broker.release_slots(self.queue_name, slots)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             if not self._delayed:
                 raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]

@@ -255,11 +255,19 @@ class Admin:
         for job in held:
             pipe.llen(keys.parked(self.prefix, job))
             pipe.scard(keys.parked_withdrawn(self.prefix, job))
-        replies = iter(pipe.execute())
+        pipe.hgetall(keys.cap_waits(self.prefix))
+        *counts, cap_waits = pipe.execute()
+        replies = iter(counts)
+        # messages waiting for a cap (max_running, rate_limit) are queued, on their job's lane
+        capped_by_lane: dict[str, int] = {}
+        for job_name, count in cap_waits.items():
+            declared = self.registry.jobs.get(text(job_name))
+            lane_name = "worker" if declared is None else declared.options.run_in
+            capped_by_lane[lane_name] = capped_by_lane.get(lane_name, 0) + max(0, int(count))
         lanes = []
         for lane, queue in zip(LANES, self.lane_queues, strict=True):
             # ids cancel withdrew stay in the lists until a fetch meets them: not counted
-            listed = int(next(replies)) + int(next(replies))
+            listed = int(next(replies)) + int(next(replies)) + capped_by_lane.get(lane, 0)
             queued = max(0, listed - int(next(replies)))
             delayed = int(next(replies))
             dead = int(next(replies))

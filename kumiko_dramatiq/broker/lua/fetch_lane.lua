@@ -20,9 +20,15 @@
 -- the max is dead-lettered, its run record "dead" ("worker died during N deliveries"). The
 -- queue's doorbell rings when a suspect is left waiting for an idle consumer, or a full batch
 -- (or a suspect claimed alone) left messages behind.
+-- ARGV[7] (lanes with capped jobs only) the lease TTL ms of a slot: a message whose job is at
+--         one of its caps (include/caps.lua) is not claimed but waits in its group's list;
+--         the groups due are looked at first (their oldest waiters claimed as room allows)
 -- Returns {{rid, body, ...}, {message ids acked as already completed},
---          {rid, deliveries, ...} dead-lettered, suspects waiting, 1 if a suspect was claimed}.
+--          {rid, deliveries, ...} dead-lettered, suspects waiting, 1 if a suspect was claimed,
+--          {rid, slots key, owner token, ...} slots taken, ms until a waiting group is due
+--          (-1: none; with ARGV[7] only)}.
 -- @include dispatch
+-- @include caps
 -- @include dead_letter
 -- @include history
 -- @include bell
@@ -37,6 +43,13 @@ local done_prefix, root, run_worker = ARGV[4], ARGV[5], ARGV[6]
 local fetched, dropped, buried = {}, {}, {}
 local alone = 0
 local any_paused = redis.call("scard", root .. "paused") > 0
+local caps_ttl = tonumber(ARGV[7] or "")
+local slots, caps_t, parked_here = {}, 0, 0
+-- a fetch sets at most this many messages waiting (then rings for the next fetch to go on)
+local CAPS_PARK_BOUND = 64
+if caps_ttl then
+    caps_t = caps_clock_ms()
+end
 
 -- the job of an encoded message, if it is one of a paused job's ("<job>" or nil)
 local function paused_job(body)
@@ -96,6 +109,101 @@ local function claim(rid, seen)
     return true
 end
 
+-- claim rid unless its job is at a cap (then it waits); a waiter (waiting) is claimed only
+-- when its cap has room, else nothing is written and false returned
+local function claim_capped(rid, seen, cap)
+    if not cap then
+        return claim(rid, seen)
+    end
+    local group, check_at = caps_blocked(root, cap, caps_t)
+    if group then
+        caps_park(root, group, rid, check_at)
+        parked_here = parked_here + 1
+        return false
+    end
+    if claim(rid, seen) then
+        local token = rid .. "#" .. (seen + 1)
+        caps_take(root, cap, token, caps_t, caps_ttl)
+        if cap.n then
+            slots[#slots + 1] = rid
+            slots[#slots + 1] = root .. "slots:" .. cap.job
+            slots[#slots + 1] = token
+        end
+        return true
+    end
+    return false
+end
+
+local function cap_of_rid(rid)
+    if not caps_ttl then
+        return nil
+    end
+    return caps_of(redis.call("hget", queue_messages, rid))
+end
+
+local function has_room()
+    return alone == 0 and #fetched < 2 * wanted
+end
+
+-- the oldest waiters of group, claimed while their caps and this fetch have room
+local function serve(group)
+    local list = root .. "capwait:" .. group
+    while true do
+        local rid = redis.call("lindex", list, 0)
+        if not rid then
+            redis.call("zrem", root .. "capwaiting", group)
+            return
+        end
+        local body = redis.call("hget", queue_messages, rid)
+        local cap = caps_of(body)
+        local moved_to, check_at = nil, nil
+        if cap then
+            if not caps_slot_free(root, cap, caps_t) then
+                moved_to, check_at = cap.job, caps_next_expiry(root, cap.job)
+            else
+                local due = caps_rate_due(root, cap, caps_t)
+                if due > 0 then
+                    moved_to, check_at = cap.group, due
+                end
+            end
+        end
+        if moved_to == group then
+            redis.call("zadd", root .. "capwaiting", check_at, group)
+            return
+        end
+        if not moved_to and not has_room() then
+            redis.call("zadd", root .. "capwaiting", 0, group)
+            ring(queue_list)
+            return
+        end
+        redis.call("lpop", list)
+        redis.call("hincrby", root .. "capwaits", caps_job_of(group), -1)
+        if moved_to then
+            caps_park(root, moved_to, rid, check_at)
+        elseif not body then
+            if withdrawn(rid) then
+                redis.call("hdel", inflight, rid)
+            end
+        else
+            local seen = inflight_count(redis.call("hget", inflight, rid))
+            if seen > 0 then
+                redis.call("rpush", suspects, rid)
+            elseif cap then
+                if claim(rid, 0) then
+                    caps_take(root, cap, rid .. "#1", caps_t, caps_ttl)
+                    if cap.n then
+                        slots[#slots + 1] = rid
+                        slots[#slots + 1] = root .. "slots:" .. cap.job
+                        slots[#slots + 1] = rid .. "#1"
+                    end
+                end
+            else
+                claim(rid, 0)
+            end
+        end
+    end
+end
+
 -- a suspect: bury it, run it alone, or set it aside
 local function suspect(rid, seen)
     if seen >= max_deliveries then
@@ -115,7 +223,7 @@ local function suspect(rid, seen)
             }), "PX", dead_ttl)
         end
     elseif idle and #fetched == 0 and alone == 0 then
-        if claim(rid, seen) then
+        if claim_capped(rid, seen, cap_of_rid(rid)) then
             alone = 1
         end
     else
@@ -123,6 +231,12 @@ local function suspect(rid, seen)
     end
 end
 
+if caps_ttl then
+    local due = redis.call("zrangebyscore", root .. "capwaiting", "-inf", caps_t, "LIMIT", 0, 8)
+    for _, group in ipairs(due) do
+        serve(group)
+    end
+end
 if idle then
     while alone == 0 do
         local rid = redis.call("lpop", suspects)
@@ -132,7 +246,7 @@ if idle then
         suspect(rid, inflight_count(redis.call("hget", inflight, rid)))
     end
 end
-while alone == 0 and #fetched < 2 * wanted do
+while alone == 0 and #fetched < 2 * wanted and parked_here < CAPS_PARK_BOUND do
     local rid = redis.call("lpop", queue_list)
     if not rid then
         break
@@ -141,12 +255,20 @@ while alone == 0 and #fetched < 2 * wanted do
     if seen > 0 then
         suspect(rid, seen)
     else
-        claim(rid, 0)
+        claim_capped(rid, 0, cap_of_rid(rid))
     end
 end
 local waiting = redis.call("llen", suspects)
-local full = #fetched >= 2 * wanted or alone == 1
+local full = #fetched >= 2 * wanted or alone == 1 or parked_here >= CAPS_PARK_BOUND
 if (waiting > 0 and not idle) or (full and redis.call("llen", queue_list) > 0) then
     ring(queue_list)
 end
-return {fetched, dropped, buried, waiting, alone}
+if not caps_ttl then
+    return {fetched, dropped, buried, waiting, alone}
+end
+local next_due = redis.call("zrange", root .. "capwaiting", 0, 0, "WITHSCORES")
+local due_in = -1
+if next_due[2] then
+    due_in = math.max(0, tonumber(next_due[2]) - caps_t)
+end
+return {fetched, dropped, buried, waiting, alone, slots, due_in}

@@ -1,10 +1,13 @@
 -- settle: the outcome of one delivery from a kumiko lane queue, in one step.
 -- KEYS[1] namespace   KEYS[2] in-flight hash (see fetch_lane)   KEYS[3] "already completed"
 -- marker of the message id (written only for outcome "completed")   KEYS[4] the queue's
--- suspects list (see fetch_lane)
+-- suspects list (see fetch_lane)   KEYS[5] (a run holding a slot of a capped job only) the
+-- job's slots (include/caps.lua)
 -- ARGV[1..2] dispatch head (see include/dispatch.lua)
--- ARGV[3] redis message id   ARGV[4] "<outcome> <marker TTL ms>", outcome "ack" |
---         "completed" | "retry" (a failed attempt's retry, or a sequential hand-off) | "dead"
+-- ARGV[3] redis message id   ARGV[4] "<outcome> <marker TTL ms>[ <slot token>]", outcome
+--         "ack" | "completed" | "retry" (a failed attempt's retry, or a sequential hand-off) |
+--         "dead"; the slot token with KEYS[5]: the slot is given back (whoever's delivery it
+--         is now: the token is this delivery's own) and the job's waiters looked at at once
 -- ARGV[5] the run record's header, tab-separated, or "" for none: kumiko root
 --         "kumiko:<prefix>:", message id, attempt, job, status, tenant ("" = none), origin id,
 --         TTL ms of completed and cancelled records, TTL ms of failed ones, record cap, trim
@@ -33,8 +36,9 @@
 -- @include dead_letter
 -- @include ttl
 -- @include history
+-- @include caps
 local rid = ARGV[3]
-local outcome, marker_ttl = string.match(ARGV[4], "^(%a+) (%d+)$")
+local outcome, marker_ttl, slot_token = string.match(ARGV[4], "^(%a+) (%d+) ?(.*)$")
 if outcome == "completed" then
     ttl_ms(marker_ttl, "completed marker")
 end
@@ -100,6 +104,9 @@ if root then
         trim_runs(root, tonumber(cap), tonumber(trim), completed_ttl, failed_ttl, now,
             indexed_job)
     end
+end
+if KEYS[5] then
+    caps_release(KEYS[5], slot_token, queue_list)
 end
 if not mine then
     return 0
