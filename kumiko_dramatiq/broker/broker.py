@@ -432,9 +432,9 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         """The outcome of one delivery from a lane queue, in one Lua call
         (``lua/settle.lua``, on ``client``, the calling thread's :meth:`thread_client`, or the
         broker's pool); ``slot``: the (slots key, owner token) of the capped job's slot the
-        delivery holds, given back in the same call; ``False`` if the delivery was no longer this worker's and its
-        recovered copy was taken by another worker already (then nothing but its in-flight
-        entry, marker and run record was written)."""
+        delivery holds, given back in the same call. ``False`` if the delivery was no longer
+        this worker's and its recovered copy was taken by another worker already (then nothing
+        but its in-flight entry, marker, run record and slot was written)."""
         header, record, note = "", "", ""
         if run is not None:
             trim = TRIM_BUDGET if random.random() < 1 / TRIM_BUDGET else 0
