@@ -8,9 +8,15 @@ the cap allows, no attempt is spent waiting, and nothing is lost.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +31,7 @@ from kumiko_dramatiq import (
     build_message_options,
 )
 from kumiko_dramatiq.broker import keys
+from tests.apps import caps_app
 from tests.conftest import Recorder, RunnerFactory, wait_for
 
 JOB = "caps:job:work"
@@ -236,3 +243,281 @@ def test_invalid_caps_are_one_config_error(options: dict[str, Any], match: str) 
         feature.job("bad", **options)
     assert "\n" not in str(caught.value)
     assert "caps:job:bad" in str(caught.value)
+
+
+# -- CLI workers in several processes ----------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _events(client: redis.Redis, prefix: str) -> list[dict[str, Any]]:
+    return [json.loads(raw) for raw in client.lrange(caps_app.events_key(prefix), 0, -1)]
+
+
+def _peak(events: list[dict[str, Any]]) -> int:
+    """The most runs that overlapped at any instant (an end and a start at the same instant
+    do not overlap)."""
+    running = peak = 0
+    for event in sorted(events, key=lambda e: (e["at"], e["event"] == "start")):
+        running += 1 if event["event"] == "start" else -1
+        peak = max(peak, running)
+    return peak
+
+
+@pytest.fixture
+def workers() -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _spawn(env: dict[str, str], log: Path, *args: str) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "dramatiq", "kumiko_dramatiq.app", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _env(redis_url: str, prefix: str, **extra: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "KUMIKO_APP": "tests.apps.caps_app:registry",
+        "KUMIKO_REDIS_URL": redis_url,
+        "KUMIKO_QUEUE_PREFIX": prefix,
+        "PYTHONPATH": str(ROOT),
+        **extra,
+    }
+
+
+@pytest.mark.slow
+def test_cli_workers_in_several_processes_never_exceed_the_cap(
+    make_runner: RunnerFactory,
+    prefix: str,
+    redis_url: str,
+    redis_client: redis.Redis,
+    workers: list[subprocess.Popen[bytes]],
+    tmp_path: Path,
+) -> None:
+    producer = make_runner(caps_app.registry)
+    for n in range(24):
+        producer.dispatch(caps_app.JOB, {"name": f"m{n}", "hold_s": 0.05})
+    env = _env(redis_url, prefix)
+    for i in range(3):
+        workers.append(_spawn(env, tmp_path / f"w{i}.log", "-p", "2", "-t", "3"))
+    wait_for(
+        lambda: len([e for e in _events(redis_client, prefix) if e["event"] == "end"]) == 24,
+        timeout_s=90,
+        what="24 runs to end",
+    )
+    events = _events(redis_client, prefix)
+    assert _peak(events) <= caps_app.MAX_RUNNING
+    assert len({e["pid"] for e in events}) >= 2  # the runs were spread over processes
+    assert all(e["attempt"] == 1 for e in events)  # waiting spent no attempt
+    assert sorted(e["name"] for e in events if e["event"] == "start") == sorted(
+        f"m{n}" for n in range(24)
+    )
+
+
+@pytest.mark.slow
+def test_a_slot_held_by_a_killed_worker_comes_back_within_its_lease(
+    make_runner: RunnerFactory,
+    prefix: str,
+    redis_url: str,
+    redis_client: redis.Redis,
+    workers: list[subprocess.Popen[bytes]],
+    tmp_path: Path,
+) -> None:
+    env = _env(redis_url, prefix, KUMIKO_LOCK_TTL_MS="3000", KUMIKO_HEARTBEAT_TIMEOUT_MS="5000")
+    slots = keys.cap_slots(prefix, caps_app.JOB)
+    producer = make_runner(caps_app.registry)
+
+    # Given a worker process whose runs hold both slots of the job (with a thread to spare)
+    workers.append(_spawn(env, tmp_path / "first.log", "-p", "1", "-t", "4"))
+    for name in ("held-1", "held-2"):
+        producer.dispatch(caps_app.JOB, {"name": name, "hold": True})
+    wait_for(lambda: len(_events(redis_client, prefix)) == 2, what="both held runs to start")
+    holder_pid = _events(redis_client, prefix)[0]["pid"]
+    assert redis_client.zcard(slots) == 2
+    # and a message that waits for a slot
+    producer.dispatch(caps_app.JOB, {"name": "next"})
+    wait_for(
+        lambda: redis_client.llen(keys.cap_wait(prefix, caps_app.JOB)) == 1,
+        what="the next message to wait",
+    )
+
+    # When that worker is killed with SIGKILL
+    os.killpg(workers[0].pid, signal.SIGKILL)
+    workers[0].wait(timeout=10)
+    killed_at = time.monotonic()
+    redis_client.set(caps_app.release_key(prefix), 1)
+
+    # Then another worker runs the waiting message once the dead worker's leases ran out
+    workers.append(_spawn(env, tmp_path / "second.log", "-p", "1", "-t", "2"))
+    wait_for(
+        lambda: any(
+            e["name"] == "next" and e["event"] == "end" for e in _events(redis_client, prefix)
+        ),
+        timeout_s=30,
+        what="the waiting run in the second worker",
+    )
+    nexts = [e for e in _events(redis_client, prefix) if e["name"] == "next"]
+    assert nexts[0]["pid"] != holder_pid
+    assert nexts[0]["at"] - killed_at >= 0  # not before the kill, of course
+    # and nothing is lost: the killed runs are redelivered and run again (no attempt spent)
+    wait_for(
+        lambda: (
+            {
+                e["name"]
+                for e in _events(redis_client, prefix)
+                if e["event"] == "end" and e["pid"] != holder_pid
+            }
+            >= {"held-1", "held-2", "next"}
+        ),
+        timeout_s=60,
+        what="the killed runs to run again",
+    )
+    events = [e for e in _events(redis_client, prefix) if e["pid"] != holder_pid]
+    assert all(e["attempt"] == 1 for e in events)
+    assert _peak(events) <= caps_app.MAX_RUNNING
+    wait_for(lambda: redis_client.zcard(slots) == 0, what="every slot back")
+
+
+# -- leases: renewed while the run lasts, fenced when they cannot be -----------------------------
+def test_a_run_longer_than_the_lease_keeps_its_slot(
+    make_runner: RunnerFactory, recorder: Recorder, redis_client: redis.Redis, prefix: str
+) -> None:
+    ledger = Ledger()
+    registry = capped(ledger, hold_s=0.05, max_running=1)
+    runner = make_runner(registry, lock_ttl_ms=300, worker_threads=3, **recorder.hooks())
+    runner.dispatch(JOB, {"n": 0, "hold_s": 1.2})  # four leases long
+    for n in range(1, 4):
+        runner.dispatch(JOB, {"n": n})
+    runner.start()
+    recorder.wait_until(lambda r: len(r.of("complete", JOB)) == 4, timeout_s=30)
+    assert ledger.peak == 1
+    assert [e.meta.attempt for e in recorder.of("start", JOB)] == [1, 1, 1, 1]
+
+
+def test_a_run_whose_slot_was_taken_away_is_interrupted_and_runs_again(
+    make_runner: RunnerFactory, recorder: Recorder, redis_client: redis.Redis, prefix: str
+) -> None:
+    ledger = Ledger()
+    feature = Feature("caps")
+    first = threading.Event()
+
+    @feature.job("work", max_running=1)
+    def work(payload: dict[str, Any], ctx: JobContext) -> None:
+        ledger.start(ctx.message_id)
+        try:
+            if not first.is_set():
+                first.set()
+                for _ in range(600):  # interrupted by the fence long before (between sleeps:
+                    time.sleep(0.05)  # a blocking C call would end the process instead)
+        finally:
+            ledger.end(ctx.message_id)
+
+    runner = make_runner(Registry([feature]), lock_ttl_ms=600, worker_threads=2, **recorder.hooks())
+    message_id = runner.dispatch(JOB, {})
+    runner.start()
+    slots = keys.cap_slots(prefix, JOB)
+    wait_for(first.is_set, what="the run to start")
+    # the lease is lost (as when it ran out while the holder was cut off from Redis)
+    redis_client.delete(slots)
+    recorder.wait_until(lambda r: len(r.of("complete", JOB)) == 1, timeout_s=30)
+    starts = recorder.of("start", JOB)
+    assert [e.message_id for e in starts] == [message_id, message_id]
+    assert [e.meta.attempt for e in starts] == [1, 1]  # the cut-short run spent no attempt
+    assert recorder.of("failed", JOB) == []
+    wait_for(lambda: redis_client.zcard(slots) == 0, what="slots back")
+
+
+def test_sequential_and_max_running_combine(make_runner: RunnerFactory, recorder: Recorder) -> None:
+    ledger = Ledger()
+    tenants = ["a", "b", "c", "d"]
+    feature = Feature("caps")
+    by_tenant: dict[str, int] = {}
+    lock = threading.Lock()
+
+    @feature.job("work", per_tenant=True, concurrency="sequential", max_running=2)
+    def work(payload: dict[str, Any], ctx: JobContext) -> None:
+        assert ctx.tenant_id is not None
+        with lock:
+            by_tenant[ctx.tenant_id] = by_tenant.get(ctx.tenant_id, 0) + 1
+            assert by_tenant[ctx.tenant_id] == 1
+        ledger.start(ctx.message_id)
+        time.sleep(0.1)
+        ledger.end(ctx.message_id)
+        with lock:
+            by_tenant[ctx.tenant_id] -= 1
+
+    runner = make_runner(
+        Registry([feature]),
+        worker_threads=6,
+        get_active_tenant_ids=lambda: tenants,
+        sequential_retry_delay_ms=50,
+        **recorder.hooks(),
+    )
+    for _ in range(3):
+        runner.dispatch(JOB, {})
+    runner.start()
+    recorder.wait_until(
+        lambda r: len([e for e in r.of("complete", JOB) if e.meta.tenant_id]) == 12,
+        timeout_s=60,
+    )
+    assert ledger.peak <= 2
+    assert recorder.of("failed", JOB) == []
+
+
+# -- operating: waiting messages are queued, can be cancelled and paused; retries obey ------
+def test_a_waiting_message_can_be_cancelled(
+    make_runner: RunnerFactory, recorder: Recorder, redis_client: redis.Redis, prefix: str
+) -> None:
+    ledger = Ledger()
+    registry = capped(ledger, hold_s=0.3, max_running=1)
+    runner = make_runner(registry, worker_threads=3, **recorder.hooks())
+    first = runner.dispatch(JOB, {"n": 0})
+    waiting = runner.dispatch(JOB, {"n": 1})
+    last = runner.dispatch(JOB, {"n": 2})
+    runner.start()
+    wait_for(lambda: redis_client.llen(keys.cap_wait(prefix, JOB)) == 2, what="two waiting")
+    assert runner.cancel(waiting) is True
+    recorder.wait_until(lambda r: len(r.of("complete", JOB)) == 2, timeout_s=30)
+    assert [e.message_id for e in recorder.of("start", JOB)] == [first, last]
+    runner.drain(timeout_s=30)
+    assert int(redis_client.hget(keys.cap_waits(prefix), JOB) or 0) == 0
+
+
+def test_a_dead_letter_retried_obeys_the_cap(
+    make_runner: RunnerFactory, recorder: Recorder, redis_client: redis.Redis, prefix: str
+) -> None:
+    ledger = Ledger()
+    healed = threading.Event()
+    registry = capped(
+        ledger,
+        hold_s=0.1,
+        max_running=1,
+        fail=lambda p: p.get("fail", False) and not healed.is_set(),
+    )
+    runner = make_runner(registry, worker_threads=4, **recorder.hooks())
+    dead = runner.dispatch(JOB, {"n": 0, "fail": True})
+    runner.start()
+    recorder.wait_until(lambda r: len(r.of("failed", JOB)) == 1)
+    runner.drain(timeout_s=30)
+    for n in range(1, 4):
+        runner.dispatch(JOB, {"n": n, "hold_s": 0.2})
+    healed.set()
+    runner.retry_dead(dead)
+    recorder.wait_until(lambda r: len(r.of("complete", JOB)) == 4, timeout_s=30)
+    assert ledger.peak == 1
