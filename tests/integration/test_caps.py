@@ -290,6 +290,20 @@ def _spawn(env: dict[str, str], log: Path, *args: str) -> subprocess.Popen[bytes
         )
 
 
+def _kumiko(env: dict[str, str], *args: str) -> Any:
+    done = subprocess.run(
+        [sys.executable, "-m", "kumiko_dramatiq.ops.cli", *args, "--json"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
 def _env(redis_url: str, prefix: str, **extra: str) -> dict[str, str]:
     return {
         **os.environ,
@@ -356,6 +370,20 @@ def test_a_slot_held_by_a_killed_worker_comes_back_within_its_lease(
         lambda: redis_client.llen(keys.cap_wait(prefix, caps_app.JOB)) == 1,
         what="the next message to wait",
     )
+
+    # (the slot holders show in `kumiko locks`, the caps and how full they are in `kumiko
+    # jobs`, the waiting message as queued in `kumiko status`)
+    held = _kumiko(env, "locks")["locks"]
+    assert sorted((lock["kind"], lock["job_name"]) for lock in held) == [
+        ("slot", caps_app.JOB),
+        ("slot", caps_app.JOB),
+    ]
+    assert {lock["worker"].rpartition(":")[2] for lock in held} == {str(holder_pid)}
+    assert all(lock["worker_alive"] and lock["expires_in_ms"] > 0 for lock in held)
+    (job,) = _kumiko(env, "jobs")["jobs"]
+    assert (job["max_running"], job["running_slots"], job["cap_waiting"]) == (2, 2, 1)
+    lanes = {lane["lane"]: lane for lane in _kumiko(env, "status")["lanes"]}
+    assert (lanes["worker"]["queued"], lanes["worker"]["running"]) == (1, 2)
 
     # When that worker is killed with SIGKILL
     os.killpg(workers[0].pid, signal.SIGKILL)
