@@ -172,7 +172,7 @@ class JobRunner:
             capped_queues=frozenset(
                 job.queue_name(settings.queue_prefix)
                 for job in registry.jobs.values()
-                if job.options.max_running is not None or job.options.rate_limit is not None
+                if job.is_capped
             ),
             slot_ttl_ms=settings.lock_ttl_ms,
             message_policy=KumikoMessages(

@@ -362,11 +362,7 @@ class Admin:
 
     def capped_jobs(self) -> list[JobDefinition]:
         """The declared jobs with a cap (``max_running`` or ``rate_limit``)."""
-        return [
-            job
-            for job in self.registry.jobs.values()
-            if job.options.max_running is not None or job.options.rate_limit is not None
-        ]
+        return [job for job in self.registry.jobs.values() if job.is_capped]
 
     def caps_fullness(self) -> dict[str, dict[str, int]]:
         """Per capped job: ``running_slots`` (live slot leases), ``rate_window_starts``

@@ -549,3 +549,34 @@ def test_a_dead_letter_retried_obeys_the_cap(
     runner.retry_dead(dead)
     recorder.wait_until(lambda r: len(r.of("complete", JOB)) == 4, timeout_s=30)
     assert ledger.peak == 1
+
+
+def test_metrics_show_each_cap_and_how_full_it_is(
+    make_runner: RunnerFactory, recorder: Recorder, redis_client: redis.Redis, prefix: str
+) -> None:
+    from kumiko_dramatiq.ops.exposition import DatasetCollector
+
+    release = threading.Event()
+    feature = Feature("caps")
+
+    @feature.job("work", max_running=1, rate_limit=RateLimit(100, 60_000))
+    def work(payload: dict[str, Any], ctx: JobContext) -> None:
+        release.wait(30)
+
+    registry = Registry([feature])
+    runner = make_runner(registry, worker_threads=3, **recorder.hooks())
+    for _ in range(3):
+        runner.dispatch(JOB, {})
+    runner.start()
+    try:
+        wait_for(lambda: redis_client.llen(keys.cap_wait(prefix, JOB)) == 2, what="two waiting")
+        reading = DatasetCollector(runner.broker, registry).read()
+        assert reading.caps == {JOB: (1, 1, 1, 2)}
+        assert reading.messages[("worker", "queued")] == 2
+        assert reading.messages[("worker", "running")] == 1
+        (info,) = runner.jobs()
+        assert (info.max_running, info.rate_limit) == (1, "100 per 60000 ms")
+        assert (info.running_slots, info.rate_window_starts, info.cap_waiting) == (1, 1, 2)
+    finally:
+        release.set()
+    runner.drain(timeout_s=30)
