@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from kumiko_dramatiq import Feature, JobContext, JobRunner, RateLimit, Registry
 
-from .harness import Comparison, Countdown, alternate, percentile, timed
+from .harness import Comparison, Countdown, percentile, timed
 
 if TYPE_CHECKING:
     from .run import Bench
