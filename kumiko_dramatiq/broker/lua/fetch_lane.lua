@@ -177,7 +177,7 @@ local function serve(group)
             return
         end
         redis.call("lpop", list)
-        redis.call("hincrby", root .. "capwaits", caps_job_of(group), -1)
+        caps_unwait(root, group)
         if moved_to then
             caps_park(root, moved_to, rid, check_at)
         elseif not body then

@@ -120,6 +120,14 @@ local function caps_due_by(root, group, check_at)
     end
 end
 
+-- one message of group's job no longer waits (the count's field goes at 0)
+local function caps_unwait(root, group)
+    local job = caps_job_of(group)
+    if redis.call("hincrby", root .. "capwaits", job, -1) <= 0 then
+        redis.call("hdel", root .. "capwaits", job)
+    end
+end
+
 -- rid waits at the end of group's list, looked at by check_at at the latest
 local function caps_park(root, group, rid, check_at)
     redis.call("rpush", root .. "capwait:" .. group, rid)
