@@ -488,7 +488,11 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         if slots:
             self.lua.slot_release(
                 keys=[key for key, _ in slots],
-                args=[*(token for _, token in slots), queue_list(queue_name, self.namespace)],
+                args=[
+                    queue_name,
+                    queue_list(queue_name, self.namespace),
+                    *(token for _, token in slots),
+                ],
             )
 
     @staticmethod

@@ -211,10 +211,10 @@ def cap_wait(queue_prefix: str, group: str) -> str:
     return f"{_root(queue_prefix)}:capwait:{group}"
 
 
-def cap_waiting(queue_prefix: str) -> str:
-    """Sorted set of the waiting groups that hold messages, scored by when the fetch should
-    look at them next (ms, Redis's clock; 0 = now: a slot was given back)."""
-    return f"{_root(queue_prefix)}:capwaiting"
+def cap_waiting(queue_prefix: str, queue_name: str) -> str:
+    """Sorted set of a lane queue's waiting groups that hold messages, scored by when its
+    fetch should look at them next (ms, Redis's clock; 0 = now: a slot was given back)."""
+    return f"{_root(queue_prefix)}:capwaiting:{queue_name}"
 
 
 def cap_waits(queue_prefix: str) -> str:

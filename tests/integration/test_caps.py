@@ -580,3 +580,60 @@ def test_metrics_show_each_cap_and_how_full_it_is(
     finally:
         release.set()
     runner.drain(timeout_s=30)
+
+
+def test_capped_jobs_of_both_lanes_wait_on_their_own_lane(
+    make_runner: RunnerFactory, recorder: Recorder
+) -> None:
+    ledgers = {"worker": Ledger(), "api": Ledger()}
+    feature = Feature("caps")
+    for lane in ("worker", "api"):
+
+        def work(payload: dict[str, Any], ctx: JobContext, lane: str = lane) -> None:
+            ledgers[lane].start(ctx.message_id)
+            time.sleep(0.05)
+            ledgers[lane].end(ctx.message_id)
+
+        feature.job(lane, run_in=lane, max_running=1)(work)
+    registry = Registry([feature])
+    runners = [
+        make_runner(registry, lane=lane, worker_threads=3, **recorder.hooks())
+        for lane in ("worker", "api")
+    ]
+    for n in range(6):
+        runners[0].dispatch("caps:job:worker", {"n": n})
+        runners[0].dispatch("caps:job:api", {"n": n})
+    for runner in runners:
+        runner.start()
+    recorder.wait_until(lambda r: len(r.of("complete")) == 12, timeout_s=30)
+    assert ledgers["worker"].peak == ledgers["api"].peak == 1
+
+
+def test_a_fetch_with_a_suspect_and_a_due_waiter_claims_one_and_returns(
+    make_runner: RunnerFactory, redis_client: redis.Redis, prefix: str
+) -> None:
+    """A suspect (its worker died while it ran) is claimed only by a fetch that claimed
+    nothing else, so the suspects come before the waiters: a waiter claimed first used to
+    send the suspect round the suspects list for ever, inside one script."""
+    registry = capped(Ledger(), max_running=1)
+    runner = make_runner(registry)
+    suspect_id, waiter_id = (runner.dispatch(JOB, {"n": n}) for n in range(2))
+    broker = runner.broker
+    queue = registry.jobs[JOB].queue_name(prefix)
+    listed = keys.queue_list(queue)
+    suspect_rid, waiter_rid = (
+        redis_client.lindex(listed, 0).decode(),
+        redis_client.lindex(listed, 1).decode(),
+    )
+    redis_client.delete(listed)
+    redis_client.rpush(keys.suspects(prefix, queue), suspect_rid)
+    redis_client.hset(keys.inflight(prefix), suspect_rid, "1|0|elsewhere:1")
+    redis_client.rpush(keys.cap_wait(prefix, JOB), waiter_rid)
+    redis_client.zadd(keys.cap_waiting(prefix, queue), {JOB: 0})
+    redis_client.hset(keys.cap_waits(prefix), JOB, 1)
+    fetched = broker.fetch_lane(queue, 4, outstanding=0)
+    # the waiter was first in line: the suspect waits behind it
+    assert [rid for rid, _ in fetched.fetched] == [waiter_rid]
+    assert list(fetched.slots) == [waiter_rid]
+    assert redis_client.lrange(keys.cap_wait(prefix, JOB), 0, -1) == [suspect_rid.encode()]
+    assert (suspect_id, waiter_id) != ("", "")

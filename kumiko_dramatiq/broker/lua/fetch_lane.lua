@@ -151,7 +151,7 @@ local function serve(group)
     while true do
         local rid = redis.call("lindex", list, 0)
         if not rid then
-            redis.call("zrem", root .. "capwaiting", group)
+            redis.call("zrem", caps_waiting(root), group)
             return
         end
         local body = redis.call("hget", queue_messages, rid)
@@ -168,11 +168,11 @@ local function serve(group)
             end
         end
         if moved_to == group then
-            redis.call("zadd", root .. "capwaiting", check_at, group)
+            redis.call("zadd", caps_waiting(root), check_at, group)
             return
         end
         if not moved_to and not has_room() then
-            redis.call("zadd", root .. "capwaiting", 0, group)
+            redis.call("zadd", caps_waiting(root), 0, group)
             ring(queue_list)
             return
         end
@@ -231,12 +231,6 @@ local function suspect(rid, seen)
     end
 end
 
-if caps_ttl then
-    local due = redis.call("zrangebyscore", root .. "capwaiting", "-inf", caps_t, "LIMIT", 0, 8)
-    for _, group in ipairs(due) do
-        serve(group)
-    end
-end
 if idle then
     while alone == 0 do
         local rid = redis.call("lpop", suspects)
@@ -244,6 +238,14 @@ if idle then
             break
         end
         suspect(rid, inflight_count(redis.call("hget", inflight, rid)))
+    end
+end
+-- the waiters whose caps may have room now, before newer messages (after the suspects: a
+-- suspect is only claimed by a fetch that has claimed nothing else)
+if caps_ttl then
+    local due = redis.call("zrangebyscore", caps_waiting(root), "-inf", caps_t, "LIMIT", 0, 8)
+    for _, group in ipairs(due) do
+        serve(group)
     end
 end
 while alone == 0 and #fetched < 2 * wanted and parked_here < CAPS_PARK_BOUND do
@@ -266,7 +268,7 @@ end
 if not caps_ttl then
     return {fetched, dropped, buried, waiting, alone}
 end
-local next_due = redis.call("zrange", root .. "capwaiting", 0, 0, "WITHSCORES")
+local next_due = redis.call("zrange", caps_waiting(root), 0, 0, "WITHSCORES")
 local due_in = -1
 if next_due[2] then
     due_in = math.max(0, tonumber(next_due[2]) - caps_t)

@@ -7,13 +7,22 @@
 --                          rate limit's window (a sliding window: at most count in any per_ms)
 --   <root>capwait:<group>  list: redis ids waiting for the group's caps, oldest first (their
 --                          bodies stay in the queue's hash; not claimed, no attempt spent)
---   <root>capwaiting       sorted set: group -> when the fetch should look at it next (the
---                          earliest lease expiry, the rate window's next opening, or 0 once
---                          a slot was given back)
+--   <root>capwaiting:<queue>  sorted set, per lane queue: group -> when the fetch should
+--                          look at it next (the earliest lease expiry, the rate window's next
+--                          opening, or 0 once a slot was given back)
 --   <root>capwaits         hash: job -> messages waiting (every group of it)
 -- A message carries its job's caps in its options (kumiko_caps, codec.py); a per-tenant
--- wrapper (actor "<job>:fanout") takes none. Times come from Redis's clock (TIME).
+-- wrapper (actor "<job>:fanout") takes none. Times come from Redis's clock (TIME). Every
+-- script that includes this piece has the lane queue's name as ARGV[1] (the broker commands'
+-- convention, include/dispatch.lua).
 -- @include bell
+
+local caps_queue = ARGV[1]
+
+-- the queue's sorted set of waiting groups
+local function caps_waiting(root)
+    return root .. "capwaiting:" .. caps_queue
+end
 
 local function caps_clock_ms()
     local now_time = redis.call("time")
@@ -113,7 +122,7 @@ end
 
 -- look at group by check_at at the latest (nil: keep its time, or now if it has none)
 local function caps_due_by(root, group, check_at)
-    local waiting = root .. "capwaiting"
+    local waiting = caps_waiting(root)
     local score = redis.call("zscore", waiting, group)
     if not score or (check_at and tonumber(score) > check_at) then
         redis.call("zadd", waiting, check_at or 0, group)
@@ -161,7 +170,7 @@ local function caps_release(slots_key, token, list)
     if not root or redis.call("zrem", slots_key, token) == 0 then
         return
     end
-    local waiting = root .. "capwaiting"
+    local waiting = caps_waiting(root)
     if redis.call("zscore", waiting, job) then
         redis.call("zadd", waiting, 0, job)
         ring(list)
