@@ -31,6 +31,7 @@ from kumiko_dramatiq import (
     build_message_options,
 )
 from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.messages import build_message
 from tests.apps import caps_app
 from tests.conftest import Recorder, RunnerFactory, wait_for
 
@@ -637,3 +638,37 @@ def test_a_fetch_with_a_suspect_and_a_due_waiter_claims_one_and_returns(
     assert list(fetched.slots) == [waiter_rid]
     assert redis_client.lrange(keys.cap_wait(prefix, JOB), 0, -1) == [suspect_rid.encode()]
     assert (suspect_id, waiter_id) != ("", "")
+
+
+@pytest.mark.parametrize(
+    "caps",
+    [
+        {"max_running": 0},
+        {"max_running": 10**9},
+        {"rate_limit": [1, 10**20, False]},
+        {"rate_limit": [5, 1_000]},
+        "one at a time",
+    ],
+)
+def test_forged_caps_are_dead_lettered_at_fetch_and_take_nothing(
+    make_runner: RunnerFactory,
+    recorder: Recorder,
+    redis_client: redis.Redis,
+    prefix: str,
+    caps: Any,
+) -> None:
+    registry = capped(Ledger(), hold_s=0.0, max_running=1)
+    runner = make_runner(registry, **recorder.hooks())
+    job = registry.jobs[JOB]
+    message = build_message(job, {"n": 0}, queue_prefix=prefix, trigger="manual")
+    body = message.asdict()
+    body["options"] = {**body["options"], "kumiko_caps": caps}
+    queue = job.queue_name(prefix)
+    runner.broker.do_enqueue(queue, "forged-1", json.dumps(body).encode())
+    good = runner.dispatch(JOB, {"n": 1})
+    runner.start()
+    recorder.wait_until(lambda r: len(r.of("complete")) == 1, what="the good message")
+    wait_for(lambda: redis_client.zcard(f"dramatiq:{queue}.XQ") == 1, what="the dead letter")
+    assert [e.message_id for e in recorder.of("start")] == [good]
+    wait_for(lambda: redis_client.zcard(keys.cap_slots(prefix, JOB)) == 0, what="slots back")
+    assert redis_client.exists(keys.cap_rate(prefix, JOB)) == 0

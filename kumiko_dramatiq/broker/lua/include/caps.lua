@@ -29,8 +29,10 @@ local function caps_clock_ms()
     return tonumber(now_time[1]) * 1000 + math.floor(tonumber(now_time[2]) / 1000)
 end
 
-local function caps_int(value, low)
-    return type(value) == "number" and value >= low and value % 1 == 0
+-- whether value is an integer from low to high (codec.py's bounds: a forged value outside
+-- them takes no cap here, and the worker dead-letters its message)
+local function caps_int(value, low, high)
+    return type(value) == "number" and value >= low and value <= high and value % 1 == 0
 end
 
 -- caps_of(body) -> {job, n (max_running or nil), rc, rms (rate limit or nil), group (the
@@ -49,14 +51,15 @@ local function caps_of(body)
     end
     local cap = {job = actor, group = actor}
     if caps.max_running ~= nil then
-        if not caps_int(caps.max_running, 1) then
+        if not caps_int(caps.max_running, 1, 100000) then
             return nil
         end
         cap.n = caps.max_running
     end
     local rate = caps.rate_limit
     if rate ~= nil then
-        if type(rate) ~= "table" or not caps_int(rate[1], 1) or not caps_int(rate[2], 1) then
+        if type(rate) ~= "table" or #rate ~= 3 or not caps_int(rate[1], 1, 100000)
+            or not caps_int(rate[2], 1, 31622400000) or type(rate[3]) ~= "boolean" then
             return nil
         end
         cap.rc, cap.rms = rate[1], rate[2]
