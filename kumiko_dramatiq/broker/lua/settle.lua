@@ -36,7 +36,7 @@
 -- @include dead_letter
 -- @include ttl
 -- @include history
--- @include caps
+-- @include caps_release
 local rid = ARGV[3]
 local outcome, marker_ttl, slot_token = string.match(ARGV[4], "^(%a+) (%d+) ?(.*)$")
 if outcome == "completed" then

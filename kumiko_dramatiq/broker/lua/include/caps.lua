@@ -15,14 +15,7 @@
 -- wrapper (actor "<job>:fanout") takes none. Times come from Redis's clock (TIME). Every
 -- script that includes this piece has the lane queue's name as ARGV[1] (the broker commands'
 -- convention, include/dispatch.lua).
--- @include bell
-
-local caps_queue = ARGV[1]
-
--- the queue's sorted set of waiting groups
-local function caps_waiting(root)
-    return root .. "capwaiting:" .. caps_queue
-end
+-- @include caps_release
 
 local function caps_clock_ms()
     local now_time = redis.call("time")
@@ -164,18 +157,4 @@ local function caps_blocked(root, cap, t)
         return cap.group, due
     end
     return nil
-end
-
--- give back the slot token holds in slots_key; waiters of its job are looked at now and the
--- queue's doorbell (list) rings for them
-local function caps_release(slots_key, token, list)
-    local root, job = string.match(slots_key, "^([^:]*:[^:]*:)slots:(.+)$")
-    if not root or redis.call("zrem", slots_key, token) == 0 then
-        return
-    end
-    local waiting = caps_waiting(root)
-    if redis.call("zscore", waiting, job) then
-        redis.call("zadd", waiting, 0, job)
-        ring(list)
-    end
 end
