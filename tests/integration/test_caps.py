@@ -672,3 +672,32 @@ def test_forged_caps_are_dead_lettered_at_fetch_and_take_nothing(
     assert [e.message_id for e in recorder.of("start")] == [good]
     wait_for(lambda: redis_client.zcard(keys.cap_slots(prefix, JOB)) == 0, what="slots back")
     assert redis_client.exists(keys.cap_rate(prefix, JOB)) == 0
+
+
+def test_waiting_messages_of_a_paused_job_stay_parked_until_it_is_resumed(
+    make_runner: RunnerFactory, recorder: Recorder, redis_client: redis.Redis, prefix: str
+) -> None:
+    ledger = Ledger()
+    release = threading.Event()
+    feature = Feature("caps")
+
+    @feature.job("work", max_running=1)
+    def work(payload: dict[str, Any], ctx: JobContext) -> None:
+        ledger.start(ctx.message_id)
+        if payload["n"] == 0:
+            release.wait(30)
+        ledger.end(ctx.message_id)
+
+    runner = make_runner(Registry([feature]), worker_threads=3, **recorder.hooks())
+    for n in range(4):
+        runner.dispatch(JOB, {"n": n})
+    runner.start()
+    wait_for(lambda: redis_client.llen(keys.cap_wait(prefix, JOB)) == 3, what="three waiting")
+    runner.pause(JOB)
+    release.set()
+    recorder.wait_until(lambda r: len(r.of("complete", JOB)) == 1)
+    wait_for(lambda: redis_client.llen(keys.parked(prefix, JOB)) == 3, what="three parked")
+    assert len(recorder.of("start", JOB)) == 1
+    runner.resume(JOB)
+    recorder.wait_until(lambda r: len(r.of("complete", JOB)) == 4, timeout_s=30)
+    assert ledger.peak == 1
