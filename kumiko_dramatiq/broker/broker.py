@@ -31,6 +31,11 @@ What kumiko adds on top of that layout, each in the same Lua call as the command
   left for its ack to write, the retry of a failed attempt
   (:mod:`kumiko_dramatiq.middleware.retries`) or the "already completed" marker
   (:mod:`kumiko_dramatiq.middleware.history`);
+- **caps at the fetch** (``capped_queues``, ``lua/include/caps.lua``): on a lane queue with a
+  capped job (``max_running``, ``rate_limit``), the fetch claims a capped message only when
+  its job has a free slot (taken in the same call, a lease of ``slot_ttl_ms``) and its rate
+  window allows, else sets it waiting in Redis; the settle gives the slot back and looks at
+  the waiters (:mod:`kumiko_dramatiq.middleware.caps`). Other queues do no cap work at all;
 - **strict fetch**: a fetched message that does not decode is dead-lettered by its redis id
   with a logged reason (Dramatiq's consumer would crash on it and leave it unacked, a poison
   pill returning with every crash recovery); on a kumiko lane, a message whose id already

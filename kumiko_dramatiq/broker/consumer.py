@@ -68,6 +68,13 @@ class KumikoConsumer(Consumer):
     takes no healthy message down with it, and after ``max_deliveries`` deaths in a row it is
     dead-lettered (``lua/fetch_lane.lua``).
 
+    **Caps.** On a lane with capped jobs the fetch also returns the slots it took (each
+    delivery carries its own, :attr:`Delivery.slot`, given back by its settle, or by
+    ``slot_release`` when it goes back to the queue unrun) and when waiting capped messages are
+    due a look (a rate window opening, a lease running out): an idle wait ends then at the
+    latest, so a waiting message starts on time without a poll. A lost claim's slot (below)
+    waits out its lease.
+
     **Lost claims.** A fetch claims its messages for this worker in Redis (its ack set) before
     the reply comes back. When the reply never does (the connection dropped while the fetch
     ran, or a fetch sent into a cut link that Redis ran only once the link was back, after

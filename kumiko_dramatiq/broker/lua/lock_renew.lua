@@ -15,7 +15,9 @@ for i, key in ipairs(KEYS) do
         local expiry = redis.call("zscore", key, ARGV[i])
         if expiry and tonumber(expiry) > slot_now then
             redis.call("zadd", key, slot_now + tonumber(ttl), ARGV[i])
-            redis.call("pexpire", key, 2 * tonumber(ttl))
+            if redis.call("pttl", key) < 2 * tonumber(ttl) then
+                redis.call("pexpire", key, 2 * tonumber(ttl))
+            end
             renewed[i] = 1
         else
             renewed[i] = 0

@@ -107,7 +107,10 @@ local function caps_take(root, cap, token, t, ttl)
     if cap.n then
         local key = root .. "slots:" .. cap.job
         redis.call("zadd", key, t + ttl, token)
-        redis.call("pexpire", key, 2 * ttl)
+        -- the set outlives its longest lease (workers with another lock_ttl_ms included)
+        if redis.call("pttl", key) < 2 * ttl then
+            redis.call("pexpire", key, 2 * ttl)
+        end
     end
     if cap.rc then
         local key = root .. "rate:" .. cap.group
