@@ -47,9 +47,8 @@ local caps_ttl = tonumber(ARGV[7] or "")
 local slots, caps_t, parked_here = {}, 0, 0
 -- a fetch sets at most this many messages waiting (then rings for the next fetch to go on)
 local CAPS_PARK_BOUND = 64
-if caps_ttl then
-    caps_t = caps_clock_ms()
-end
+-- the caps' functions (include/caps.lua) and this script's own, made only with ARGV[7]
+local C, claim_capped, cap_of_rid, serve = nil, nil, nil, nil
 
 -- the job of an encoded message, if it is one of a paused job's ("<job>" or nil)
 local function paused_job(body)
@@ -109,96 +108,97 @@ local function claim(rid, seen)
     return true
 end
 
--- claim rid unless its job is at a cap (then it waits); a waiter (waiting) is claimed only
--- when its cap has room, else nothing is written and false returned
-local function claim_capped(rid, seen, cap)
-    if not cap then
-        return claim(rid, seen)
-    end
-    local group, check_at = caps_blocked(root, cap, caps_t)
-    if group then
-        caps_park(root, group, rid, check_at)
-        parked_here = parked_here + 1
+if caps_ttl then
+    C = caps_module()
+    caps_t = C.caps_clock_ms()
+    -- claim rid unless its job is at a cap (then it waits); a waiter (waiting) is claimed only
+    -- when its cap has room, else nothing is written and false returned
+    claim_capped = function(rid, seen, cap)
+        if not cap then
+            return claim(rid, seen)
+        end
+        local group, check_at = C.caps_blocked(root, cap, caps_t)
+        if group then
+            C.caps_park(root, group, rid, check_at)
+            parked_here = parked_here + 1
+            return false
+        end
+        if claim(rid, seen) then
+            local token = rid .. "#" .. (seen + 1)
+            C.caps_take(root, cap, token, caps_t, caps_ttl)
+            if cap.n then
+                slots[#slots + 1] = rid
+                slots[#slots + 1] = root .. "slots:" .. cap.job
+                slots[#slots + 1] = token
+            end
+            return true
+        end
         return false
     end
-    if claim(rid, seen) then
-        local token = rid .. "#" .. (seen + 1)
-        caps_take(root, cap, token, caps_t, caps_ttl)
-        if cap.n then
-            slots[#slots + 1] = rid
-            slots[#slots + 1] = root .. "slots:" .. cap.job
-            slots[#slots + 1] = token
-        end
-        return true
+
+    cap_of_rid = function(rid)
+        return C.caps_of(redis.call("hget", queue_messages, rid))
     end
-    return false
-end
 
-local function cap_of_rid(rid)
-    if not caps_ttl then
-        return nil
+    local has_room = function()
+        return alone == 0 and #fetched < 2 * wanted
     end
-    return caps_of(redis.call("hget", queue_messages, rid))
-end
 
-local function has_room()
-    return alone == 0 and #fetched < 2 * wanted
-end
-
--- the oldest waiters of group, claimed while their caps and this fetch have room
-local function serve(group)
-    local list = root .. "capwait:" .. group
-    while true do
-        local rid = redis.call("lindex", list, 0)
-        if not rid then
-            redis.call("zrem", caps_waiting(root), group)
-            return
-        end
-        local body = redis.call("hget", queue_messages, rid)
-        local cap = caps_of(body)
-        local moved_to, check_at = nil, nil
-        if cap then
-            if not caps_slot_free(root, cap, caps_t) then
-                moved_to, check_at = cap.job, caps_next_expiry(root, cap.job)
-            else
-                local due = caps_rate_due(root, cap, caps_t)
-                if due > 0 then
-                    moved_to, check_at = cap.group, due
-                end
+    -- the oldest waiters of group, claimed while their caps and this fetch have room
+    serve = function(group)
+        local list = root .. "capwait:" .. group
+        while true do
+            local rid = redis.call("lindex", list, 0)
+            if not rid then
+                redis.call("zrem", caps_waiting(root), group)
+                return
             end
-        end
-        if moved_to == group then
-            redis.call("zadd", caps_waiting(root), check_at, group)
-            return
-        end
-        if not moved_to and not has_room() then
-            redis.call("zadd", caps_waiting(root), 0, group)
-            ring(queue_list)
-            return
-        end
-        redis.call("lpop", list)
-        caps_unwait(root, group)
-        if moved_to then
-            caps_park(root, moved_to, rid, check_at)
-        elseif not body then
-            if withdrawn(rid) then
-                redis.call("hdel", inflight, rid)
-            end
-        else
-            local seen = inflight_count(redis.call("hget", inflight, rid))
-            if seen > 0 then
-                redis.call("rpush", suspects, rid)
-            elseif cap then
-                if claim(rid, 0) then
-                    caps_take(root, cap, rid .. "#1", caps_t, caps_ttl)
-                    if cap.n then
-                        slots[#slots + 1] = rid
-                        slots[#slots + 1] = root .. "slots:" .. cap.job
-                        slots[#slots + 1] = rid .. "#1"
+            local body = redis.call("hget", queue_messages, rid)
+            local cap = C.caps_of(body)
+            local moved_to, check_at = nil, nil
+            if cap then
+                if not C.caps_slot_free(root, cap, caps_t) then
+                    moved_to, check_at = cap.job, C.caps_next_expiry(root, cap.job)
+                else
+                    local due = C.caps_rate_due(root, cap, caps_t)
+                    if due > 0 then
+                        moved_to, check_at = cap.group, due
                     end
                 end
+            end
+            if moved_to == group then
+                redis.call("zadd", caps_waiting(root), check_at, group)
+                return
+            end
+            if not moved_to and not has_room() then
+                redis.call("zadd", caps_waiting(root), 0, group)
+                ring(queue_list)
+                return
+            end
+            redis.call("lpop", list)
+            C.caps_unwait(root, group)
+            if moved_to then
+                C.caps_park(root, moved_to, rid, check_at)
+            elseif not body then
+                if withdrawn(rid) then
+                    redis.call("hdel", inflight, rid)
+                end
             else
-                claim(rid, 0)
+                local seen = inflight_count(redis.call("hget", inflight, rid))
+                if seen > 0 then
+                    redis.call("rpush", suspects, rid)
+                elseif cap then
+                    if claim(rid, 0) then
+                        C.caps_take(root, cap, rid .. "#1", caps_t, caps_ttl)
+                        if cap.n then
+                            slots[#slots + 1] = rid
+                            slots[#slots + 1] = root .. "slots:" .. cap.job
+                            slots[#slots + 1] = rid .. "#1"
+                        end
+                    end
+                else
+                    claim(rid, 0)
+                end
             end
         end
     end
@@ -223,7 +223,13 @@ local function suspect(rid, seen)
             }), "PX", dead_ttl)
         end
     elseif idle and #fetched == 0 and alone == 0 then
-        if claim_capped(rid, seen, cap_of_rid(rid)) then
+        local claimed
+        if caps_ttl then
+            claimed = claim_capped(rid, seen, cap_of_rid(rid))
+        else
+            claimed = claim(rid, seen)
+        end
+        if claimed then
             alone = 1
         end
     else
@@ -256,8 +262,10 @@ while alone == 0 and #fetched < 2 * wanted and parked_here < CAPS_PARK_BOUND do
     local seen = inflight_count(redis.call("hget", inflight, rid))
     if seen > 0 then
         suspect(rid, seen)
-    else
+    elseif caps_ttl then
         claim_capped(rid, 0, cap_of_rid(rid))
+    else
+        claim(rid, 0)
     end
 end
 local waiting = redis.call("llen", suspects)
