@@ -730,3 +730,43 @@ def test_waiting_messages_of_a_paused_job_stay_parked_until_it_is_resumed(
     runner.resume(JOB)
     recorder.wait_until(lambda r: len(r.of("complete", JOB)) == 4, timeout_s=30)
     assert ledger.peak == 1
+
+
+def test_max_running_and_a_per_tenant_rate_limit_hold_together(
+    make_runner: RunnerFactory, recorder: Recorder, redis_client: redis.Redis, prefix: str
+) -> None:
+    ledger = Ledger()
+    tenants = ["a", "b", "c"]
+    starts: dict[str, list[float]] = {tenant: [] for tenant in tenants}
+    feature = Feature("caps")
+
+    @feature.job(
+        "work", per_tenant=True, max_running=2, rate_limit=RateLimit(2, 500, per_tenant=True)
+    )
+    def work(payload: dict[str, Any], ctx: JobContext) -> None:
+        assert ctx.tenant_id is not None
+        starts[ctx.tenant_id].append(time.monotonic())
+        ledger.start(ctx.message_id)
+        time.sleep(0.05)
+        ledger.end(ctx.message_id)
+
+    runner = make_runner(
+        Registry([feature]),
+        worker_threads=6,
+        get_active_tenant_ids=lambda: tenants,
+        **recorder.hooks(),
+    )
+    for _ in range(3):
+        runner.dispatch(JOB, {})
+    runner.start()
+    recorder.wait_until(
+        lambda r: len([e for e in r.of("complete", JOB) if e.meta.tenant_id]) == 9,
+        timeout_s=30,
+    )
+    assert ledger.peak <= 2
+    for tenant, times in starts.items():
+        times.sort()
+        assert len(times) == 3
+        assert times[2] - times[0] >= 0.45, (tenant, times)
+    runner.drain(timeout_s=30)
+    assert redis_client.hlen(keys.cap_waits(prefix)) == 0
