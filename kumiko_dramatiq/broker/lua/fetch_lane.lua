@@ -48,7 +48,7 @@ local slots, caps_t, parked_here = {}, 0, 0
 -- a fetch sets at most this many messages waiting (then rings for the next fetch to go on)
 local CAPS_PARK_BOUND = 64
 -- the caps' functions (include/caps.lua) and this script's own, made only with ARGV[7]
-local C, claim_capped, cap_of_rid, serve = nil, nil, nil, nil
+local C, claim_capped, serve = nil, nil, nil
 
 -- the job of an encoded message, if it is one of a paused job's ("<job>" or nil)
 local function paused_job(body)
@@ -78,8 +78,11 @@ local function withdrawn(rid)
     return false
 end
 
-local function claim(rid, seen)
-    local body = redis.call("hget", queue_messages, rid)
+local function claim(rid, seen, known)
+    local body = known  -- the body when the caller read it already (false: none)
+    if body == nil then
+        body = redis.call("hget", queue_messages, rid)
+    end
     if not body and withdrawn(rid) then
         redis.call("hdel", inflight, rid)
         return false
@@ -111,11 +114,12 @@ end
 if caps_ttl then
     C = caps_module()
     caps_t = C.caps_clock_ms()
-    -- claim rid unless its job is at a cap (then it waits); a waiter (waiting) is claimed only
-    -- when its cap has room, else nothing is written and false returned
-    claim_capped = function(rid, seen, cap)
+    -- claim rid unless its job is at a cap: then it waits (at the end of its group's list)
+    claim_capped = function(rid, seen)
+        local body = redis.call("hget", queue_messages, rid)
+        local cap = C.caps_of(body)
         if not cap then
-            return claim(rid, seen)
+            return claim(rid, seen, body)
         end
         local group, check_at = C.caps_blocked(root, cap, caps_t)
         if group then
@@ -123,7 +127,7 @@ if caps_ttl then
             parked_here = parked_here + 1
             return false
         end
-        if claim(rid, seen) then
+        if claim(rid, seen, body) then
             local token = rid .. "#" .. (seen + 1)
             C.caps_take(root, cap, token, caps_t, caps_ttl)
             if cap.n then
@@ -134,10 +138,6 @@ if caps_ttl then
             return true
         end
         return false
-    end
-
-    cap_of_rid = function(rid)
-        return C.caps_of(redis.call("hget", queue_messages, rid))
     end
 
     local has_room = function()
@@ -188,7 +188,7 @@ if caps_ttl then
                 if seen > 0 then
                     redis.call("rpush", suspects, rid)
                 elseif cap then
-                    if claim(rid, 0) then
+                    if claim(rid, 0, body) then
                         C.caps_take(root, cap, rid .. "#1", caps_t, caps_ttl)
                         if cap.n then
                             slots[#slots + 1] = rid
@@ -197,7 +197,7 @@ if caps_ttl then
                         end
                     end
                 else
-                    claim(rid, 0)
+                    claim(rid, 0, body)
                 end
             end
         end
@@ -225,7 +225,7 @@ local function suspect(rid, seen)
     elseif idle and #fetched == 0 and alone == 0 then
         local claimed
         if caps_ttl then
-            claimed = claim_capped(rid, seen, cap_of_rid(rid))
+            claimed = claim_capped(rid, seen)
         else
             claimed = claim(rid, seen)
         end
@@ -263,7 +263,7 @@ while alone == 0 and #fetched < 2 * wanted and parked_here < CAPS_PARK_BOUND do
     if seen > 0 then
         suspect(rid, seen)
     elseif caps_ttl then
-        claim_capped(rid, 0, cap_of_rid(rid))
+        claim_capped(rid, 0)
     else
         claim(rid, 0)
     end
