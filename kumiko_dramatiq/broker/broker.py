@@ -489,8 +489,11 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
 
     def release_slots(self, queue_name: str, slots: Sequence[tuple[str, str]]) -> None:
         """Give back capped jobs' slots ((slots key, owner token) each) of deliveries that
-        go back to ``queue_name`` unrun or cut short (``lua/slot_release.lua``)."""
-        if slots:
+        go back to ``queue_name`` unrun or cut short (``lua/slot_release.lua``). A Redis error
+        is logged, not raised: the slots then wait out their leases."""
+        if not slots:
+            return
+        try:
             self.lua.slot_release(
                 keys=[key for key, _ in slots],
                 args=[
@@ -498,6 +501,14 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
                     queue_list(queue_name, self.namespace),
                     *(token for _, token in slots),
                 ],
+            )
+        except redis.RedisError as exc:
+            logger.warning(
+                "could not give back %d slot(s) of capped jobs on %s (%s); they are free "
+                "again once their leases run out",
+                len(slots),
+                queue_name,
+                exc,
             )
 
     @staticmethod
