@@ -121,9 +121,11 @@ if caps_ttl then
         if not cap then
             return claim(rid, seen, body)
         end
-        local group, check_at = C.caps_blocked(root, cap, caps_t)
+        local group, check_at, rated = C.caps_blocked(root, cap, caps_t)
         if group then
-            C.caps_park(root, group, rid, check_at)
+            if C.caps_park(root, group, rid, check_at) and rated then
+                ring(queue_list)  -- an idle consumer learns when the window opens
+            end
             parked_here = parked_here + 1
             return false
         end
@@ -178,7 +180,10 @@ if caps_ttl then
             redis.call("lpop", list)
             C.caps_unwait(root, group)
             if moved_to then
-                C.caps_park(root, moved_to, rid, check_at)
+                if C.caps_park(root, moved_to, rid, check_at) and moved_to == cap.group
+                    and moved_to ~= cap.job then
+                    ring(queue_list)  -- an idle consumer learns when the window opens
+                end
             elseif not body then
                 if withdrawn(rid) then
                     redis.call("hdel", inflight, rid)

@@ -125,12 +125,15 @@ local function caps_module()
     end
 
     -- look at group by check_at at the latest (nil: keep its time, or now if it has none)
+    -- (returns whether that made it due sooner)
     local function caps_due_by(root, group, check_at)
         local waiting = caps_waiting(root)
         local score = redis.call("zscore", waiting, group)
         if not score or (check_at and tonumber(score) > check_at) then
             redis.call("zadd", waiting, check_at or 0, group)
+            return true
         end
+        return false
     end
 
     -- one message of group's job no longer waits (the count's field goes at 0)
@@ -142,14 +145,16 @@ local function caps_module()
     end
 
     -- rid waits at the end of group's list, looked at by check_at at the latest
+    -- (returns whether that made the group due sooner)
     local function caps_park(root, group, rid, check_at)
         redis.call("rpush", root .. "capwait:" .. group, rid)
         redis.call("hincrby", root .. "capwaits", caps_job_of(group), 1)
-        caps_due_by(root, group, check_at)
+        return caps_due_by(root, group, check_at)
     end
 
     -- where a message of cap that is not waiting yet must wait, or nil (it may start at t):
-    -- behind others already waiting (arrival order), for a slot, or for the rate window
+    -- behind others already waiting (arrival order), for a slot, or for the rate window (then
+    -- also its due time and true)
     local function caps_blocked(root, cap, t)
         if redis.call("exists", root .. "capwait:" .. cap.job) == 1 then
             return cap.job, nil
@@ -162,7 +167,7 @@ local function caps_module()
         end
         local due = caps_rate_due(root, cap, t)
         if due > 0 then
-            return cap.group, due
+            return cap.group, due, true
         end
         return nil
     end
