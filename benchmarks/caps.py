@@ -92,7 +92,7 @@ class CapsBench:
         bench = self.bench
         rows = []
         gaps: list[float] = []
-        for slots, hold_ms in ((1, 50), (2, 50), (4, 50), (4, 20)):
+        for slots, hold_ms in ((1, 50), (2, 50), (4, 50), (6, 50), (4, 20)):
             rates = []
             for _ in range(bench.rounds):
                 n = 40 * slots

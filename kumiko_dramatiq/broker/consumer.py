@@ -72,7 +72,9 @@ class KumikoConsumer(Consumer):
     delivery carries its own, :attr:`Delivery.slot`, given back by its settle, or by
     ``slot_release`` when it goes back to the queue unrun) and when waiting capped messages are
     due a look (a rate window opening, a lease running out): an idle wait ends then at the
-    latest, so a waiting message starts on time without a poll. A lost claim's slot (below)
+    latest, so a waiting message starts on time without a poll. While capped messages wait,
+    the consumer fetches with any free room, not only half its threads' worth: a slot frees
+    one run at a time. A lost claim's slot (below)
     waits out its lease.
 
     **Lost claims.** A fetch claims its messages for this worker in Redis (its ack set) before
@@ -257,7 +259,9 @@ class KumikoConsumer(Consumer):
         """Fetch what there is room for; ``False`` if nothing was (or could be) fetched."""
         outstanding = self.outstanding_message_count
         room = self._slots - outstanding
-        if room <= 0 or (outstanding and room < self._batch):
+        # while capped messages wait (a slot frees one at a time), any room is worth a fetch
+        batching = self._caps_due is None
+        if room <= 0 or (outstanding and room < self._batch and batching):
             return False
         if not self._lane:
             fetched = self.broker.fetch(self.queue_name, room)
