@@ -37,6 +37,7 @@ from kumiko_dramatiq import Feature, JobContext, JobRunner, Registry
 from kumiko_dramatiq.ops.history import RunHistory
 
 from .caps import CapsBench
+from .delayed import suite as delayed
 from .harness import (
     Comparison,
     Countdown,
@@ -503,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             "caps": CapsBench(bench, rate_seconds=15.0),
             # on a private redis-server of its own: it flushes its database between runs
             "plain_actors": lambda: bench.notes.append(plain_actors(bench.rounds)),
+            "delayed": lambda: bench.notes.append(delayed([0, 10_000, 100_000], 100_000)),
         }
         chosen = [s for s in args.only.split(",") if s] or list(suites)
         for name in chosen:
