@@ -31,6 +31,7 @@ from kumiko_dramatiq import (
     build_message_options,
 )
 from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.broker.replies import text
 from kumiko_dramatiq.messages import build_message
 from tests.apps import caps_app
 from tests.conftest import Recorder, RunnerFactory, wait_for
@@ -228,7 +229,10 @@ def test_caps_ride_in_the_message_options(make_runner: RunnerFactory) -> None:
         ({"rate_limit": RateLimit(1, 0)}, r"rate_limit.per_ms must be a positive integer, got 0"),
         ({"rate_limit": RateLimit(1, -5)}, r"rate_limit.per_ms must be a positive integer"),
         ({"rate_limit": RateLimit(True, 5)}, r"rate_limit.count must be a positive integer"),
-        ({"rate_limit": RateLimit(1, 5.0)}, r"rate_limit.per_ms must be a positive integer"),
+        (
+            {"rate_limit": RateLimit(1, 5.0)},  # type: ignore[arg-type]
+            r"rate_limit.per_ms must be a positive integer",
+        ),
         ({"rate_limit": (1, 5)}, r"rate_limit must be None or RateLimit"),
         (
             {"rate_limit": RateLimit(1, 5, per_tenant=True)},
@@ -651,10 +655,7 @@ def test_a_fetch_with_a_suspect_and_a_due_waiter_claims_one_and_returns(
     broker = runner.broker
     queue = registry.jobs[JOB].queue_name(prefix)
     listed = keys.queue_list(queue)
-    suspect_rid, waiter_rid = (
-        redis_client.lindex(listed, 0).decode(),
-        redis_client.lindex(listed, 1).decode(),
-    )
+    suspect_rid, waiter_rid = (text(rid) for rid in redis_client.lrange(listed, 0, 1))
     redis_client.delete(listed)
     redis_client.rpush(keys.suspects(prefix, queue), suspect_rid)
     redis_client.hset(keys.inflight(prefix), suspect_rid, "1|0|elsewhere:1")
