@@ -172,7 +172,17 @@ def record_write(
             {k: v for k, v in fields.items() if v is not None}, separators=(",", ":"), default=str
         ),
         dead_note=dead_note,
+        started_ms=_order_ms(fields),
     )
+
+
+def _order_ms(fields: dict[str, Any]) -> int | None:
+    """A record's order score: its start, else its enqueue time (ms), else None."""
+    for key in ("st", "q"):
+        value = fields.get(key)
+        if isinstance(value, int | float):
+            return int(value)
+    return None
 
 
 def error_fields(exception: BaseException | None) -> dict[str, Any]:
@@ -335,6 +345,7 @@ class RunHistory:
                 *run_ttls_ms(settings),
                 settings.history_cap,
                 4,
+                "" if run.started_ms is None else run.started_ms,
             ],
         )
 
