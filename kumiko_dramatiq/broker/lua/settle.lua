@@ -120,7 +120,7 @@ for i, rid in ipairs(rids) do
             record = string.sub(record, 1, -2) .. ',"n":' .. deliveries .. "}"
         end
         put_run(root, mid, attempt, job, status, tenant, origin, tonumber(score) or now, record,
-            completed_ttl, failed_ttl, now)
+            completed_ttl, failed_ttl, now, owned[i] and deliveries <= 1)
         indexed_job = indexed_job or job
     end
     if mine then

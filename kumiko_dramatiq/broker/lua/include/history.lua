@@ -80,28 +80,45 @@ local function stat_add(hash, field)
 end
 
 -- put_run(root, message id, attempt, job, status, tenant or "", origin id, score, record,
---         completed TTL ms, failed TTL ms, now ms)
+--         completed TTL ms, failed TTL ms, now ms, sole writer)
+-- sole writer: true when no other step can have written this attempt's record with another
+-- status (the settle of a delivery still this worker's, delivered once): the old record is
+-- then not read; HSET's reply says whether the record is new, and only if it is not are its
+-- other statuses' index entries looked for.
 -- score: the attempt's start in ms (its enqueue time if it never started): the indexes order
 -- records by it, then by member (the run id "<message id>:<attempt>"). The run hash lives as
 -- long as the longest-lived of its records: an attempt after the first follows a failed one,
 -- so its hash keeps at least the failed TTL. Writing the same record again (a settle retried
 -- after a lost reply) changes nothing and counts nothing twice in the stats.
 local function put_run(root, mid, attempt, job, status, tenant, origin, score, record,
-                       completed_ttl, failed_ttl, now)
+                       completed_ttl, failed_ttl, now, sole_writer)
     local hash = root .. "run:" .. mid
     local member = mid .. ":" .. attempt
-    local old = redis.call("hget", hash, attempt)
     local fresh = true
-    if old then
-        local was = string.match(old, '"s":%s*"(%a+)"')
-        if was == status then
+    if sole_writer then
+        if redis.call("hset", hash, attempt, record) == 0 then
+            -- written before (rare): drop its entries under another status, if any
             fresh = false
-        elseif was then
-            redis.call("zrem", run_job_index(root, job, was), member)
-            redis.call("zrem", run_status_index(root, was), member)
+            for _, was in ipairs(RUN_STATUSES) do
+                if was ~= status and redis.call("zrem", run_status_index(root, was), member) == 1 then
+                    redis.call("zrem", run_job_index(root, job, was), member)
+                    fresh = true
+                end
+            end
         end
+    else
+        local old = redis.call("hget", hash, attempt)
+        if old then
+            local was = string.match(old, '"s":%s*"(%a+)"')
+            if was == status then
+                fresh = false
+            elseif was then
+                redis.call("zrem", run_job_index(root, job, was), member)
+                redis.call("zrem", run_status_index(root, was), member)
+            end
+        end
+        redis.call("hset", hash, attempt, record)
     end
-    redis.call("hset", hash, attempt, record)
     local ttl = run_ttl(status, completed_ttl, failed_ttl)
     if tostring(attempt) ~= "1" then
         ttl = math.max(ttl, failed_ttl)
@@ -208,9 +225,17 @@ local function inflight_count(entry)
 end
 
 -- message_id_of(body): the message id of a message Dramatiq encoded (its last field but one),
--- without decoding it; nil if the body does not end that way
+-- without decoding it; nil if the body does not end that way. The match starts near the end
+-- first (an id of up to about 100 bytes), so a long body costs no scan of its whole length.
+local MESSAGE_ID_TAIL = '"message_id":"([^"]*)","message_timestamp":[%d.]+}$'
 local function message_id_of(body)
-    return string.match(body, '"message_id":"([^"]*)","message_timestamp":[%d.]+}$')
+    if #body > 160 then
+        local id = string.match(body, MESSAGE_ID_TAIL, #body - 160)
+        if id then
+            return id
+        end
+    end
+    return string.match(body, MESSAGE_ID_TAIL)
 end
 
 -- run_of(root, body, worker): the run record fields of an encoded message kumiko wrote (its
