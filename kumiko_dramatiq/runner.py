@@ -358,12 +358,15 @@ class JobRunner:
         message_id: str | None = None,
         origin_id: str | None = None,
         since: datetime | None = None,
-        before: datetime | None = None,
+        before: datetime | JobRun | None = None,
         limit: int = 50,
     ) -> list[JobRun]:
-        """Run records, newest first (by the time of their last write), filtered by job,
-        status, tenant, message id, origin id and time (``since`` <= t < ``before``); ``limit``
-        at most 1,000. Raises ``UnknownJobError`` for a job the registry does not declare."""
+        """Run records, newest first: by the attempt's start (its enqueue time if it never
+        started), ties by ``run_id``; filtered by job, status, tenant, message id, origin id
+        and start (``since`` <= start); ``before`` a time (started before it) or the last
+        :class:`JobRun` of the previous page (the next page starts right after it, so walking
+        pages yields every record exactly once); ``limit`` at most 1,000. Raises
+        ``UnknownJobError`` for a job the registry does not declare."""
         if job is not None:
             self._job(job)
         if status is not None and status not in STATUSES:
@@ -371,6 +374,8 @@ class JobRunner:
         if not isinstance(limit, int) or isinstance(limit, bool) or not 0 < limit <= 1_000:
             raise JobConfigError(None, "limit", "must be an integer from 1 to 1000", limit)
         for name, when in (("since", since), ("before", before)):
+            if isinstance(when, JobRun) and name == "before":
+                continue
             if when is not None and (not isinstance(when, datetime) or when.tzinfo is None):
                 raise JobConfigError(None, name, "must be an aware datetime", when)
         with self._redis("reading the run history"):
