@@ -29,6 +29,12 @@ def sent(queue_prefix: str, redis_message_id: str) -> str:
     return f"{_root(queue_prefix)}:sent:{redis_message_id}"
 
 
+def boot_generation(queue_prefix: str, job_name: str) -> str:
+    """Persistent: how many times boot-once job ``job_name`` was reset (its message id's
+    generation, :func:`kumiko_dramatiq.ids.boot_message_id`); absent = 0."""
+    return f"{_root(queue_prefix)}:bootgen:{job_name}"
+
+
 def enqueue_guard(queue_prefix: str, message_id: str) -> str:
     """Set when a deterministic message id was enqueued (fan-out children, cron ticks)."""
     return f"{_root(queue_prefix)}:enqueued:{message_id}"
