@@ -267,7 +267,7 @@ def _delete_boot_records(client: redis.Redis, url: str, queue_prefix: str, job_n
         )
         if deleted:
             # the next run gets a new id: the run records of this one are kept
-            client.execute_command("INCR", keys.boot_generation(queue_prefix, job_name))
+            client.execute_command("INCR", keys.boot_generation(queue_prefix, job_name))  # type: ignore[no-untyped-call]
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise RedisUnavailableError(url, f"resetting the boot marker of {job_name}", exc) from exc
     return bool(deleted)
