@@ -30,8 +30,10 @@ attempt (:meth:`RunHistory.put`).
   ``JobRunner(record_payloads=True)``; tracebacks are cut to 8 KiB.
 - **Keys** (``kumiko:{prefix}:``): ``run:{message id}`` (hash attempt -> record),
   ``runs:job:{job}:{status}``, ``runs:status:{status}``, ``runs:tenant:{tenant}``,
-  ``runs:origin:{origin}`` (sorted sets of ``"{message id}:{attempt}"`` by the time of the
-  record's last write), ``dead:{message id}`` (a dead letter's error, for ``kumiko dead``).
+  ``runs:origin:{origin}`` (sorted sets of run ids ``"{message id}:{attempt}"`` by the
+  attempt's start, ms; each expires with the longest record age after its last write),
+  ``stats:{job}:{hour}`` (:mod:`kumiko_dramatiq.ops.stats`), ``dead:{message id}`` (a
+  dead letter's error, for ``kumiko dead``).
 """
 
 from __future__ import annotations
@@ -342,7 +344,7 @@ class RunHistory:
     def counts(
         self, statuses: Sequence[RunStatus], edges_ms: Sequence[int]
     ) -> dict[str, list[int]]:
-        """Per status, how many records were last written in each interval
+        """Per status, how many records' attempts started in each interval
         ``[edges_ms[i], edges_ms[i + 1])`` (epoch ms): one ``ZCOUNT`` per status and interval
         on ``runs:status:{status}``, all in one round trip, never a scan."""
         pipe = self.client.pipeline(transaction=False)
