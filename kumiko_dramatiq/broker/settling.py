@@ -75,8 +75,12 @@ class SettleBatcher:
             if batch.error is not None:
                 raise _copy(batch.error)
             return batch.results[index]
+        interrupted: BaseException | None = None
         try:
             self._gather(queue, batch)
+        except BaseException as exc:  # an interruption while gathering: send what there is
+            interrupted = exc
+        try:
             batch.results = self._flush(queue, batch.entries, client)
         except BaseException as exc:
             batch.error = exc
@@ -87,6 +91,8 @@ class SettleBatcher:
                     del self._open[queue]
                 batch.closed = True
             batch.done.set()
+        if interrupted is not None:
+            raise interrupted
         return batch.results[index]
 
     def _gather(self, queue: str, batch: _Batch) -> None:
@@ -103,8 +109,12 @@ class SettleBatcher:
 
 
 def _copy(error: BaseException) -> BaseException:
-    """The leader's error for a follower to raise (its own object, not the leader's)."""
-    try:
-        return type(error)(*error.args)
-    except Exception:
-        return RuntimeError(f"settle batch failed: {error!r}")
+    """The leader's error for a follower to raise (its own object, not the leader's): a
+    Redis error as itself; anything else (the leader's thread interrupted mid-call) as a
+    connection error, which the ack retries (settling again is safe)."""
+    if isinstance(error, redis.RedisError):
+        try:
+            return type(error)(*error.args)
+        except Exception:
+            pass
+    return redis.ConnectionError(f"settle batch failed: {error!r}")
