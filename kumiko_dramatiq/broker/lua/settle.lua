@@ -81,6 +81,7 @@ for i = 1, count do
 end
 
 local acked, forgotten, out_of_flight, results = {}, {}, {}, {}
+local head_now, dead_count = now, 0
 local indexed_job = nil
 for i, rid in ipairs(rids) do
     local base = 4 + (i - 1) * FIELDS
@@ -131,7 +132,12 @@ for i, rid in ipairs(rids) do
             redis.call("lrem", recovered[i], 0, rid)
         end
         if outcome == "dead" then
+            -- each dead letter of the batch a millisecond apart, in order: listings page
+            -- the dead letters by time
+            now = head_now + dead_count
+            dead_count = dead_count + 1
             dead_letter(rid)
+            now = head_now
             if root and ARGV[base + 5] ~= "" then
                 redis.call("set", root .. "dead:" .. mid, ARGV[base + 5], "PX", dead_ttl)
             end
