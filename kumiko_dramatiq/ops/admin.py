@@ -818,6 +818,21 @@ class Admin:
         )
         return reply[0] == 1, text(reply[1])
 
+    def move_delayed_now(self, message_id: str) -> bool:
+        """Queue the delayed message ``message_id`` (or a sequential hand-off carrying it on)
+        now, whatever its due time: same message id, same attempt, same redis id; ``False``
+        when it is not on a schedule (not delayed: queued, running, ended or unknown; or written
+        by an older version onto Dramatiq's delay queue list and not scheduled yet). Found by
+        the redis ids kumiko derives from its id (:meth:`redis_id_candidates`) on each lane's
+        schedule: a few O(log n) steps in one Lua call (``lua/move_now.lua``), never a search.
+        (``run_now`` builds on it.)"""
+        places: list[str] = []
+        for rid in self.redis_id_candidates(message_id):
+            for queue in self.lane_queues:
+                places += [queue, rid]
+        reply = self.broker.lua.move_now(keys=[self.broker.namespace], args=places)
+        return bool(reply[0] == 1)
+
     def pause(self, job: JobDefinition) -> bool:
         """Pause ``job``; ``False`` if it was paused already."""
         return bool(self.client.sadd(keys.paused(self.prefix), job.qualified_name))
