@@ -381,7 +381,7 @@ CANCELLED_M5 = record("m5", 1, "cancelled", q=ENQUEUED_AT, en=NOW, o="m1", tr="r
         pytest.param(
             {DQ_MSGS: {"d1": DELAYED_M1, "d2": "b2"}, SCHEDULE: Z({"d1": 9, "d2": 10})},
             [1, DQ, "d1"],
-            {DQ_MSGS: {"d2": "b2"}, SCHEDULE: Z({"d2": 10}), **indexed(CANCELLED_M1, NOW)},
+            {DQ_MSGS: {"d2": "b2"}, SCHEDULE: Z({"d2": 10}), **indexed(CANCELLED_M1, ENQUEUED_AT)},
             {run_hash("m1"): COMPLETED_TTL},
             id="on-the-schedule-leaves-it-with-its-body",
         ),
