@@ -34,12 +34,14 @@ from kumiko_dramatiq.registry import Feature, JobDefinition, Registry
 
 if TYPE_CHECKING:
     from kumiko_dramatiq.ops.history import JobRun
+    from kumiko_dramatiq.ops.stats import JobStats
     from kumiko_dramatiq.runner import JobRunner
 
 #: Public names whose modules load redis-py: imported on first use.
 _LAZY = {
     "JobRunner": "kumiko_dramatiq.runner",
     "JobRun": "kumiko_dramatiq.ops.history",
+    "JobStats": "kumiko_dramatiq.ops.stats",
 }
 
 
@@ -65,6 +67,7 @@ __all__ = [
     "JobMeta",
     "JobRun",
     "JobRunner",
+    "JobStats",
     "KumikoError",
     "Manual",
     "NotFoundError",

@@ -96,6 +96,7 @@ class LuaScripts:
     retry_dead: Script
     resume: Script
     count_attempt: Script
+    runs_from: Script
     # the start-up check of a user's permissions
     probe: Script
 

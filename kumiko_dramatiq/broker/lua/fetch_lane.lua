@@ -44,11 +44,13 @@ local fetched, dropped, buried = {}, {}, {}
 local alone = 0
 local any_paused = redis.call("scard", root .. "paused") > 0
 local caps_ttl = tonumber(ARGV[7] or "")
-local slots, caps_t, parked_here = {}, 0, 0
+local caps_t, parked_here = 0, 0
 -- a fetch sets at most this many messages waiting (then rings for the next fetch to go on)
 local CAPS_PARK_BOUND = 64
--- the caps' functions (include/caps.lua) and this script's own, made only with ARGV[7]
-local C, claim_capped, serve = nil, nil, nil
+-- the caps' functions (include/caps.lua) and this script's own, made only with ARGV[7];
+-- slot_of: rid -> {slots key, token} of the slots taken (a claim the "already completed"
+-- check drops gives its slot back at the end)
+local C, claim_capped, serve, slot_of = nil, nil, nil, {}
 
 -- the job of an encoded message, if it is one of a paused job's ("<job>" or nil)
 local function paused_job(body)
@@ -78,11 +80,11 @@ local function withdrawn(rid)
     return false
 end
 
-local function claim(rid, seen, known)
-    local body = known  -- the body when the caller read it already (false: none)
-    if body == nil then
-        body = redis.call("hget", queue_messages, rid)
-    end
+-- claim(rid, seen, body): take rid for this consumer unless it was withdrawn or its job is
+-- paused; its "already completed" check and its writes are done for all claims at once
+-- (finish_claims)
+local candidates = {}
+local function claim(rid, seen, body)
     if not body and withdrawn(rid) then
         redis.call("hdel", inflight, rid)
         return false
@@ -94,29 +96,70 @@ local function claim(rid, seen, known)
             return false
         end
     end
-    redis.call("sadd", queue_acks, rid)
-    if body and done_prefix ~= "" then
-        local message_id = message_id_of(body)
-        if message_id and redis.call("exists", done_prefix .. message_id) == 1 then
-            redis.call("srem", queue_acks, rid)
-            redis.call("hdel", queue_messages, rid)
-            redis.call("hdel", inflight, rid)
-            dropped[#dropped + 1] = message_id
-            return false
+    candidates[#candidates + 1] = {rid, seen, body}
+    return true
+end
+
+local function finish_claims()
+    if #candidates == 0 then
+        return
+    end
+    local done = {}
+    if done_prefix ~= "" then
+        local markers, at = {}, {}
+        for i, c in ipairs(candidates) do
+            local message_id = c[3] and message_id_of(c[3])
+            if message_id then
+                markers[#markers + 1] = done_prefix .. message_id
+                at[#markers] = i
+                c[4] = message_id
+            end
+        end
+        if #markers > 0 then
+            for j, value in ipairs(redis.call("mget", unpack(markers))) do
+                if value then
+                    done[at[j]] = true
+                end
+            end
         end
     end
-    redis.call("hset", inflight, rid, (seen + 1) .. "|" .. now .. "|" .. run_worker)
-    fetched[#fetched + 1] = rid
-    fetched[#fetched + 1] = body
-    return true
+    local acks, entries, gone = {}, {}, {}
+    for i, c in ipairs(candidates) do
+        if done[i] then
+            gone[#gone + 1] = c[1]
+            dropped[#dropped + 1] = c[4]
+        else
+            acks[#acks + 1] = c[1]
+            entries[#entries + 1] = c[1]
+            entries[#entries + 1] = (c[2] + 1) .. "|" .. now .. "|" .. run_worker
+            fetched[#fetched + 1] = c[1]
+            fetched[#fetched + 1] = c[3]
+        end
+    end
+    if #gone > 0 then
+        redis.call("hdel", queue_messages, unpack(gone))
+        redis.call("hdel", inflight, unpack(gone))
+    end
+    if #acks > 0 then
+        redis.call("sadd", queue_acks, unpack(acks))
+        redis.call("hset", inflight, unpack(entries))
+    end
+    candidates = {}
 end
 
 if caps_ttl then
     C = caps_module()
     caps_t = C.caps_clock_ms()
+
+    local function take(rid, cap, token)
+        C.caps_take(root, cap, token, caps_t, caps_ttl)
+        if cap.n then
+            slot_of[rid] = {root .. "slots:" .. cap.job, token}
+        end
+    end
+
     -- claim rid unless its job is at a cap: then it waits (at the end of its group's list)
-    claim_capped = function(rid, seen)
-        local body = redis.call("hget", queue_messages, rid)
+    claim_capped = function(rid, seen, body)
         local cap = C.caps_of(body)
         if not cap then
             return claim(rid, seen, body)
@@ -130,20 +173,14 @@ if caps_ttl then
             return false
         end
         if claim(rid, seen, body) then
-            local token = rid .. "#" .. (seen + 1)
-            C.caps_take(root, cap, token, caps_t, caps_ttl)
-            if cap.n then
-                slots[#slots + 1] = rid
-                slots[#slots + 1] = root .. "slots:" .. cap.job
-                slots[#slots + 1] = token
-            end
+            take(rid, cap, rid .. "#" .. (seen + 1))
             return true
         end
         return false
     end
 
     local has_room = function()
-        return alone == 0 and #fetched < 2 * wanted
+        return alone == 0 and (#fetched / 2 + #candidates) < wanted
     end
 
     -- the oldest waiters of group, claimed while their caps and this fetch have room
@@ -192,17 +229,8 @@ if caps_ttl then
                 local seen = inflight_count(redis.call("hget", inflight, rid))
                 if seen > 0 then
                     redis.call("rpush", suspects, rid)
-                elseif cap then
-                    if claim(rid, 0, body) then
-                        C.caps_take(root, cap, rid .. "#1", caps_t, caps_ttl)
-                        if cap.n then
-                            slots[#slots + 1] = rid
-                            slots[#slots + 1] = root .. "slots:" .. cap.job
-                            slots[#slots + 1] = rid .. "#1"
-                        end
-                    end
-                else
-                    claim(rid, 0, body)
+                elseif claim(rid, 0, body) and cap then
+                    take(rid, cap, rid .. "#1")
                 end
             end
         end
@@ -220,22 +248,26 @@ local function suspect(rid, seen)
         if run then
             local reason = "worker died during " .. seen .. " deliveries"
             run.s, run.en, run.et, run.em, run.n = "dead", now, "WorkerDied", reason, seen
-            put_run(root, run.m, run.a, run.j, "dead", run.t or "", run.o, now,
-                cjson.encode(run), completed_ttl, failed_ttl)
+            put_run(root, run.m, run.a, run.j, "dead", run.t or "", run.o, run.q or now,
+                cjson.encode(run), completed_ttl, failed_ttl, now)
             redis.call("set", root .. "dead:" .. run.m, cjson.encode({
                 r = rid, q = queue, j = run.j, m = run.m, o = run.o, t = run.t, a = run.a,
                 ma = run.ma, et = "WorkerDied", em = reason, at = now,
             }), "PX", dead_ttl)
         end
-    elseif idle and #fetched == 0 and alone == 0 then
+    elseif idle and #fetched == 0 and #candidates == 0 and alone == 0 then
+        local body = redis.call("hget", queue_messages, rid)
         local claimed
         if caps_ttl then
-            claimed = claim_capped(rid, seen)
+            claimed = claim_capped(rid, seen, body)
         else
-            claimed = claim(rid, seen)
+            claimed = claim(rid, seen, body)
         end
         if claimed then
-            alone = 1
+            finish_claims()
+            if #fetched > 0 then
+                alone = 1
+            end
         end
     else
         redis.call("rpush", suspects, rid)
@@ -258,28 +290,59 @@ if caps_ttl then
     for _, group in ipairs(due) do
         serve(group)
     end
+    finish_claims()
 end
-while alone == 0 and #fetched < 2 * wanted and parked_here < CAPS_PARK_BOUND do
-    local rid = redis.call("lpop", queue_list)
-    if not rid then
+-- Pop what is wanted in one step, read the deliveries counts and bodies in one step each; a
+-- suspect that is claimed alone puts back what was popped after it (at the head, in order).
+while alone == 0 and #fetched / 2 < wanted and parked_here < CAPS_PARK_BOUND do
+    local popped = redis.call("lpop", queue_list, wanted - #fetched / 2)
+    if not popped then
         break
     end
-    local seen = inflight_count(redis.call("hget", inflight, rid))
-    if seen > 0 then
-        suspect(rid, seen)
-    elseif caps_ttl then
-        claim_capped(rid, 0)
-    else
-        claim(rid, 0)
+    local counts = redis.call("hmget", inflight, unpack(popped))
+    local bodies = redis.call("hmget", queue_messages, unpack(popped))
+    for i, rid in ipairs(popped) do
+        if alone == 1 then
+            local back = {}
+            for j = #popped, i, -1 do
+                back[#back + 1] = popped[j]
+            end
+            redis.call("lpush", queue_list, unpack(back))
+            break
+        end
+        local seen = inflight_count(counts[i] or nil)
+        if seen > 0 then
+            suspect(rid, seen)
+        elseif caps_ttl then
+            claim_capped(rid, 0, bodies[i])
+        else
+            claim(rid, 0, bodies[i])
+        end
     end
+    finish_claims()
 end
+flush_runs()
 local waiting = redis.call("llen", suspects)
-local full = #fetched >= 2 * wanted or alone == 1 or parked_here >= CAPS_PARK_BOUND
+local full = #fetched / 2 >= wanted or alone == 1 or parked_here >= CAPS_PARK_BOUND
 if (waiting > 0 and not idle) or (full and redis.call("llen", queue_list) > 0) then
     ring(queue_list)
 end
 if not caps_ttl then
     return {fetched, dropped, buried, waiting, alone}
+end
+-- the slots of the claims made; a claim dropped as already completed gives its slot back
+local slots = {}
+for i = 1, #fetched, 2 do
+    local slot = slot_of[fetched[i]]
+    if slot then
+        slots[#slots + 1] = fetched[i]
+        slots[#slots + 1] = slot[1]
+        slots[#slots + 1] = slot[2]
+        slot_of[fetched[i]] = nil
+    end
+end
+for _, slot in pairs(slot_of) do
+    caps_release(slot[1], slot[2], queue_list)
 end
 local next_due = redis.call("zrange", caps_waiting(root), 0, 0, "WITHSCORES")
 local due_in = -1
