@@ -36,6 +36,7 @@ from dramatiq.worker import Worker
 from kumiko_dramatiq import Feature, JobContext, JobRunner, Registry
 from kumiko_dramatiq.ops.history import RunHistory
 
+from .caps import CapsBench
 from .delayed import suite as delayed
 from .harness import (
     Comparison,
@@ -51,6 +52,7 @@ from .latency import LatencyBench
 from .memory import MemoryBench
 from .metrics import MetricsBench
 from .plain_actors import suite as plain_actors
+from .redis_cost import suite as redis_cost
 from .typed import TypedBench
 
 WORKER_THREADS = 8
@@ -500,8 +502,11 @@ def main(argv: list[str] | None = None) -> int:
             "memory": MemoryBench(bench, args.memory_jobs),
             "metrics": MetricsBench(bench),
             "typed": TypedBench(bench),
+            "caps": CapsBench(bench, rate_seconds=15.0),
             # on a private redis-server of its own: it flushes its database between runs
             "plain_actors": lambda: bench.notes.append(plain_actors(bench.rounds)),
+            # Redis CPU per job on a private redis-server of its own (issue 32)
+            "redis_cost": lambda: bench.notes.append(redis_cost(bench.rounds)),
             "delayed": lambda: bench.notes.append(delayed([0, 10_000, 100_000], 100_000)),
         }
         chosen = [s for s in args.only.split(",") if s] or list(suites)

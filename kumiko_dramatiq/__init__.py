@@ -22,17 +22,26 @@ from kumiko_dramatiq.errors import (
     RedisUnavailableError,
     UnknownJobError,
 )
-from kumiko_dramatiq.options import Backoff, Event, Manual, Retention, build_message_options
+from kumiko_dramatiq.options import (
+    Backoff,
+    Event,
+    Manual,
+    RateLimit,
+    Retention,
+    build_message_options,
+)
 from kumiko_dramatiq.registry import Feature, JobDefinition, Registry
 
 if TYPE_CHECKING:
     from kumiko_dramatiq.ops.history import JobRun
+    from kumiko_dramatiq.ops.stats import JobStats
     from kumiko_dramatiq.runner import JobRunner
 
 #: Public names whose modules load redis-py: imported on first use.
 _LAZY = {
     "JobRunner": "kumiko_dramatiq.runner",
     "JobRun": "kumiko_dramatiq.ops.history",
+    "JobStats": "kumiko_dramatiq.ops.stats",
 }
 
 
@@ -58,10 +67,12 @@ __all__ = [
     "JobMeta",
     "JobRun",
     "JobRunner",
+    "JobStats",
     "KumikoError",
     "Manual",
     "NotFoundError",
     "PayloadError",
+    "RateLimit",
     "RedisAccessError",
     "RedisUnavailableError",
     "Registry",

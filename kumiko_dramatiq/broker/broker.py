@@ -40,6 +40,11 @@ What kumiko adds on top of that layout, each in the same Lua call as the command
   left for its ack to write, the retry of a failed attempt
   (:mod:`kumiko_dramatiq.middleware.retries`) or the "already completed" marker
   (:mod:`kumiko_dramatiq.middleware.history`);
+- **caps at the fetch** (``capped_queues``, ``lua/include/caps.lua``): on a lane queue with a
+  capped job (``max_running``, ``rate_limit``), the fetch claims a capped message only when
+  its job has a free slot (taken in the same call, a lease of ``slot_ttl_ms``) and its rate
+  window allows, else sets it waiting in Redis; the settle gives the slot back and looks at
+  the waiters (:mod:`kumiko_dramatiq.middleware.caps`). Other queues do no cap work at all;
 - **strict fetch**: a fetched message that does not decode is dead-lettered by its redis id
   with a logged reason (Dramatiq's consumer would crash on it and leave it unacked, a poison
   pill returning with every crash recovery); on a kumiko lane, a message whose id already
@@ -98,7 +103,9 @@ from kumiko_dramatiq.broker.seam import (
     emit_after,
     emit_before,
     set_consumed_queues,
+    worker_thread_count,
 )
+from kumiko_dramatiq.broker.settling import LINGER_S, SettleBatcher
 from kumiko_dramatiq.codec import TRIGGER
 from kumiko_dramatiq.ids import redis_message_id as derived_redis_id
 from kumiko_dramatiq.options import LANES, lane_queue
@@ -155,6 +162,8 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         message_policy: MessagePolicy | None = None,
         run_ttls_ms: tuple[int, int] = (86_400_000, 604_800_000),
         history_cap: int = 100_000,
+        capped_queues: frozenset[str] = frozenset(),
+        slot_ttl_ms: int = 30_000,
     ) -> None:
         super().__init__(  # type: ignore[no-untyped-call]
             client=client,
@@ -183,6 +192,10 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         #: (TTL of completed records, TTL of failed ones) in ms
         self.run_ttls_ms = run_ttls_ms
         self.history_cap = history_cap
+        #: the lane queues of jobs with caps (their fetch keeps the caps, ``lua/include/caps.lua``)
+        #: and the lease TTL of a slot; any other queue's fetch does no cap work at all
+        self.capped_queues = capped_queues
+        self.slot_ttl_ms = slot_ttl_ms
         self._identity = (0, "")
         #: per queue, the redis ids this process's consumers fetched and have not settled yet
         #: (handed to Dramatiq's worker, or running; see ``KumikoConsumer``, "lost claims")
@@ -200,6 +213,12 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         self._thread_clients: list[tuple[threading.Thread, redis.Redis]] = []
         self._threads_pid = os.getpid()
         self._stopping = False
+        #: gathers the settles of deliveries that end at about the same time into one call
+        self.settler = SettleBatcher(self.settle_batch, self.settle_expected)
+        #: worker threads of the workers booted on this broker, and a moving average of the
+        #: time a delivery takes from ``before_process_message`` to its after hooks (seconds)
+        self.worker_threads = 0
+        self._processing_s = 0.0
         self.lua = LuaScripts.register(client)
         #: kumiko's chain (``id()`` of the middleware built with); later ones are guests
         self._chain = frozenset(id(each) for each in self.middleware)
@@ -222,6 +241,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         elif signal == "worker_boot":
             self._stopping = False
             self.route_worker(args[0])
+            self.worker_threads += worker_thread_count(args[0])
         elif signal == "declare_queue":
             self._route_declared(args[0])
         elif signal == "worker_shutdown":
@@ -233,8 +253,12 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             self.booted = True
         emit_after(self, self._current_hooks(), "after_" + signal, *args, **kwargs)
         if signal in ("process_message", "skip_message"):
-            self.running.pop(threading.get_ident(), None)
+            delivery = self.running.pop(threading.get_ident(), None)
+            if delivery is not None and delivery.started_at is not None:
+                took = time.time() - delivery.started_at
+                self._processing_s += (took - self._processing_s) / 16
         elif signal == "worker_shutdown":  # its threads are gone
+            self.worker_threads = max(0, self.worker_threads - worker_thread_count(args[0]))
             self._routed = [each for each in self._routed if each is not args[0]]
             self.close_thread_clients()
 
@@ -346,7 +370,8 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         """Claim up to ``count`` messages of a lane queue (``lua/fetch_lane.lua``), on
         ``client`` (the calling thread's :meth:`thread_client`) or the broker's pool."""
         completed_ttl, failed_ttl = self.run_ttls_ms
-        fetched, completed, buried, waiting, alone = self._call(
+        capped = queue_name in self.capped_queues
+        reply = self._call(
             self.lua.fetch_lane,
             client,
             keys=[
@@ -360,14 +385,25 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
                 keys.completed(self.queue_prefix, ""),
                 keys.root(self.queue_prefix),
                 self.worker_identity(),
+                *((self.slot_ttl_ms,) if capped else ()),
             ],
         )
+        fetched, completed, buried, waiting, alone = reply[:5]
+        slots: dict[str, tuple[str, str]] = {}
+        caps_due_in_ms = None
+        if capped:
+            taken = reply[5]
+            for i in range(0, len(taken), 3):
+                slots[text(taken[i])] = (text(taken[i + 1]), text(taken[i + 2]))
+            caps_due_in_ms = None if int(reply[6]) < 0 else int(reply[6])
         return LaneFetch(
             fetched=[(text(fetched[i]), fetched[i + 1]) for i in range(0, len(fetched), 2)],
             completed=[text(message_id) for message_id in completed],
             buried=[(text(buried[i]), int(buried[i + 1])) for i in range(0, len(buried), 2)],
             suspects_waiting=int(waiting),
             alone=alone == 1,
+            slots=slots,
+            caps_due_in_ms=caps_due_in_ms,
         )
 
     def worker_identity(self) -> str:
@@ -411,15 +447,19 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         retry: tuple[Message[Any], int | None] | None = None,
         run: RunWrite | None = None,
         client: redis.Redis | None = None,
+        slot: tuple[str, str] | None = None,
     ) -> bool:
-        """The outcome of one delivery from a lane queue, in one Lua call
-        (``lua/settle.lua``, on ``client``, the calling thread's :meth:`thread_client`, or the
-        broker's pool); ``False`` if the delivery was no longer this worker's and its
-        recovered copy was taken by another worker already (then nothing but its in-flight
-        entry, marker and run record was written)."""
+        """The outcome of one delivery from a lane queue (``lua/settle.lua``), sent together
+        with the settles of the other deliveries of ``queue_name`` that end at about the same
+        time (:class:`~kumiko_dramatiq.broker.settling.SettleBatcher`), on ``client``, the
+        calling thread's :meth:`thread_client`, or the broker's pool; returns when it is
+        written. ``False`` if the delivery was no longer this worker's and its recovered copy
+        was taken by another worker already (then nothing but its in-flight entry, marker and
+        run record was written). ``slot``: the (slots key, owner token) of the capped job's
+        slot the delivery holds, given back in the same call (also when it is not this
+        worker's any more: the token is this delivery's own)."""
         header, record, note = "", "", ""
         if run is not None:
-            trim = TRIM_BUDGET if random.random() < 1 / TRIM_BUDGET else 0
             header = "\t".join(
                 (
                     keys.root(self.queue_prefix),
@@ -429,41 +469,89 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
                     run.status,
                     run.tenant,
                     run.origin,
-                    *map(str, self.run_ttls_ms),
-                    str(self.history_cap),
-                    str(trim),
+                    "" if run.started_ms is None else str(run.started_ms),
                 )
             )
             record, note = run.record, run.dead_note
-        args = [
-            *self._head(queue_name, maintenance=False),
+        entry: list[Any] = [
             redis_message_id,
-            f"{outcome} {self.completed_ttl_ms}",
+            outcome if slot is None else f"{outcome} {slot[0]} {slot[1]}",
+            keys.completed(self.queue_prefix, message_id) if outcome == "completed" else "",
             header,
             record,
             note,
         ]
         if retry is not None:
             message, delay = retry
-            args += [
+            entry += [
                 message.queue_name,
                 message.options["redis_message_id"],
                 self.encode(message, delay),
             ]
-        done = self._call(
+        else:
+            entry += ["", "", ""]
+        done = self.settler.settle(queue_name, entry, client)
+        if done == 1 and retry is not None:
+            self.emit_after("enqueue", *retry)
+        return bool(done == 1)
+
+    def settle_batch(
+        self, queue_name: str, entries: Sequence[Sequence[Any]], client: redis.Redis | None
+    ) -> list[int]:
+        """One call of ``lua/settle.lua`` for ``entries`` (each the 9 arguments of one
+        delivery); one reply per entry."""
+        trim = TRIM_BUDGET if random.random() < len(entries) / TRIM_BUDGET else 0
+        completed_ttl, failed_ttl = self.run_ttls_ms
+        args: list[Any] = [
+            *self._head(queue_name, maintenance=False),
+            f"{len(entries)} {self.completed_ttl_ms} {completed_ttl} {failed_ttl} "
+            f"{self.history_cap} {trim}",
+        ]
+        for entry in entries:
+            args.extend(entry)
+        replies = self._call(
             self.lua.settle,
             client,
             keys=[
                 self.namespace,
                 keys.inflight(self.queue_prefix),
-                keys.completed(self.queue_prefix, message_id),
                 keys.suspects(self.queue_prefix, queue_name),
             ],
             args=args,
         )
-        if done == 1 and retry is not None:
-            self.emit_after("enqueue", *retry)
-        return bool(done == 1)
+        return [int(reply) for reply in replies]
+
+    def settle_expected(self, queue_name: str) -> int:
+        """How many settles of ``queue_name`` a batch may wait for (0: send at once): every
+        delivery this process holds of it, at most one per worker thread, while deliveries
+        take less than the batch's linger to process (a moving average); else none."""
+        if self._processing_s > LINGER_S or self.worker_threads < 2:
+            return 0
+        return min(self.worker_threads, len(self.held.get(queue_name, ())))
+
+    def release_slots(self, queue_name: str, slots: Sequence[tuple[str, str]]) -> None:
+        """Give back capped jobs' slots ((slots key, owner token) each) of deliveries that
+        go back to ``queue_name`` unrun or cut short (``lua/slot_release.lua``). A Redis error
+        is logged, not raised: the slots then wait out their leases."""
+        if not slots:
+            return
+        try:
+            self.lua.slot_release(
+                keys=[key for key, _ in slots],
+                args=[
+                    queue_name,
+                    queue_list(queue_name, self.namespace),
+                    *(token for _, token in slots),
+                ],
+            )
+        except redis.RedisError as exc:
+            logger.warning(
+                "could not give back %d slot(s) of capped jobs on %s (%s); they are free "
+                "again once their leases run out",
+                len(slots),
+                queue_name,
+                exc,
+            )
 
     @staticmethod
     def _call(

@@ -17,7 +17,8 @@ kumiko_dramatiq.scheduler``).
     retry MESSAGE_ID | --all [--job J]                  re-enqueue dead letters
     cancel MESSAGE_ID            a message that has not started never starts
     pause JOB / resume JOB       hold a job's messages back / let them run
-    locks [--limit N]            held sequential locks and the runs holding them
+    locks [--limit N]            held sequential locks and capped jobs' slots, and the runs
+                                 holding them
     dedup [--job J] [--limit N]  live dedup keys
     reset-boot JOB | --all       the next worker start enqueues a boot-once job again
     dashboard [--host H] [--port P]   serve the web dashboard (needs the dashboard extra;
@@ -80,7 +81,7 @@ from kumiko_dramatiq.errors import (
 from kumiko_dramatiq.loader import load_runner
 from kumiko_dramatiq.middleware.boot import reset_boot_marker
 from kumiko_dramatiq.middleware.metrics import serving
-from kumiko_dramatiq.ops.history import STATUSES
+from kumiko_dramatiq.ops.history import STATUSES, JobRun
 from kumiko_dramatiq.ops.terminal import indented, parse_when, table, without_frames_of
 from kumiko_dramatiq.runner import JobRunner
 from kumiko_dramatiq.scheduler import Scheduler
@@ -155,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("--origin", help=f"every run that came of what dispatch returned: {an_id}")
     runs.add_argument("--since", help=when)
     runs.add_argument("--before", help=when)
+    runs.add_argument(
+        "--cursor",
+        metavar="RUN_ID",
+        help="the next page: the runs right after this one (the last run_id of the previous "
+        "page, as --json prints it) in the order runs are listed",
+    )
     runs.add_argument("--limit", type=_limit, default=50, help="at most this many (1-1000)")
     runs.add_argument(
         "--tracebacks",
@@ -178,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     pause.add_argument("job", metavar="JOB")
     resume = command("resume", "let a paused job's messages run again")
     resume.add_argument("job", metavar="JOB")
-    locks = command("locks", "held sequential locks")
+    locks = command("locks", "held sequential locks and capped jobs' slots")
     locks.add_argument("--limit", type=_limit, default=100, help="at most this many (1-1000)")
     dedup = command("dedup", "live dedup keys")
     dedup.add_argument("--job", help="qualified job name")
@@ -349,6 +356,21 @@ def _jobs(runner: JobRunner, args: argparse.Namespace) -> Result:
         ["job", "lane", "trigger", "retries", "concurrency", "next fire", "last fire", "paused"],
         rows,
     )
+    caps = [
+        [
+            j.name,
+            "" if j.max_running is None else f"{j.running_slots}/{j.max_running} running",
+            ""
+            if j.rate_limit is None
+            else f"{j.rate_limit}"
+            + ("" if "per tenant" in j.rate_limit else f" ({j.rate_window_starts} in window)"),
+            j.cap_waiting,
+        ]
+        for j in jobs
+        if j.max_running is not None or j.rate_limit is not None
+    ]
+    if caps:
+        text += "\n\n" + table(["capped job", "max running", "rate limit", "waiting"], caps)
     fields = []
     for j in jobs:
         if j.payload_model is None:
@@ -377,7 +399,21 @@ def _runs(runner: JobRunner, args: argparse.Namespace) -> Result:
     message_id = None if args.message is None else resolve_id(runner, args.message)
     origin_id = None if args.origin is None else resolve_id(runner, args.origin)
     since = None if args.since is None else parse_when("--since", args.since, now)
-    before = None if args.before is None else parse_when("--before", args.before, now)
+    before: datetime | JobRun | None = None
+    if args.before is not None:
+        before = parse_when("--before", args.before, now)
+    if args.cursor is not None:
+        if args.before is not None:
+            _fail("kumiko runs: give --cursor or --before, not both")
+        message, sep, attempt = args.cursor.rpartition(":")
+        if not sep or not attempt.isdigit() or not message:
+            _fail(
+                "kumiko runs: --cursor must be a run id '<message id>:<attempt>', "
+                f"got {args.cursor!r}"
+            )
+        before = runner.history.find(f"{resolve_id(runner, message)}:{attempt}")
+        if before is None:
+            raise NotFoundError(f"no run record {args.cursor} (expired, or never written)")
     asked = min(args.limit + 1, 1_000)
     runs = runner.runs(
         args.job,
@@ -413,7 +449,9 @@ def _runs(runner: JobRunner, args: argparse.Namespace) -> Result:
     if not text:
         text = "no run matches"
     elif more:
-        text += "\n" + _more(len(runs), "runs", "raise --limit, up to 1000, or narrow the filters")
+        text += "\n" + _more(
+            len(runs), "runs", f"next page: --cursor {runs[-1].run_id}, or narrow the filters"
+        )
     if args.tracebacks or message_id is not None or origin_id is not None:
         text += _tracebacks(
             (f"{r.message_id} {r.job_name} attempt {r.attempt}", r.traceback) for r in runs
@@ -534,11 +572,12 @@ def _locks(runner: JobRunner, args: argparse.Namespace) -> Result:
             (lock.worker or "-") + ("" if lock.worker_alive else " (gone)"),
             _ago(lock.held_since) if lock.held_since is not None else "",
             f"{lock.expires_in_ms / 1000:.1f} s",
+            lock.kind,
         ]
         for lock in locks
     ]
     text = table(
-        ["job", "tenant", "message", "origin", "worker", "held since", "expires in"],
+        ["job", "tenant", "message", "origin", "worker", "held since", "expires in", "kind"],
         rows,
         cuttable=("tenant",),
     )

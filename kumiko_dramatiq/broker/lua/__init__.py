@@ -88,6 +88,7 @@ class LuaScripts:
     lock_acquire: Script
     lock_renew: Script
     lock_release: Script
+    slot_release: Script
     run_put: Script
     # operating
     cancel: Script
@@ -95,6 +96,7 @@ class LuaScripts:
     retry_dead: Script
     resume: Script
     count_attempt: Script
+    runs_from: Script
     # the start-up check of a user's permissions
     probe: Script
 
