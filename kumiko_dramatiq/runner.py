@@ -449,6 +449,30 @@ class JobRunner:
             )
         return cancelled
 
+    def running(self, job: str | None = None) -> list[JobRun]:
+        """The attempts running now (status ``running``, with ``worker`` and ``started_at``),
+        longest running first."""
+        if job is not None:
+            self._job(job)
+        with self._redis("reading the running attempts"):
+            return self.admin.running(job)
+
+    def stop_run(self, message_id: str) -> bool:
+        """Ask the running attempt of ``message_id`` to stop: within about a second
+        ``ctx.stop_requested`` is true and the handler is interrupted (a sync one as by a
+        timeout, an ``async def`` one's task cancelled); the attempt ends ``cancelled``, is
+        not retried and releases its lock and dedup key. ``False`` when it is not running;
+        raises :class:`NotFoundError` when no message of that id waits, runs or left a run
+        record. ``runner.stop()`` stays the graceful shutdown."""
+        _check_message_id(message_id)
+        with self._redis("stopping a run"):
+            asked = self.admin.stop_run(message_id)
+        if asked is None:
+            raise NotFoundError(
+                f"message {message_id} is not queued, delayed or running, and has no run record"
+            )
+        return asked
+
     def pause(self, job: str) -> None:
         """Hold ``job``'s messages back (kept, never run) on every worker until :meth:`resume`."""
         definition = self._job(job)

@@ -112,6 +112,17 @@ def cancelled(queue_prefix: str, message_id: str) -> str:
     return f"{_root(queue_prefix)}:cancel:{message_id}"
 
 
+def stop_request(queue_prefix: str, message_id: str) -> str:
+    """Set by ``stop_run`` for a running message (TTL :data:`STOP_REQUEST_TTL_MS`): the
+    worker running it reads it within its stop poll (:mod:`kumiko_dramatiq.worker.stops`)
+    and deletes it once it has interrupted the run."""
+    return f"{_root(queue_prefix)}:stop:{message_id}"
+
+
+#: How long a stop request waits for the worker running its message (ms).
+STOP_REQUEST_TTL_MS = 60_000
+
+
 def paused(queue_prefix: str) -> str:
     """Set of the names of paused jobs."""
     return f"{_root(queue_prefix)}:paused"

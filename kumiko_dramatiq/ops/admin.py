@@ -62,7 +62,7 @@ from kumiko_dramatiq.codec import (
 from kumiko_dramatiq.cron import Cron
 from kumiko_dramatiq.ids import redis_id_candidates
 from kumiko_dramatiq.middleware.presence import ProcessInfo, live_processes
-from kumiko_dramatiq.ops.history import STATUSES, RunHistory, run_ttls_ms
+from kumiko_dramatiq.ops.history import STATUSES, JobRun, RunHistory, run_ttls_ms
 from kumiko_dramatiq.options import LANES, lane_queue
 from kumiko_dramatiq.payloads import PayloadField, schema_fields
 from kumiko_dramatiq.registry import JobDefinition, Registry
@@ -816,6 +816,31 @@ class Admin:
         )
         return reply[0] == 1, text(reply[1])
 
+    def running(self, job: str | None = None) -> list[JobRun]:
+        """The attempts running now (``job``'s only, when given), longest running first:
+        read off the in-flight hash (bounded by the workers' threads), whatever the queues'
+        size."""
+        runs = [run for run in self.history.running() if job is None or run.job_name == job]
+        return sorted(runs, key=_started_key)
+
+    def stop_run(self, message_id: str) -> bool | None:
+        """Ask the running attempt of ``message_id`` to stop (``keys.stop_request``; the
+        worker running it reads it within :data:`~kumiko_dramatiq.worker.stops.POLL_S`):
+        ``True``; ``False`` when it is not running but known (it waits, or ended); ``None``
+        when there is no trace of it. The in-flight hash, then one ``SET``."""
+        if any(run.message_id == message_id for run in self.history.running()):
+            self.client.set(
+                keys.stop_request(self.prefix, message_id),
+                int(datetime.now(UTC).timestamp() * 1000),
+                px=keys.STOP_REQUEST_TTL_MS,
+            )
+            return True
+        if self.waiting_state(message_id) is not None or self.client.exists(
+            keys.run_record(self.prefix, message_id), keys.dead_note(self.prefix, message_id)
+        ):
+            return False
+        return None
+
     def pause(self, job: JobDefinition) -> bool:
         """Pause ``job``; ``False`` if it was paused already."""
         return bool(self.client.sadd(keys.paused(self.prefix), job.qualified_name))
@@ -912,6 +937,10 @@ def _carried_id(body: Any, message_id: str) -> str | None:
     if options.get(ORIGIN_ID) == message_id and options.get(TRIGGER) == "requeue":
         return own
     return None
+
+
+def _started_key(run: JobRun) -> datetime:
+    return run.started_at or datetime.max.replace(tzinfo=UTC)
 
 
 def _describe_trigger(job: JobDefinition) -> str:

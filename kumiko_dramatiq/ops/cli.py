@@ -15,6 +15,8 @@ kumiko_dramatiq.scheduler``).
                                  dead letters with their last error and traceback
     retry MESSAGE_ID | --all [--job J]                  re-enqueue dead letters
     cancel MESSAGE_ID            a message that has not started never starts
+    busy [--job J]               attempts running now: worker, started, for how long
+    stop MESSAGE_ID              ask a running attempt to stop (it ends cancelled)
     pause JOB / resume JOB       hold a job's messages back / let them run
     locks [--limit N]            held sequential locks and the runs holding them
     dedup [--job J] [--limit N]  live dedup keys
@@ -57,7 +59,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from types import FrameType
 from typing import Any, NoReturn
 
@@ -167,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     retry.add_argument("--job", help="with --all: only this job's")
     cancel = command("cancel", "a queued, delayed or waiting message never starts")
     cancel.add_argument("message_id", metavar="MESSAGE_ID", help=an_id)
+    busy = command("busy", "attempts running now: which worker runs what, for how long")
+    busy.add_argument("--job", help="qualified job name")
+    stop = command("stop", "ask a running attempt to stop: it ends cancelled, is not retried")
+    stop.add_argument("message_id", metavar="MESSAGE_ID", help=an_id)
     pause = command("pause", "hold a job's messages back on every worker")
     pause.add_argument("job", metavar="JOB")
     resume = command("resume", "let a paused job's messages run again")
@@ -483,6 +489,49 @@ def _cancel(runner: JobRunner, args: argparse.Namespace) -> Result:
     return {**document, "state": "cancelled"}, f"{message_id}: cancelled", EXIT_OK
 
 
+def _busy(runner: JobRunner, args: argparse.Namespace) -> Result:
+    runs = runner.running(args.job)
+    rows = [
+        [
+            r.job_name,
+            r.message_id,
+            r.tenant_id or "",
+            f"{r.attempt}/{r.max_attempts}",
+            r.worker or "-",
+            _time(r.started_at),
+            "" if r.started_at is None else _span(datetime.now(UTC) - r.started_at),
+        ]
+        for r in runs
+    ]
+    text = table(
+        ["job", "message", "tenant", "att.", "worker", "started", "running for"],
+        rows,
+        cuttable=("tenant",),
+    )
+    return {"running": [r.to_json() for r in runs]}, text or "nothing runs", EXIT_OK
+
+
+def _stop(runner: JobRunner, args: argparse.Namespace) -> Result:
+    message_id = resolve_id(runner, args.message_id)
+    asked = runner.stop_run(message_id)
+    document = {"message_id": message_id, "stop_requested": asked}
+    if not asked:
+        print(f"kumiko stop: message {message_id} is not running, nothing changed", file=sys.stderr)
+        return document, "", EXIT_NOTHING
+    return document, f"{message_id}: stop requested (the attempt ends cancelled)", EXIT_OK
+
+
+def _span(delta: timedelta) -> str:
+    seconds = max(0, int(delta.total_seconds()))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min"
+
+
 def _pause(runner: JobRunner, args: argparse.Namespace) -> Result:
     changed = runner.admin.pause(runner.job(args.job))
     text = f"{args.job}: paused" if changed else f"{args.job}: was paused already"
@@ -622,6 +671,8 @@ _COMMANDS: dict[str, Callable[[JobRunner, argparse.Namespace], Result]] = {
     "dead": _dead,
     "retry": _retry,
     "cancel": _cancel,
+    "busy": _busy,
+    "stop": _stop,
     "pause": _pause,
     "resume": _resume,
     "locks": _locks,
