@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 import redis
 from dramatiq.worker import Worker
@@ -49,7 +49,15 @@ from kumiko_dramatiq.middleware.dedup import (
 )
 from kumiko_dramatiq.middleware.presence import Presence
 from kumiko_dramatiq.middleware.retries import check_no_dramatiq_retries
-from kumiko_dramatiq.ops.admin import Admin, DeadLetter, DedupInfo, JobInfo, LockInfo, Status
+from kumiko_dramatiq.ops.admin import (
+    PURGE_WALKS,
+    Admin,
+    DeadLetter,
+    DedupInfo,
+    JobInfo,
+    LockInfo,
+    Status,
+)
 from kumiko_dramatiq.ops.draining import Drain
 from kumiko_dramatiq.ops.history import STATUSES, JobRun, RunHistory, RunStatus, run_ttls_ms
 from kumiko_dramatiq.options import Retention, retry_window_ms
@@ -422,16 +430,41 @@ class JobRunner:
         with self._redis("reading the dead letters"):
             return self.admin.dead_letters(job, limit=limit)
 
-    def retry_dead(self, message_id: str) -> str:
+    def retry_dead(self, message_id: str) -> str | Literal[False]:
         """Re-enqueue dead letter ``message_id`` with a fresh attempt budget (one atomic step
-        with its removal from the dead letters); return the id that will run. Raises
-        :class:`NotFoundError` when it is not a dead letter."""
+        with its removal from the dead letters); return the id that will run. ``False`` when
+        the message is known but not a dead letter (it waits, runs, or ended otherwise);
+        raises :class:`NotFoundError` when there is no trace of it."""
         _check_message_id(message_id)
         with self._redis("retrying a dead letter"):
             new_id = self.admin.retry_dead(message_id)
+            if new_id is None and self.admin.known(message_id):
+                return False
         if new_id is None:
             raise NotFoundError(f"message {message_id} is not a dead letter")
         return new_id
+
+    def delete_dead(self, message_id: str) -> bool:
+        """Discard dead letter ``message_id``: ``True``; ``False`` when the message is known
+        but not a dead letter; raises :class:`NotFoundError` when there is no trace of it."""
+        _check_message_id(message_id)
+        with self._redis("deleting a dead letter"):
+            if self.admin.delete_dead(message_id):
+                return True
+            if self.admin.known(message_id):
+                return False
+        raise NotFoundError(f"message {message_id} is not a dead letter")
+
+    def purge(self, job: str, *, state: str = "queued", dry_run: bool = False) -> int:
+        """Remove ``job``'s messages in ``state`` (``"queued"``, ``"delayed"``, ``"parked"``
+        or ``"dead"``) in bounded steps; return how many (with ``dry_run``: how many there
+        are, nothing removed). Dedup keys they hold are freed; one WARNING line with the
+        count; no run record per message. A running message is never removed."""
+        definition = self._job(job)
+        if state not in PURGE_WALKS:
+            raise ValueError(f"{job}: state must be one of {', '.join(PURGE_WALKS)}, got {state!r}")
+        with self._redis("purging messages"):
+            return self.admin.purge(definition, state, dry_run=dry_run)
 
     def cancel(self, message_id: str) -> bool:
         """Make sure ``message_id`` never starts if it has not: ``True`` if it was queued,

@@ -31,6 +31,7 @@ one call per :data:`RESUME_STEP` parked messages):
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -67,6 +68,8 @@ from kumiko_dramatiq.options import LANES, lane_queue
 from kumiko_dramatiq.payloads import PayloadField, schema_fields
 from kumiko_dramatiq.registry import JobDefinition, Registry
 from kumiko_dramatiq.settings import Settings
+
+logger = logging.getLogger("kumiko_dramatiq")
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,15 @@ DedupCursor = tuple[str, float, int]
 DEAD_LIST_PAGES = 20
 #: Parked ids resume moves back to their queue per Lua call (about a millisecond of Redis).
 RESUME_STEP = 1_000
+#: Entries one purge step reads at most (``lua/purge_step.lua``: about a millisecond of Redis).
+PURGE_STEP = 200
+#: The states ``purge`` takes, and what it walks for each (``lua/purge_step.lua``'s modes).
+PURGE_WALKS: dict[str, tuple[str, ...]] = {
+    "queued": ("queued", "suspects"),
+    "delayed": ("delayed",),
+    "parked": ("parked",),
+    "dead": ("dead",),
+}
 #: How many of the newest run records of each status, and of the newest dead letters of each
 #: lane, an id prefix is looked up among (:meth:`Admin.ids_starting_with`).
 PREFIX_WINDOW = 1_000
@@ -835,11 +847,65 @@ class Admin:
                 px=keys.STOP_REQUEST_TTL_MS,
             )
             return True
-        if self.waiting_state(message_id) is not None or self.client.exists(
-            keys.run_record(self.prefix, message_id), keys.dead_note(self.prefix, message_id)
-        ):
-            return False
-        return None
+        return False if self.known(message_id) else None
+
+    def purge(self, job: JobDefinition, state: str, *, dry_run: bool = False) -> int:
+        """Remove ``job``'s messages in ``state`` (:data:`PURGE_WALKS`), :data:`PURGE_STEP`
+        entries per Lua call (``lua/purge_step.lua``), so Redis is never blocked; the number
+        removed (with ``dry_run``: found, nothing changed). Dedup keys they hold are freed; no
+        run record is written; one WARNING line says how many went. A running message is
+        never removed; messages enqueued while it runs may or may not be."""
+        queue = job.queue_name(self.prefix)
+        hold_ms = self.settings.heartbeat_timeout_ms + 3_600_000
+        total = 0
+        for walk in PURGE_WALKS[state]:
+            cursor = "0"
+            while True:
+                removed, cursor = self.broker.lua.purge_step(
+                    keys=[self.broker.namespace],
+                    args=[
+                        keys.root(self.prefix),
+                        job.qualified_name,
+                        walk,
+                        queue,
+                        cursor,
+                        PURGE_STEP,
+                        int(datetime.now(UTC).timestamp() * 1000),
+                        hold_ms,
+                        "1" if dry_run else "0",
+                    ],
+                )
+                total += int(removed)
+                cursor = text(cursor)
+                if cursor == "0":
+                    break
+        if not dry_run:
+            logger.warning("purged %d %s message(s) of %s", total, state, job.qualified_name)
+        return total
+
+    def delete_dead(self, message_id: str) -> bool | None:
+        """Discard dead letter ``message_id`` (``lua/delete_dead.lua``): ``True``; ``None``
+        when it is not (or no longer) a dead letter. Found as :meth:`retry_dead` finds it."""
+        letter = self._noted_dead_letter(message_id) or self._found_dead_letter(message_id)
+        if letter is None:
+            return None
+        done = self.broker.lua.delete_dead(
+            keys=[
+                dead_letters(letter.queue),
+                dead_letter_messages(letter.queue),
+                keys.dead_note(self.prefix, message_id),
+            ],
+            args=[letter.redis_message_id],
+        )
+        return True if done == 1 else None
+
+    def known(self, message_id: str) -> bool:
+        """Whether ``message_id`` waits, runs, or left a run record or dead letter note."""
+        return self.waiting_state(message_id) is not None or bool(
+            self.client.exists(
+                keys.run_record(self.prefix, message_id), keys.dead_note(self.prefix, message_id)
+            )
+        )
 
     def pause(self, job: JobDefinition) -> bool:
         """Pause ``job``; ``False`` if it was paused already."""

@@ -13,6 +13,9 @@ kumiko_dramatiq.scheduler``).
                                  run records, newest first
     dead [--job J] [--limit N] [--no-tracebacks]
                                  dead letters with their last error and traceback
+    dead --delete MESSAGE_ID     discard one dead letter
+    purge JOB [--state queued|delayed|parked|dead] [--yes] [--dry-run]
+                                 remove a job's messages in that state (asks first)
     retry MESSAGE_ID | --all [--job J]                  re-enqueue dead letters
     cancel MESSAGE_ID            a message that has not started never starts
     busy [--job J]               attempts running now: worker, started, for how long
@@ -89,6 +92,8 @@ EXIT_OK = 0
 EXIT_REDIS = 1
 EXIT_NOTHING = 1
 EXIT_USAGE = 2
+#: The states ``kumiko purge --state`` takes.
+PURGE_STATES = ("queued", "delayed", "parked", "dead")
 #: A whole message id as kumiko makes them (a UUID); anything shorter that could begin one
 #: (at least 4 characters) is looked up as a prefix.
 FULL_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -163,6 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
     dead.add_argument(
         "--no-tracebacks", action="store_true", help="the table alone, no traceback below it"
     )
+    dead.add_argument("--delete", metavar="MESSAGE_ID", help=f"discard this dead letter: {an_id}")
+    purge = command(
+        "purge", "remove a job's messages in one state (default queued), in bounded steps"
+    )
+    purge.add_argument("job", metavar="JOB", help="qualified job name")
+    purge.add_argument("--state", choices=PURGE_STATES, default="queued")
+    purge.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    purge.add_argument("--dry-run", action="store_true", help="print the count, remove nothing")
     retry = command("retry", "re-enqueue dead letters with a fresh attempt budget")
     retry.add_argument("message_id", nargs="?", metavar="MESSAGE_ID", help=an_id)
     retry.add_argument("--all", action="store_true", help="every dead letter (of --job)")
@@ -428,6 +441,8 @@ def _tracebacks(items: Iterable[tuple[str, str | None]]) -> str:
 
 
 def _dead(runner: JobRunner, args: argparse.Namespace) -> Result:
+    if args.delete is not None:
+        return _delete_dead(runner, args)
     letters = runner.dead_letters(args.job, limit=args.limit + 1)
     more = len(letters) > args.limit
     letters = letters[: args.limit]
@@ -456,6 +471,49 @@ def _dead(runner: JobRunner, args: argparse.Namespace) -> Result:
     return {"dead_letters": [d.to_json() for d in letters]}, text, EXIT_OK
 
 
+def _delete_dead(runner: JobRunner, args: argparse.Namespace) -> Result:
+    if args.job is not None:
+        raise ValueError("--delete takes no --job")
+    message_id = resolve_id(runner, args.delete)
+    deleted = runner.delete_dead(message_id)
+    document = {"message_id": message_id, "deleted": deleted}
+    if not deleted:
+        print(
+            f"kumiko dead: message {message_id} is not a dead letter, nothing changed",
+            file=sys.stderr,
+        )
+        return document, "", EXIT_NOTHING
+    return document, f"{message_id}: dead letter deleted", EXIT_OK
+
+
+def _purge(runner: JobRunner, args: argparse.Namespace) -> Result:
+    runner.job(args.job)
+    what = f"{args.state} message(s) of {args.job}"
+    if args.dry_run or not args.yes:
+        found = runner.purge(args.job, state=args.state, dry_run=True)
+        if args.dry_run:
+            return {"job": args.job, "state": args.state, "count": found}, str(found), EXIT_OK
+        if found == 0:
+            return _purged(args, 0)
+        if not _confirmed(f"Remove {found} {what}? [y/N] "):
+            print("kumiko purge: not confirmed, nothing removed", file=sys.stderr)
+            return {"job": args.job, "state": args.state, "purged": 0}, "", EXIT_NOTHING
+    return _purged(args, runner.purge(args.job, state=args.state))
+
+
+def _purged(args: argparse.Namespace, count: int) -> Result:
+    document = {"job": args.job, "state": args.state, "purged": count}
+    return document, f"{args.job}: {count} {args.state} message(s) removed", EXIT_OK
+
+
+def _confirmed(question: str) -> bool:
+    """Ask on stderr (stdout stays the command's output), read the answer from stdin."""
+    sys.stderr.write(question)
+    sys.stderr.flush()
+    answer = sys.stdin.readline()
+    return answer.strip().lower() in ("y", "yes")
+
+
 def _retry(runner: JobRunner, args: argparse.Namespace) -> Result:
     if (args.message_id is None) == (not args.all):
         raise ValueError("give either MESSAGE_ID or --all")
@@ -470,7 +528,14 @@ def _retry(runner: JobRunner, args: argparse.Namespace) -> Result:
         retried = [{"message_id": old, "new_message_id": new} for old, new in pairs]
     else:
         message_id = resolve_id(runner, args.message_id)
-        retried = [{"message_id": message_id, "new_message_id": runner.retry_dead(message_id)}]
+        new_id = runner.retry_dead(message_id)
+        if new_id is False:
+            print(
+                f"kumiko retry: message {message_id} is not a dead letter, nothing changed",
+                file=sys.stderr,
+            )
+            return {"message_id": message_id, "retried": False}, "", EXIT_NOTHING
+        retried = [{"message_id": message_id, "new_message_id": new_id}]
     text = "\n".join(
         f"{item['message_id']}: re-enqueued as {item['new_message_id']}" for item in retried
     )
@@ -671,6 +736,7 @@ _COMMANDS: dict[str, Callable[[JobRunner, argparse.Namespace], Result]] = {
     "dead": _dead,
     "retry": _retry,
     "cancel": _cancel,
+    "purge": _purge,
     "busy": _busy,
     "stop": _stop,
     "pause": _pause,

@@ -3,8 +3,11 @@ driven as subprocesses against a real Redis and a real CLI worker."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from tests.conftest import wait_for
-from tests.integration.test_operating import Ops, ops  # noqa: F401 (the fixture)
+from tests.integration.test_operating import ROOT, Ops, ops  # noqa: F401 (the fixture)
 
 BLOCK = "ops:job:block"
 
@@ -29,3 +32,37 @@ def test_busy_lists_what_runs_and_stop_ends_it_cancelled(ops: Ops) -> None:  # n
     again = ops.kumiko("stop", running)
     assert again.returncode == 1
     assert "not running" in again.stderr
+
+
+def test_purge_asks_first_dry_run_counts_and_yes_removes(ops: Ops) -> None:  # noqa: F811
+    ops.producer.dispatch_many("ops:job:note", [{}] * 7)
+    dry = ops.kumiko("purge", "ops:job:note", "--dry-run")
+    assert (dry.returncode, dry.stdout.strip()) == (0, "7")
+    declined = subprocess.run(
+        [sys.executable, "-m", "kumiko_dramatiq.ops.cli", "purge", "ops:job:note"],
+        cwd=ROOT,
+        env=ops.env,
+        input="n\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert declined.returncode == 1
+    assert "Remove 7 queued message(s) of ops:job:note?" in declined.stderr
+    assert ops.json("purge", "ops:job:note", "--dry-run")["count"] == 7
+    done = ops.json("purge", "ops:job:note", "--yes")
+    assert done == {"job": "ops:job:note", "state": "queued", "purged": 7}
+    assert ops.kumiko("purge", "ops:job:note", "--yes").returncode == 0  # nothing left: 0
+    assert ops.kumiko("purge", "ops:job:nope", "--yes").returncode == 2
+
+
+def test_dead_delete_discards_one_dead_letter(ops: Ops) -> None:  # noqa: F811
+    ops.worker()
+    dead = ops.producer.dispatch("ops:job:flaky")
+    wait_for(lambda: bool(ops.json("dead")["dead_letters"]), timeout_s=30, what="a dead letter")
+    done = ops.kumiko("dead", "--delete", dead)
+    assert done.returncode == 0, done.stderr
+    assert ops.json("dead")["dead_letters"] == []
+    assert ops.kumiko("dead", "--delete", dead).returncode == 1
+    assert ops.kumiko("retry", dead).returncode == 1

@@ -91,6 +91,8 @@ class LuaScripts:
     retry_dead: Script
     resume: Script
     count_attempt: Script
+    purge_step: Script
+    delete_dead: Script
     # the start-up check of a user's permissions
     probe: Script
 
