@@ -115,11 +115,16 @@ def test_django_dramatiq_runs_plain_actors_and_jobs_on_kumikos_broker(
         assert sorted(redis_client.lrange(seen, 0, -1)) == [b"actor", b"job"]
         # And django_dramatiq's admin middleware recorded them as done
         done = "[('record', 'done'), ('shop:job:note', 'done')]"
-        wait_for(
-            lambda: django(env, "shell", "--no-imports", "-c", statuses).strip() == done,
-            timeout_s=30,
-            what=f"the admin's records {done}",
-        )
+        last: list[str] = []
+
+        def recorded() -> bool:
+            last[:] = [django(env, "shell", "--no-imports", "-c", statuses).strip()]
+            return last[0] == done
+
+        try:
+            wait_for(recorded, timeout_s=60, what=f"the admin's records {done}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; last read: {last}") from None
 
 
 @pytest.mark.slow

@@ -9,7 +9,13 @@ USE_TZ = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 INSTALLED_APPS = ["django_dramatiq", "tests.apps.django_site.shop"]
 DATABASES = {
-    "default": {"ENGINE": "django.db.backends.sqlite3", "NAME": os.environ["DJANGO_SITE_DB"]}
+    # two worker threads and the test's own reads share one SQLite file: wait for its lock
+    # instead of failing a write with "database is locked" (SQLite's default is 5 s)
+    "default": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": os.environ["DJANGO_SITE_DB"],
+        "OPTIONS": {"timeout": 60},
+    }
 }
 
 KUMIKO_REDIS_URL = os.environ["KUMIKO_REDIS_URL"]
