@@ -482,6 +482,13 @@ class JobRunner:
             )
         return cancelled
 
+    def job_counts(self) -> dict[str, dict[str, int]]:
+        """Every declared job -> ``{"queued", "delayed", "running", "parked", "dead"}``:
+        exact, kept by the scripts that move messages (filled in for older data at first
+        use, in bounded steps); messages waiting for a slot count as queued."""
+        with self._redis("reading the job counts"):
+            return self.admin.job_counts()
+
     def running(self, job: str | None = None) -> list[JobRun]:
         """The attempts running now (status ``running``, with ``worker`` and ``started_at``),
         longest running first."""

@@ -246,6 +246,17 @@ def queue_bell(queue_name: str, namespace: str = NAMESPACE) -> str:
     return f"{queue_list(queue_name, namespace)}:bell"
 
 
+def queue_counts(queue_name: str, namespace: str = NAMESPACE) -> str:
+    """Hash (kumiko's, beside Dramatiq's layout): how many message bodies of each actor the
+    queue's message hash, its delay queue's and its dead letters' hold (``q:<actor>``,
+    ``d:<actor>``, ``x:<actor>``), kept by every script that writes or deletes a body
+    (``lua/include/counts.lua``, which builds it from the message hash's key:
+    ``<namespace>:<queue>`` + ``":counts"``), and ``~mode`` (see there); filled in for data
+    written before by ``lua/counts_backfill.lua``. Beside it, while that runs,
+    ``:counts:fresh`` and ``:counts:seen`` (sets)."""
+    return f"{queue_list(queue_name, namespace)}:counts"
+
+
 def queue_withdrawn(queue_name: str, namespace: str = NAMESPACE) -> str:
     """Set (kumiko's, beside Dramatiq's layout): redis ids still in the queue's list or its
     suspects list whose message was cancelled while it waited (``cancel`` deletes its body

@@ -49,6 +49,7 @@ from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.acl import check_server
 from kumiko_dramatiq.broker.connection import client as redis_client
 from kumiko_dramatiq.broker.connection import describe
+from kumiko_dramatiq.broker.counts import backfill_counts
 from kumiko_dramatiq.context import JobContext, JobMeta
 from kumiko_dramatiq.errors import (
     BootGateError,
@@ -339,6 +340,12 @@ class Boot(Middleware):
 
         Raises ``BootGateError`` (gates) or ``RedisUnavailableError``.
         """
+        try:  # per-job counts over what was written before they were kept
+            backfill_counts(self.runtime.broker, self.runtime.queue_name)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise RedisUnavailableError(
+                describe_client(self.runtime.broker.client), "counting messages per job", exc
+            ) from exc
         for gate in boot_gates(self.runtime.registry, self.runtime.lane):
             run_gate(self.runtime, gate)
         for job in boot_once_jobs(self.runtime.registry, self.runtime.lane):

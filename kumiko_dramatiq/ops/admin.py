@@ -43,6 +43,7 @@ from dramatiq.message import Message, generate_unique_id
 
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.broker import KumikoBroker, moved_redis_id
+from kumiko_dramatiq.broker.counts import backfill_counts
 from kumiko_dramatiq.broker.keys import (
     consumer_acks,
     dead_letter_messages,
@@ -223,6 +224,8 @@ PURGE_WALKS: dict[str, tuple[str, ...]] = {
     "parked": ("parked",),
     "dead": ("dead",),
 }
+#: The states ``job_counts`` gives for each job.
+COUNT_STATES = ("queued", "delayed", "running", "parked", "dead")
 #: How many of the newest run records of each status, and of the newest dead letters of each
 #: lane, an id prefix is looked up among (:meth:`Admin.ids_starting_with`).
 PREFIX_WINDOW = 1_000
@@ -298,6 +301,58 @@ class Admin:
             schedulers=[p for p in processes if p.role == "scheduler"],
             paused=paused,
         )
+
+    def backfill_counts(self) -> None:
+        """Make the per-job counts of every lane queue exact over older data
+        (:func:`~kumiko_dramatiq.broker.counts.backfill_counts`)."""
+        for queue in self.lane_queues:
+            backfill_counts(self.broker, queue)
+
+    def job_counts(self) -> dict[str, dict[str, int]]:
+        """Every declared job -> its messages queued (waiting for a slot too), delayed,
+        running (claimed by a live worker), parked (held by a pause) and dead: the counts the
+        scripts keep (``keys.queue_counts``), the parked lists and the runs in flight. Costs
+        one hash per lane, two keys per job and the runs in flight, whatever the queues'
+        size."""
+        self.backfill_counts()
+        jobs = list(self.registry.jobs)
+        pipe = self.client.pipeline(transaction=False)
+        for queue in self.lane_queues:
+            pipe.hgetall(keys.queue_counts(queue))
+        for job in jobs:
+            pipe.llen(keys.parked(self.prefix, job))
+            pipe.scard(keys.parked_withdrawn(self.prefix, job))
+        replies = pipe.execute()
+        out = {job: dict.fromkeys(COUNT_STATES, 0) for job in jobs}
+        bodies = dict.fromkeys(jobs, 0)
+        for counts in replies[: len(self.lane_queues)]:
+            for field, value in counts.items():
+                kind, _, actor = text(field).partition(":")
+                found = self.registry.actor(actor)
+                if found is None or kind not in ("q", "d", "x"):
+                    continue
+                name = found[0].qualified_name
+                if kind == "q":
+                    bodies[name] += int(value)
+                else:
+                    out[name]["delayed" if kind == "d" else "dead"] += int(value)
+        parked = iter(replies[len(self.lane_queues) :])
+        for job in jobs:
+            out[job]["parked"] = max(0, int(next(parked)) - int(next(parked)))
+        alive = {
+            f"{process.host}:{process.pid}"
+            for process in live_processes(self.client, self.prefix)
+            if process.role == "worker"
+        }
+        for run in self.history.running():
+            if run.job_name in out and run.worker in alive:
+                out[run.job_name]["running"] += 1
+        for job in jobs:
+            counts = out[job]
+            counts["queued"] = max(0, bodies[job] - counts["running"] - counts["parked"])
+            counts["delayed"] = max(0, counts["delayed"])
+            counts["dead"] = max(0, counts["dead"])
+        return out
 
     def jobs(self, now: datetime | None = None) -> list[JobInfo]:
         now = datetime.now(UTC) if now is None else now

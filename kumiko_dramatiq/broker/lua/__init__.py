@@ -93,6 +93,7 @@ class LuaScripts:
     count_attempt: Script
     purge_step: Script
     delete_dead: Script
+    counts_backfill: Script
     # the start-up check of a user's permissions
     probe: Script
 

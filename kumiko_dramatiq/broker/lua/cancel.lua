@@ -23,6 +23,7 @@
 -- Returns {1, queue, redis id} (cancelled) or {0, reason}.
 -- @include history
 -- @include dedup_index
+-- @include counts
 local namespace, root, wanted = KEYS[1], ARGV[1], ARGV[2]
 local now = tonumber(ARGV[3])
 
@@ -77,6 +78,7 @@ for i = 7, #ARGV, 2 do
             local ttl = math.max(due - now, 0) + tonumber(ARGV[6])
             redis.call("set", root .. "cancel:" .. message.message_id, "1", "PX", ttl)
         else
+            uncount(list .. ".msgs", rid)
             redis.call("hdel", list .. ".msgs", rid)
             if not delayed then
                 redis.call("hdel", root .. "inflight", rid)

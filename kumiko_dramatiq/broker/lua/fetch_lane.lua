@@ -84,6 +84,7 @@ local function claim(rid, seen)
         local message_id = message_id_of(body)
         if message_id and redis.call("exists", done_prefix .. message_id) == 1 then
             redis.call("srem", queue_acks, rid)
+            uncount(queue_messages, rid)
             redis.call("hdel", queue_messages, rid)
             redis.call("hdel", inflight, rid)
             dropped[#dropped + 1] = message_id

@@ -14,6 +14,7 @@
 if redis.call("srem", queue_acks, ARGV[3]) == 0 then
     return 0
 end
+uncount(queue_messages, ARGV[3])
 redis.call("hdel", queue_messages, ARGV[3])
 if redis.call("del", KEYS[2]) == 1 then
     return 2

@@ -21,6 +21,7 @@
 -- shift but never make it skip an entry; pops from the head only end the walk sooner.
 -- Returns {removed, next cursor ("0" when done)}.
 -- @include dedup_index
+-- @include counts
 local namespace, root, job, mode = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
 local queue, cursor, batch = ARGV[4], ARGV[5], tonumber(ARGV[6])
 local now, dry = tonumber(ARGV[7]), ARGV[9] == "1"
@@ -86,6 +87,7 @@ if mode == "queued" or mode == "suspects" then
         if redis.call("hexists", root .. "inflight", rid) == 0 then
             removed = removed + 1
             if not dry then
+                uncount(list .. ".msgs", rid)
                 redis.call("hdel", list .. ".msgs", rid)
                 redis.call("sadd", list .. ":withdrawn", rid)
                 free_dedup(message)
@@ -106,6 +108,7 @@ elseif mode == "delayed" then
         if message and redis.call("exists", root .. "cancel:" .. message.message_id) == 0 then
             removed = removed + 1
             if not dry then
+                uncount(bodies, rid)
                 redis.call("hdel", bodies, rid)
                 local due = tonumber(message.options.eta) or now
                 local ttl = math.max(due - now, 0) + tonumber(ARGV[8])
@@ -140,6 +143,7 @@ elseif mode == "parked" then
         if redis.call("srem", withdrawn, pair[1]) == 0 then
             removed = removed + 1
         end
+        uncount(list .. ".msgs", pair[1])
         redis.call("hdel", list .. ".msgs", pair[1])
         free_dedup(pair[2])
     end
@@ -157,6 +161,7 @@ elseif mode == "dead" then
         removed = removed + 1
         if not dry then
             redis.call("zrem", letters, pair[1])
+            uncount(letters .. ".msgs", pair[1])
             redis.call("hdel", letters .. ".msgs", pair[1])
             redis.call("del", root .. "dead:" .. pair[2].message_id)
             kept = kept - 1

@@ -16,6 +16,7 @@
 -- Returns {1 if the job was paused, requeued, dropped, parked ids left}.
 -- @include history
 -- @include bell
+-- @include counts
 local drop = {}
 for i = 7, #ARGV do
     drop[ARGV[i]] = true
@@ -34,6 +35,7 @@ for _, rid in ipairs(step) do
             put_run(ARGV[2], run.m, run.a, run.j, "cancelled", run.t or "", run.o,
                 tonumber(ARGV[3]), cjson.encode(run), tonumber(ARGV[4]), tonumber(ARGV[5]))
         end
+        uncount(KEYS[4], rid)
         redis.call("hdel", KEYS[4], rid)
         dropped = dropped + 1
     else

@@ -116,5 +116,6 @@ if outcome == "dead" then
     end
     return 1
 end
+uncount(queue_messages, rid)
 redis.call("hdel", queue_messages, rid)
 return 1

@@ -4,8 +4,10 @@
 --   messages  <namespace>:<queue>.msgs, hash redis message id -> encoded message
 --   list      <namespace>:<queue>, list of redis message ids (consumers pop from the left)
 -- @include bell
+-- @include counts
 local function enqueue_message(messages, list, rid, body)
     redis.call("hset", messages, rid, body)
+    count_body(messages, rid, body, 1)
     redis.call("rpush", list, rid)
     ring(list)
 end
