@@ -27,12 +27,14 @@ from kumiko_dramatiq.registry import Feature, JobDefinition, Registry
 
 if TYPE_CHECKING:
     from kumiko_dramatiq.ops.history import JobRun
+    from kumiko_dramatiq.ops.waiting import QueuedMessage
     from kumiko_dramatiq.runner import JobRunner
 
 #: Public names whose modules load redis-py: imported on first use.
 _LAZY = {
     "JobRunner": "kumiko_dramatiq.runner",
     "JobRun": "kumiko_dramatiq.ops.history",
+    "QueuedMessage": "kumiko_dramatiq.ops.waiting",
 }
 
 
@@ -62,6 +64,7 @@ __all__ = [
     "Manual",
     "NotFoundError",
     "PayloadError",
+    "QueuedMessage",
     "RedisAccessError",
     "RedisUnavailableError",
     "Registry",

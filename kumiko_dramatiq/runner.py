@@ -60,6 +60,7 @@ from kumiko_dramatiq.ops.admin import (
 )
 from kumiko_dramatiq.ops.draining import Drain
 from kumiko_dramatiq.ops.history import STATUSES, JobRun, RunHistory, RunStatus, run_ttls_ms
+from kumiko_dramatiq.ops.waiting import WAITING_STATES, QueuedMessage
 from kumiko_dramatiq.options import Retention, retry_window_ms
 from kumiko_dramatiq.payloads import event_payload, payload_to_enqueue
 from kumiko_dramatiq.registry import JobDefinition, Registry
@@ -481,6 +482,28 @@ class JobRunner:
                 f"message {message_id} is not queued, delayed or running, and has no run record"
             )
         return cancelled
+
+    def queued(
+        self,
+        job: str | None = None,
+        *,
+        state: str | None = None,
+        limit: int = 50,
+        after: QueuedMessage | None = None,
+    ) -> list[QueuedMessage]:
+        """Waiting messages (``job``'s, in ``state``: ``"queued"``, ``"parked"`` or
+        ``"delayed"``; all of them when ``None``), at most ``limit``: queued and parked
+        oldest first, delayed soonest due first (within each batch read); ``after`` = the
+        last of the previous page. Each carries its payload. Costs the page, never a walk
+        of a queue."""
+        if job is not None:
+            self._job(job)
+        if state is not None and state not in WAITING_STATES:
+            raise ValueError(f"state must be one of {', '.join(WAITING_STATES)}, got {state!r}")
+        if not 0 < limit <= 1_000:
+            raise ValueError(f"limit must be from 1 to 1000, got {limit!r}")
+        with self._redis("reading the waiting messages"):
+            return self.admin.queued(job, state=state, limit=limit, after=after)
 
     def job_counts(self) -> dict[str, dict[str, int]]:
         """Every declared job -> ``{"queued", "delayed", "running", "parked", "dead"}``:

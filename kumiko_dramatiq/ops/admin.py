@@ -65,6 +65,7 @@ from kumiko_dramatiq.cron import Cron
 from kumiko_dramatiq.ids import redis_id_candidates
 from kumiko_dramatiq.middleware.presence import ProcessInfo, live_processes
 from kumiko_dramatiq.ops.history import STATUSES, JobRun, RunHistory, run_ttls_ms
+from kumiko_dramatiq.ops.waiting import QueuedMessage, Waiting
 from kumiko_dramatiq.options import LANES, lane_queue
 from kumiko_dramatiq.payloads import PayloadField, schema_fields
 from kumiko_dramatiq.registry import JobDefinition, Registry
@@ -882,6 +883,18 @@ class Admin:
             ],
         )
         return reply[0] == 1, text(reply[1])
+
+    def queued(
+        self,
+        job: str | None = None,
+        *,
+        state: str | None = None,
+        limit: int = 50,
+        after: QueuedMessage | None = None,
+    ) -> list[QueuedMessage]:
+        """A page of waiting messages (:mod:`kumiko_dramatiq.ops.waiting`)."""
+        waiting = Waiting(self.client, self.registry, self.prefix, self.lane_queues)
+        return waiting.page(job, state, limit=limit, after=after)
 
     def running(self, job: str | None = None) -> list[JobRun]:
         """The attempts running now (``job``'s only, when given), longest running first:

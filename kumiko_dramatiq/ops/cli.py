@@ -18,6 +18,8 @@ kumiko_dramatiq.scheduler``).
                                  remove a job's messages in that state (asks first)
     retry MESSAGE_ID | --all [--job J]                  re-enqueue dead letters
     cancel MESSAGE_ID            a message that has not started never starts
+    queued [--job J] [--state queued|parked|delayed] [--limit N] [--payload] [--cursor C]
+                                 waiting messages (payloads only with --payload)
     busy [--job J]               attempts running now: worker, started, for how long
     stop MESSAGE_ID              ask a running attempt to stop (it ends cancelled)
     pause JOB / resume JOB       hold a job's messages back / let them run
@@ -83,8 +85,10 @@ from kumiko_dramatiq.errors import (
 from kumiko_dramatiq.loader import load_runner
 from kumiko_dramatiq.middleware.boot import reset_boot_marker
 from kumiko_dramatiq.middleware.metrics import serving
+from kumiko_dramatiq.ops.admin import COUNT_STATES
 from kumiko_dramatiq.ops.history import STATUSES
 from kumiko_dramatiq.ops.terminal import indented, parse_when, table, without_frames_of
+from kumiko_dramatiq.ops.waiting import WAITING_STATES, QueuedMessage
 from kumiko_dramatiq.runner import JobRunner
 from kumiko_dramatiq.scheduler import Scheduler
 
@@ -182,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     retry.add_argument("--job", help="with --all: only this job's")
     cancel = command("cancel", "a queued, delayed or waiting message never starts")
     cancel.add_argument("message_id", metavar="MESSAGE_ID", help=an_id)
+    queued = command("queued", "waiting messages: queued and parked oldest first, delayed by due")
+    queued.add_argument("--job", help="qualified job name")
+    queued.add_argument("--state", choices=WAITING_STATES)
+    queued.add_argument("--limit", type=_limit, default=50, help="at most this many (1-1000)")
+    queued.add_argument("--payload", action="store_true", help="show each message's payload")
+    queued.add_argument("--cursor", help="start after this position (printed below a page)")
     busy = command("busy", "attempts running now: which worker runs what, for how long")
     busy.add_argument("--job", help="qualified job name")
     stop = command("stop", "ask a running attempt to stop: it ends cancelled, is not retried")
@@ -328,6 +338,7 @@ def _status(runner: JobRunner, args: argparse.Namespace) -> Result:
 
 def _jobs(runner: JobRunner, args: argparse.Namespace) -> Result:
     jobs = runner.jobs()
+    counts = runner.job_counts()
     rows = [
         [
             j.name,
@@ -338,12 +349,23 @@ def _jobs(runner: JobRunner, args: argparse.Namespace) -> Result:
             _time(j.next_fire),
             _time(j.last_fire),
             "yes" if j.paused else "",
+            *(counts[j.name][state] for state in COUNT_STATES),
         ]
         for j in jobs
     ]
     # never cut: names, triggers and times are what an operator reads here
     text = table(
-        ["job", "lane", "trigger", "retries", "concurrency", "next fire", "last fire", "paused"],
+        [
+            "job",
+            "lane",
+            "trigger",
+            "retries",
+            "concurrency",
+            "next fire",
+            "last fire",
+            "paused",
+            *COUNT_STATES,
+        ],
         rows,
     )
     fields = []
@@ -366,7 +388,8 @@ def _jobs(runner: JobRunner, args: argparse.Namespace) -> Result:
     if fields:
         payloads = table(["typed job", "payload model", "field", "type", "required"], fields)
         text = f"{text}\n\n{payloads}"
-    return {"jobs": [j.to_json() for j in jobs]}, text, EXIT_OK
+    document = [{**j.to_json(), "counts": counts[j.name]} for j in jobs]
+    return {"jobs": document}, text, EXIT_OK
 
 
 def _runs(runner: JobRunner, args: argparse.Namespace) -> Result:
@@ -554,6 +577,47 @@ def _cancel(runner: JobRunner, args: argparse.Namespace) -> Result:
     return {**document, "state": "cancelled"}, f"{message_id}: cancelled", EXIT_OK
 
 
+def _queued(runner: JobRunner, args: argparse.Namespace) -> Result:
+    after = None
+    if args.cursor is not None:
+        after = QueuedMessage("", "", None, "", 0, datetime.now(UTC), None, None, args.cursor)
+    found = runner.queued(args.job, state=args.state, limit=args.limit + 1, after=after)
+    more = len(found) > args.limit
+    found = found[: args.limit]
+    rows = [
+        [
+            m.job_name,
+            m.message_id,
+            m.tenant_id or "",
+            m.state,
+            m.attempt,
+            _time(m.enqueued_at),
+            _time(m.due_at) if m.due_at is not None else "",
+        ]
+        for m in found
+    ]
+    text = table(
+        ["job", "message", "tenant", "state", "att.", "enqueued", "due"],
+        rows,
+        cuttable=("tenant",),
+    )
+    document: dict[str, Any] = {
+        "queued": [m.to_json(payload=args.payload) for m in found],
+        "cursor": found[-1].cursor if more and found else None,
+    }
+    if not text:
+        text = "nothing waits"
+    elif more:
+        text += "\n" + _more(len(found), "messages", f"--cursor {found[-1].cursor}")
+    if args.payload:  # below the table, whole: a payload is never cut
+        text += "".join(
+            f"\n\n--- {m.message_id} {m.job_name} ---\n"
+            + indented(json.dumps(m.payload, indent=2, sort_keys=True))
+            for m in found
+        )
+    return document, text, EXIT_OK
+
+
 def _busy(runner: JobRunner, args: argparse.Namespace) -> Result:
     runs = runner.running(args.job)
     rows = [
@@ -737,6 +801,7 @@ _COMMANDS: dict[str, Callable[[JobRunner, argparse.Namespace], Result]] = {
     "retry": _retry,
     "cancel": _cancel,
     "purge": _purge,
+    "queued": _queued,
     "busy": _busy,
     "stop": _stop,
     "pause": _pause,

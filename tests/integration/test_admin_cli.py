@@ -66,3 +66,29 @@ def test_dead_delete_discards_one_dead_letter(ops: Ops) -> None:  # noqa: F811
     assert ops.json("dead")["dead_letters"] == []
     assert ops.kumiko("dead", "--delete", dead).returncode == 1
     assert ops.kumiko("retry", dead).returncode == 1
+
+
+def test_queued_shows_payloads_only_when_asked(ops: Ops) -> None:  # noqa: F811
+    ids = [ops.producer.dispatch("ops:job:note", {"secret": f"s{n}"}) for n in range(3)]
+    listed = ops.json("queued", "--job", "ops:job:note")
+    assert [m["message_id"] for m in listed["queued"]] == ids
+    assert all("payload" not in m for m in listed["queued"])
+    assert "s0" not in ops.kumiko("queued").stdout
+    shown = ops.json("queued", "--payload", "--limit", "2")
+    assert [m["payload"] for m in shown["queued"]] == [{"secret": "s0"}, {"secret": "s1"}]
+    rest = ops.json("queued", "--cursor", shown["cursor"])
+    assert [m["message_id"] for m in rest["queued"]] == ids[2:]
+    assert '"secret": "s0"' in ops.kumiko("queued", "--payload").stdout
+
+
+def test_jobs_shows_counts_per_job(ops: Ops) -> None:  # noqa: F811
+    ops.producer.dispatch_many("ops:job:note", [{}] * 4)
+    ops.producer.dispatch("ops:job:note", {}, delay_ms=600_000)
+    jobs = {j["name"]: j for j in ops.json("jobs")["jobs"]}
+    assert jobs["ops:job:note"]["counts"] == {
+        "queued": 4,
+        "delayed": 1,
+        "running": 0,
+        "parked": 0,
+        "dead": 0,
+    }
