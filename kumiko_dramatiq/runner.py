@@ -505,6 +505,19 @@ class JobRunner:
         with self._redis("reading the waiting messages"):
             return self.admin.queued(job, state=state, limit=limit, after=after)
 
+    def run_now(self, message_id: str) -> bool:
+        """Queue a delayed or backing-off message now, same id and attempt: ``True``;
+        ``False`` when it is not delayed; raises :class:`NotFoundError` when no message of
+        that id waits, runs or left a run record."""
+        _check_message_id(message_id)
+        with self._redis("queueing a delayed message now"):
+            moved = self.admin.run_now(message_id)
+        if moved is None:
+            raise NotFoundError(
+                f"message {message_id} is not queued, delayed or running, and has no run record"
+            )
+        return moved
+
     def job_counts(self) -> dict[str, dict[str, int]]:
         """Every declared job -> ``{"queued", "delayed", "running", "parked", "dead"}``:
         exact, kept by the scripts that move messages (filled in for older data at first

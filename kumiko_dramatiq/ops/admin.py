@@ -975,6 +975,53 @@ class Admin:
             )
         )
 
+    def move_delayed_now(self, message_id: str) -> bool:
+        """Queue the delayed (or backing-off) message ``message_id`` now, whatever its due
+        time: same message id, same attempt (``lua/run_now.lua``); ``False`` when it is not
+        on a delay queue. Found by the redis ids kumiko derives from its id
+        (:meth:`redis_id_candidates`) on each lane's delay queue: a few key reads, never a
+        search. (On today's delay queues; the per-queue schedule of delayed messages moves
+        them its own way.)"""
+        hold_ms = self.settings.heartbeat_timeout_ms + 3_600_000
+        for rid in self.redis_id_candidates(message_id):
+            for queue in self.lane_queues:
+                body = self.client.hget(queue_messages(dq_name(queue)), rid)
+                if body is None:
+                    continue
+                message = Message.decode(body if isinstance(body, bytes) else body.encode())
+                if str(message.message_id) != message_id:
+                    continue
+                eta = message.options.get("eta")
+                options = {k: v for k, v in message.options.items() if k != "eta"}
+                options.pop("redis_message_id", None)
+                new_rid = moved_redis_id(rid, queue)
+                waiting: Message[Any] = Message(  # Message.copy would merge the old eta in
+                    queue_name=queue,
+                    actor_name=message.actor_name,
+                    args=message.args,
+                    kwargs=message.kwargs,
+                    options=options,
+                    message_id=message.message_id,
+                    message_timestamp=message.message_timestamp,
+                )
+                prepared = self.broker.prepare(waiting, None, redis_message_id=new_rid)
+                now_ms = int(datetime.now(UTC).timestamp() * 1000)
+                ttl_ms = max(0, int(eta or now_ms) - now_ms) + hold_ms
+                moved = self.broker.lua.run_now(
+                    keys=[self.broker.namespace, keys.cancelled(self.prefix, message_id)],
+                    args=[dq_name(queue), rid, body, queue, new_rid, prepared.encode(), ttl_ms],
+                )
+                return bool(moved == 1)
+        return False
+
+    def run_now(self, message_id: str) -> bool | None:
+        """Queue delayed message ``message_id`` now (:meth:`move_delayed_now`): ``True``;
+        ``False`` when it is known but not delayed; ``None`` when there is no trace of it."""
+        if self.move_delayed_now(message_id):
+            logger.info("delayed message %s queued now (run-now)", message_id)
+            return True
+        return False if self.known(message_id) else None
+
     def pause(self, job: JobDefinition) -> bool:
         """Pause ``job``; ``False`` if it was paused already."""
         return bool(self.client.sadd(keys.paused(self.prefix), job.qualified_name))

@@ -20,6 +20,7 @@ kumiko_dramatiq.scheduler``).
     cancel MESSAGE_ID            a message that has not started never starts
     queued [--job J] [--state queued|parked|delayed] [--limit N] [--payload] [--cursor C]
                                  waiting messages (payloads only with --payload)
+    run-now MESSAGE_ID           queue a delayed or backing-off message now
     busy [--job J]               attempts running now: worker, started, for how long
     stop MESSAGE_ID              ask a running attempt to stop (it ends cancelled)
     pause JOB / resume JOB       hold a job's messages back / let them run
@@ -192,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     queued.add_argument("--limit", type=_limit, default=50, help="at most this many (1-1000)")
     queued.add_argument("--payload", action="store_true", help="show each message's payload")
     queued.add_argument("--cursor", help="start after this position (printed below a page)")
+    run_now = command("run-now", "queue a delayed or backing-off message now")
+    run_now.add_argument("message_id", metavar="MESSAGE_ID", help=an_id)
     busy = command("busy", "attempts running now: which worker runs what, for how long")
     busy.add_argument("--job", help="qualified job name")
     stop = command("stop", "ask a running attempt to stop: it ends cancelled, is not retried")
@@ -618,6 +621,18 @@ def _queued(runner: JobRunner, args: argparse.Namespace) -> Result:
     return document, text, EXIT_OK
 
 
+def _run_now(runner: JobRunner, args: argparse.Namespace) -> Result:
+    message_id = resolve_id(runner, args.message_id)
+    moved = runner.run_now(message_id)
+    document = {"message_id": message_id, "queued_now": moved}
+    if not moved:
+        print(
+            f"kumiko run-now: message {message_id} is not delayed, nothing changed", file=sys.stderr
+        )
+        return document, "", EXIT_NOTHING
+    return document, f"{message_id}: queued now", EXIT_OK
+
+
 def _busy(runner: JobRunner, args: argparse.Namespace) -> Result:
     runs = runner.running(args.job)
     rows = [
@@ -802,6 +817,7 @@ _COMMANDS: dict[str, Callable[[JobRunner, argparse.Namespace], Result]] = {
     "cancel": _cancel,
     "purge": _purge,
     "queued": _queued,
+    "run-now": _run_now,
     "busy": _busy,
     "stop": _stop,
     "pause": _pause,

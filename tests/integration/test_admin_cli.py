@@ -92,3 +92,13 @@ def test_jobs_shows_counts_per_job(ops: Ops) -> None:  # noqa: F811
         "parked": 0,
         "dead": 0,
     }
+
+
+def test_run_now_queues_a_delayed_message_now(ops: Ops) -> None:  # noqa: F811
+    later = ops.producer.dispatch("ops:job:note", {}, delay_ms=600_000)
+    done = ops.kumiko("run-now", later)
+    assert done.returncode == 0, done.stderr
+    assert [m["state"] for m in ops.json("queued")["queued"]] == ["queued"]
+    again = ops.kumiko("run-now", later)
+    assert again.returncode == 1
+    assert "not delayed" in again.stderr

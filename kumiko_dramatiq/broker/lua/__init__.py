@@ -94,6 +94,7 @@ class LuaScripts:
     purge_step: Script
     delete_dead: Script
     counts_backfill: Script
+    run_now: Script
     # the start-up check of a user's permissions
     probe: Script
 
