@@ -93,6 +93,7 @@ class Ops:
         self.client.set(f"kumiko:{self.prefix}:test:{what}", 1)
 
     def close(self) -> None:
+        self.flag("release")  # blocked handlers end, so the workers' graceful stop is quick
         for proc in self.workers:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
