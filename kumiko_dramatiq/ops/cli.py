@@ -21,6 +21,8 @@ kumiko_dramatiq.scheduler``).
     queued [--job J] [--state queued|parked|delayed] [--limit N] [--payload] [--cursor C]
                                  waiting messages (payloads only with --payload)
     run-now MESSAGE_ID           queue a delayed or backing-off message now
+    stats [--job J] [--hours H]  per job and hour: completed, failed, dead, cancelled,
+                                 duration p50 and p95 (kept 7 days)
     busy [--job J]               attempts running now: worker, started, for how long
     stop MESSAGE_ID              ask a running attempt to stop (it ends cancelled)
     pause JOB / resume JOB       hold a job's messages back / let them run
@@ -137,6 +139,16 @@ def _limit(text: str) -> int:
     return value
 
 
+def _hours(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 0 < value <= 168:
+        raise argparse.ArgumentTypeError(f"must be from 1 to 168, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kumiko", description="Operator tools for kumiko_dramatiq apps.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -195,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     queued.add_argument("--cursor", help="start after this position (printed below a page)")
     run_now = command("run-now", "queue a delayed or backing-off message now")
     run_now.add_argument("message_id", metavar="MESSAGE_ID", help=an_id)
+    stats = command("stats", "per job and hour: completed, failed, dead, cancelled, p50, p95")
+    stats.add_argument("--job", help="qualified job name")
+    stats.add_argument("--hours", type=_hours, default=24, help="how far back (1-168)")
     busy = command("busy", "attempts running now: which worker runs what, for how long")
     busy.add_argument("--job", help="qualified job name")
     stop = command("stop", "ask a running attempt to stop: it ends cancelled, is not retried")
@@ -621,6 +636,49 @@ def _queued(runner: JobRunner, args: argparse.Namespace) -> Result:
     return document, text, EXIT_OK
 
 
+def _stats(runner: JobRunner, args: argparse.Namespace) -> Result:
+    if args.job is not None:
+        runner.job(args.job)
+    stats = getattr(runner, "stats", None)
+    if stats is None:  # recorded by the release that keeps hourly stats (issue 32)
+        raise NotFoundError("this version records no hourly stats")
+    rows: list[Any] = list(stats(args.job, hours=args.hours))
+    text = table(
+        ["hour (UTC)", "job", "completed", "failed", "dead", "cancelled", "p50", "p95"],
+        [
+            [
+                _time(s.hour),
+                s.job_name,
+                s.completed,
+                s.failed,
+                s.dead,
+                s.cancelled,
+                _ms(s.p50_ms),
+                _ms(s.p95_ms),
+            ]
+            for s in rows
+        ],
+    )
+    document = {
+        "stats": [
+            {
+                "job_name": s.job_name,
+                "hour": s.hour.isoformat(),
+                **{
+                    name: getattr(s, name)
+                    for name in ("completed", "failed", "dead", "cancelled", "p50_ms", "p95_ms")
+                },
+            }
+            for s in rows
+        ]
+    }
+    return document, text or "no attempt in that time", EXIT_OK
+
+
+def _ms(value: int | None) -> str:
+    return "-" if value is None else f"{value} ms"
+
+
 def _run_now(runner: JobRunner, args: argparse.Namespace) -> Result:
     message_id = resolve_id(runner, args.message_id)
     moved = runner.run_now(message_id)
@@ -818,6 +876,7 @@ _COMMANDS: dict[str, Callable[[JobRunner, argparse.Namespace], Result]] = {
     "purge": _purge,
     "queued": _queued,
     "run-now": _run_now,
+    "stats": _stats,
     "busy": _busy,
     "stop": _stop,
     "pause": _pause,

@@ -3,9 +3,11 @@ driven as subprocesses against a real Redis and a real CLI worker."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
+from kumiko_dramatiq import JobRunner
 from tests.conftest import wait_for
 from tests.integration.test_operating import ROOT, Ops, ops  # noqa: F401 (the fixture)
 
@@ -102,3 +104,15 @@ def test_run_now_queues_a_delayed_message_now(ops: Ops) -> None:  # noqa: F811
     again = ops.kumiko("run-now", later)
     assert again.returncode == 1
     assert "not delayed" in again.stderr
+
+
+def test_stats_reads_the_hourly_stats_or_says_none_are_recorded(ops: Ops) -> None:  # noqa: F811
+    assert ops.kumiko("stats", "--hours", "169").returncode == 2
+    assert ops.kumiko("stats", "--job", "ops:job:nope").returncode == 2
+    done = ops.kumiko("stats", "--json")
+    if hasattr(JobRunner, "stats"):  # the release that records them (issue 32)
+        assert done.returncode == 0, done.stderr
+        assert isinstance(json.loads(done.stdout)["stats"], list)
+    else:
+        assert done.returncode == 1
+        assert "records no hourly stats" in done.stderr
