@@ -103,7 +103,7 @@ def _alert(driver: webdriver.Chrome) -> bool:
 
 
 def count(driver: webdriver.Chrome, state: str) -> str:
-    return str(driver.find_element(By.CSS_SELECTOR, f"td.count[data-state='{state}']").text)
+    return str(driver.find_element(By.CSS_SELECTOR, f".count[data-state='{state}']").text)
 
 
 def test_a_job_page_shows_waiting_payloads_runs_one_now_and_purges_the_rest(
