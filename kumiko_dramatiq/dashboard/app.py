@@ -549,7 +549,7 @@ def _stop(runner: JobRunner, form: Mapping[str, str]) -> Flash:
     return {"kind": "error", "text": f"Message {message_id} is not running, nothing changed."}
 
 
-def _dispatch(runner: JobRunner, form: Mapping[str, str]) -> Flash:
+def _dispatch_now(runner: JobRunner, form: Mapping[str, str]) -> Flash:
     job = pages.parse_job(runner, form)
     if job is None:
         raise BadInput("run now needs a job")
@@ -566,7 +566,7 @@ _ACTIONS: Final[dict[str, Callable[[JobRunner, Mapping[str, str]], Flash]]] = {
     "delete": _delete,
     "run-now": _run_now,
     "stop": _stop,
-    "dispatch": _dispatch,
+    "dispatch": _dispatch_now,
     "retry": _retry,
     "retry-all": _retry_all,
     "cancel": _cancel,
