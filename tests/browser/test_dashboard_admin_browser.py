@@ -149,9 +149,8 @@ def test_the_busy_page_stops_a_running_attempt(
     wait_for(lambda: bool(runner.running(HOLD)), what="the run")
     with served(create_app(runner, token=TOKEN)) as base:
         sign_in(browser, base, "/busy")
-        assert held in browser.find_element(By.CSS_SELECTOR, "table.busy").get_attribute(
-            "innerHTML"
-        )
+        busy = browser.find_element(By.CSS_SELECTOR, "table.busy")
+        assert held in str(busy.get_attribute("innerHTML"))
         click(browser, "stop", held)
         assert f"Stop requested for {held}" in browser.find_element(By.CSS_SELECTOR, ".flash").text
         wait_for(lambda: [r.status for r in runner.run_record(held)] == ["cancelled"])
