@@ -216,8 +216,8 @@ DedupCursor = tuple[str, float, int]
 DEAD_LIST_PAGES = 20
 #: Parked ids resume moves back to their queue per Lua call (about a millisecond of Redis).
 RESUME_STEP = 1_000
-#: Entries one purge step reads at most (``lua/purge_step.lua``: about a millisecond of Redis).
-PURGE_STEP = 200
+#: Entries one purge step reads at most (``lua/purge_step.lua``: about 2 ms of Redis).
+PURGE_STEP = 100
 #: The states ``purge`` takes, and what it walks for each (``lua/purge_step.lua``'s modes).
 PURGE_WALKS: dict[str, tuple[str, ...]] = {
     "queued": ("queued", "suspects"),

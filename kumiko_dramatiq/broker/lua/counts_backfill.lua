@@ -23,7 +23,7 @@ if not mode then
         redis.call("hset", counts, "~mode", "r")
         return 1
     end
-    redis.call("del", counts, counts .. ":fresh", counts .. ":seen")
+    redis.call("unlink", counts, counts .. ":fresh", counts .. ":seen")
     redis.call("hset", counts, "~mode", "b", "~walk", "2 0")
 end
 local walk = redis.call("hget", counts, "~walk") or "2 0"
@@ -53,5 +53,5 @@ if index < 4 then
 end
 redis.call("hset", counts, "~mode", "r")
 redis.call("hdel", counts, "~walk")
-redis.call("del", counts .. ":fresh", counts .. ":seen")
+redis.call("unlink", counts .. ":fresh", counts .. ":seen")
 return 1

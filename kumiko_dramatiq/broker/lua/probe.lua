@@ -17,7 +17,7 @@ local specs = {
     ["client|unblock"] = {"0"}, del = {K},
     evalsha = {"0000000000000000000000000000000000000000", "1", K}, exec = {}, exists = {K},
     get = {K}, hdel = {K, "f"}, hexists = {K, "f"}, hget = {K, "f"}, hgetall = {K},
-    hincrby = {K, "f", "0"}, hkeys = {K}, hlen = {K}, hmget = {K, "f"}, hscan = {K, "0"}, incr = {K},
+    hkeys = {K}, hlen = {K}, hmget = {K, "f"}, hscan = {K, "0"}, incr = {K},
     hset = {K, "f", "v"}, keys = {"kumiko-probe"}, llen = {K}, lpop = {K}, lpos = {K, "v"},
     lpush = {K, "v"}, lrange = {K, "0", "0"}, lrem = {K, "0", "v"}, mget = {K}, multi = {},
     pexpire = {K, "60000"}, ping = {}, pttl = {K}, role = {}, rpop = {K}, rpush = {K, "v"},
@@ -27,6 +27,7 @@ local specs = {
     zrange = {K, "0", "0"}, zrangebyscore = {K, "0", "0"}, zrem = {K, "m"},
     zremrangebyscore = {K, "0", "0"}, zrevrange = {K, "0", "0"},
     zrevrangebyscore = {K, "0", "0"}, zscore = {K, "m"},
+    hincrby = {K, "f", "0"}, unlink = {K},  -- per-job counts (include/counts.lua)
 }
 
 local function argv_of(command, spec, key)
