@@ -346,6 +346,12 @@ class Boot(Middleware):
             raise RedisUnavailableError(
                 describe_client(self.runtime.broker.client), "counting messages per job", exc
             ) from exc
+        except redis.RedisError as exc:  # a refused write: the first read of the counts retries
+            logger.warning(
+                "per-job counts of %s not filled in yet (%s); the first read of them does it",
+                self.runtime.queue_name,
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )
         for gate in boot_gates(self.runtime.registry, self.runtime.lane):
             run_gate(self.runtime, gate)
         for job in boot_once_jobs(self.runtime.registry, self.runtime.lane):

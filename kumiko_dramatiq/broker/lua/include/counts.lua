@@ -9,7 +9,8 @@
 --                    ready, exact
 -- While the backfill runs, a body written is noted in "<counts>:fresh" (the backfill skips
 -- it) and a body deleted is uncounted only if it was fresh or the backfill counted it already
--- ("<counts>:seen"), so every body is counted exactly once. The actor is read off the body
+-- ("<counts>:seen"; it leaves the set it was in, so both hold live bodies only, also if a
+-- backfill is cut short and not taken up for a while), so every body is counted exactly once. The actor is read off the body
 -- (Dramatiq writes "actor_name" before the payload), never by decoding it whole.
 
 local function counts_of(messages)
@@ -50,8 +51,8 @@ local function count_body(messages, rid, body, delta)
         local member = kind .. rid
         if delta > 0 then
             redis.call("sadd", counts .. ":fresh", member)
-        elseif redis.call("sismember", counts .. ":fresh", member) == 0
-            and redis.call("sismember", counts .. ":seen", member) == 0 then
+        elseif redis.call("srem", counts .. ":fresh", member) == 0
+            and redis.call("srem", counts .. ":seen", member) == 0 then
             return
         end
     end
