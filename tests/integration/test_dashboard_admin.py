@@ -110,3 +110,18 @@ def test_dead_letters_can_be_deleted_one_by_one_or_all_of_a_job(
     read_only = TestClient(create_app(runner, token=""), follow_redirects=False)
     assert read_only.post("/actions/purge", data={"job": EXPLODE}).status_code == 403
     assert read_only.post("/actions/stop", data={"message_id": first}).status_code == 403
+
+
+def test_a_run_page_offers_run_now_while_delayed(
+    make_runner: RunnerFactory,
+    dataset: Dataset,  # noqa: F811
+) -> None:
+    runner = make_runner(dataset.registry)
+    later = runner.dispatch(EXPLODE, {}, delay_ms=600_000)
+    client = TestClient(create_app(runner, token=TOKEN), follow_redirects=False)
+    csrf = sign_in(client)
+    assert 'data-action="run-now"' in client.get(f"/runs/{later}").text
+    client.post("/actions/run-now", data={"message_id": later, "csrf": csrf})
+    page = client.get(f"/runs/{later}").text
+    assert 'data-action="run-now"' not in page
+    assert "it waits in its queue" in page
