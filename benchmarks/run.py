@@ -36,6 +36,7 @@ from dramatiq.worker import Worker
 from kumiko_dramatiq import Feature, JobContext, JobRunner, Registry
 from kumiko_dramatiq.ops.history import RunHistory
 
+from .delayed import suite as delayed
 from .harness import (
     Comparison,
     Countdown,
@@ -501,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             "typed": TypedBench(bench),
             # on a private redis-server of its own: it flushes its database between runs
             "plain_actors": lambda: bench.notes.append(plain_actors(bench.rounds)),
+            "delayed": lambda: bench.notes.append(delayed([0, 10_000, 100_000], 100_000)),
         }
         chosen = [s for s in args.only.split(",") if s] or list(suites)
         for name in chosen:

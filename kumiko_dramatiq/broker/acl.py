@@ -22,8 +22,8 @@ are checked by connecting at all; ``SCRIPT LOAD`` and ``EVALSHA`` by loading and
 probe (``lua/probe.lua``), which checks every other command of :func:`commands` with
 ``redis.acl_check_cmd`` (Redis 7): the keyless ones once, the others on one key of each shape
 the process touches (:func:`sample_keys`: kumiko's keys, Dramatiq's namespace key, the queue
-list, message hash, delay queue, dead letters, doorbells and this worker's ack sets of both
-lanes and of every plain actor's queue declared on the broker, and the shared heartbeats).
+list, message hash, delay queue, schedule, dead letters, doorbells and this worker's ack sets
+of both lanes and of every plain actor's queue declared on the broker, and the shared heartbeats).
 Nothing is run, read or written, so the check costs the same on an empty Redis and on one with
 millions of keys (one script of about a thousand permission checks, under a millisecond). Then
 one ``MGET`` of two keys of different hash slots: a Redis Cluster node refuses it
@@ -76,10 +76,11 @@ CLIENT_COMMANDS: Final[dict[str, str]] = {
     "hgetall": "run records, dedup records",
     "hkeys": "cancel and dead-letter lookups: the attempts a message has records of",
     "hlen": "status: delayed messages",
-    "hmget": "dead letters, run records",
+    "hmget": "dead letters, run records, bodies on an older version's delay queue list",
     "hscan": "drain: messages in flight; kumiko queued: delayed messages",
     "llen": "status: queued messages",
-    "lrange": "parked messages of paused jobs; kumiko queued: waiting messages",
+    "lrange": "parked messages of paused jobs; the head of an older version's delay queue list; "
+    "kumiko queued: waiting messages",
     "mget": "presence, boot markers, the start-up check's Cluster probe, stop requests",
     "pexpire": "presence records",
     "pttl": "locks and dedup records: time left",
@@ -184,7 +185,7 @@ def _check(broker: KumikoBroker, redis_url: str) -> None:
 def sample_keys(broker: KumikoBroker) -> dict[str, str]:
     """One key of each shape a process of ``broker`` touches (for the start-up check), each
     with the ACL key pattern that grants it: kumiko's own keys, Dramatiq's namespace key, the
-    queue list, message hash, delay queue, dead letters and doorbells of both lanes and of
+    queue list, message hash, delay queue, schedule, dead letters and doorbells of both lanes and of
     every other queue declared on the broker (plain ``@dramatiq.actor`` queues), this
     worker's ack sets of them, and the shared heartbeats."""
     prefix, namespace = broker.queue_prefix, broker.namespace
@@ -201,7 +202,11 @@ def sample_keys(broker: KumikoBroker) -> dict[str, str]:
                 keys.queue_bell(each, namespace),
                 keys.consumer_acks(broker.broker_id, each, namespace),
             ]
-        found += [keys.dead_letters(queue, namespace), keys.dead_letter_messages(queue, namespace)]
+        found += [
+            keys.queue_schedule(queue, namespace),
+            keys.dead_letters(queue, namespace),
+            keys.dead_letter_messages(queue, namespace),
+        ]
     return {key: _pattern_of(key, prefix) for key in dict.fromkeys(found)}
 
 

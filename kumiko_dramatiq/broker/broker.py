@@ -22,9 +22,18 @@ What kumiko adds on top of that layout, each in the same Lua call as the command
 - **idempotent enqueue** (:meth:`KumikoBroker.enqueue`): each write leaves a "sent" marker of
   its redis message id (``keys.sent``), and a write whose marker exists does nothing. The pool
   re-sends a command once when a connection drops; if the first send had executed, Dramatiq's
-  enqueue would store the message twice. A worker moves a due delayed message to its queue by
-  enqueuing it and then acking it on the delay queue; a crash between the two redelivers the
-  delayed copy, whose second move gets the same derived redis id and is a no-op;
+  enqueue would store the message twice;
+- **delayed messages on a schedule** (:meth:`KumikoBroker.encode`, :meth:`KumikoBroker.move_due`):
+  where Dramatiq appends a delayed message to its ``<queue>.DQ`` list, which every worker reads
+  into memory and holds until due, kumiko's enqueue puts its id on the queue's schedule, a
+  sorted set by due time (:func:`~kumiko_dramatiq.broker.keys.queue_schedule`, Redis's clock),
+  and its body, already in the form it takes on the queue, in the delay queue's hash. The
+  consumer of a delay queue holds nothing: it moves due messages onto the queue in bounded
+  atomic batches (``lua/move.lua``, whichever process comes first), moves what an older writer
+  left on the ``.DQ`` list onto the schedule (``lua/schedule_legacy.lua``) and sleeps until the
+  next due time or the delay queue's doorbell. Dramatiq's own middleware still sees a delayed
+  message as Dramatiq builds it (on ``<queue>.DQ``, with its ``eta``), but once, at enqueue: a
+  due message's move is not an enqueue;
 - **enqueue steps** (:meth:`KumikoBroker.enqueue_step`): a message written together with a
   guard or record (fan-out children, cron ticks, boot-once jobs, dedup keys, hand-offs);
 - **settlement on ack** (:class:`~kumiko_dramatiq.broker.delivery.Settlement`): what the run
@@ -62,13 +71,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 from uuid import UUID, uuid4, uuid5
 
 import redis
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.common import current_millis, dq_name, q_name
-from dramatiq.errors import ConnectionClosed
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware
 from dramatiq.worker import Worker
@@ -175,18 +183,12 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         #: (TTL of completed records, TTL of failed ones) in ms
         self.run_ttls_ms = run_ttls_ms
         self.history_cap = history_cap
-        #: redis ids of delayed messages this process's delay-queue consumers hold, and of
-        #: those already moved by ``move`` (their ack on the delay queue has nothing left to do)
         self._identity = (0, "")
-        self._held_delayed: set[str] = set()
-        self._moved: set[str] = set()
         #: per queue, the redis ids this process's consumers fetched and have not settled yet
         #: (handed to Dramatiq's worker, or running; see ``KumikoConsumer``, "lost claims")
         self.held: dict[str, set[str]] = {}
         #: Redis client ids of this broker's consumers blocked on a doorbell, by consumer
         self._blocked: dict[int, int] = {}
-        #: per delay queue, redis ids a closed consumer held and could not put back
-        self._abandoned: dict[str, set[str]] = {}
         #: called with (queue name, reason) for each message a consumer dead-letters at fetch,
         #: before any middleware sees it: reason "worker_died" (the poison bound) or
         #: "malformed" (it does not decode into what kumiko or Dramatiq writes)
@@ -442,8 +444,12 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             note,
         ]
         if retry is not None:
-            message = retry[0]
-            args += [message.queue_name, message.options["redis_message_id"], message.encode()]
+            message, delay = retry
+            args += [
+                message.queue_name,
+                message.options["redis_message_id"],
+                self.encode(message, delay),
+            ]
         done = self._call(
             self.lua.settle,
             client,
@@ -502,19 +508,10 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         return message
 
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
-        """Dramatiq's enqueue, made idempotent; a due delayed message's move, made atomic.
-
-        Dramatiq's worker moves a due delayed message by enqueuing a copy (carrying the redis
-        id it was delivered under) and then acking it on the delay queue. When that id is one
-        this process's delay-queue consumers hold, the copy goes through ``lua/move.lua``: off
-        the delay queue and onto the queue in one step, or dropped if it was cancelled meanwhile.
-        Anything else is written behind its "sent" marker (``keys.sent``, kept
-        :data:`RESEND_WINDOW_MS`): the pool re-sends a command once when a connection drops,
-        and if the first send had executed, Dramatiq's enqueue would store the message twice.
-        """
-        moved_from = message.options.get("redis_message_id")
-        if moved_from is not None and delay is None and moved_from in self._held_delayed:
-            return self._move(message, moved_from)
+        """Dramatiq's enqueue, made idempotent: written behind its "sent" marker
+        (``keys.sent``, kept :data:`RESEND_WINDOW_MS`): the pool re-sends a command once when a
+        connection drops, and if the first send had executed, Dramatiq's enqueue would store
+        the message twice. A delayed message goes on its queue's schedule (:meth:`encode`)."""
         prepared = self.prepare(message, delay)
         rid = prepared.options["redis_message_id"]
         self.emit_before("enqueue", prepared, delay)
@@ -522,41 +519,79 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             self.lua.guarded_enqueue,
             self.thread_client(),
             keys=[*self._queue_keys(prepared), keys.sent(self.queue_prefix, rid)],
-            args=[rid, prepared.encode(), self.resend_window_ms, "1"],
+            args=[rid, self.encode(prepared, delay), self.resend_window_ms, "1"],
         )
         self.emit_after("enqueue", prepared, delay)
         return prepared
 
-    def _move(self, message: Message[Any], delayed_rid: str) -> Message[Any]:
-        rid = moved_redis_id(delayed_rid, message.queue_name)
-        prepared = self.prepare(message, None, redis_message_id=rid)
-        self.emit_before("enqueue", prepared, None)
-        try:
-            moved = self._call(
-                self.lua.move,
-                self.thread_client(),
-                keys=[self.namespace, keys.cancelled(self.queue_prefix, str(message.message_id))],
-                args=[
-                    *self._head(dq_name(prepared.queue_name), maintenance=False),
-                    delayed_rid,
-                    prepared.queue_name,
-                    rid,
-                    prepared.encode(),
-                ],
-            )
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            # Only Dramatiq's consumer thread moves a held message: as a broker connection
-            # error its consumer is closed (which puts the held delayed messages back, or
-            # leaves them to the next consumer) and restarted; any other error would end
-            # the thread for good (Dramatiq's close() lets only this kind through).
-            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
-        self._held_delayed.discard(delayed_rid)
-        self._moved.add(delayed_rid)
-        if moved == 1:
-            self.emit_after("enqueue", prepared, None)
-        elif moved == 2:
-            logger.info("delayed message %s was cancelled: not moved", message.message_id)
-        return prepared
+    @staticmethod
+    def encode(prepared: Message[Any], delay: int | None) -> bytes:
+        """What an enqueue script is handed for ``prepared`` (a message from :meth:`prepare`):
+        its encoding, or for a delayed one ``b"<delay ms> "`` and the encoding of the message
+        as it will wait on its queue once due (its queue's name, no ``eta``), which
+        ``lua/include/enqueue.lua`` puts on the queue's schedule at Redis's clock plus the
+        delay. Dramatiq's worker would hold a fetched message that has an ``eta`` in memory
+        until due: the stored form has none, so a due message's move rewrites nothing."""
+        if delay is None or not keys.is_delay_queue(prepared.queue_name):
+            return prepared.encode()
+        waiting = prepared.copy(queue_name=q_name(prepared.queue_name))
+        waiting.options.pop("eta", None)
+        return b"%d " % max(0, int(delay)) + waiting.encode()
+
+    def move_due(self, queue_name: str, limit: int) -> MoveResult:
+        """Move up to ``limit`` due delayed messages of delay queue ``queue_name``
+        (``<queue>.DQ``) onto ``<queue>`` in one atomic step (``lua/move.lua``), by Redis's
+        clock, on the calling thread's client."""
+        moved, next_due, now, legacy = self._call(
+            self.lua.move,
+            self.thread_client(),
+            keys=[self.namespace],
+            args=[*self._head(queue_name), limit],
+        )
+        return MoveResult(
+            int(moved), None if int(next_due) < 0 else int(next_due), int(now), int(legacy)
+        )
+
+    def schedule_legacy(self, queue_name: str, limit: int) -> int:
+        """Move up to ``limit`` messages from the head of Dramatiq's own list of delay queue
+        ``queue_name`` (written by an older version or a plain ``RedisBroker``) onto the
+        queue's schedule, at their ``eta`` (``lua/schedule_legacy.lua``); returns how many it
+        took off the list (a cancelled one, whose body is gone, is dropped). Each
+        is re-encoded here in the form it takes on its queue (Lua could not re-encode a message
+        without changing it); one that does not decode is scheduled as it is, due now: the
+        queue's consumer dead-letters it with a logged reason."""
+        client = self.thread_client()
+        rids = [
+            text(rid)
+            for rid in client.lrange(keys.queue_list(queue_name, self.namespace), 0, limit - 1)
+        ]
+        if not rids:
+            return 0
+        bodies = client.hmget(keys.queue_messages(queue_name, self.namespace), rids)
+        args: list[Any] = []
+        now = current_millis()
+        for rid, body in zip(rids, bodies, strict=True):
+            if body is None:
+                args += [rid, now, b""]  # cancelled: the step drops its id
+                continue
+            if not isinstance(body, bytes):
+                body = str(body).encode()
+            try:
+                message = Message.decode(body)
+                eta = message.options.get("eta")
+                due = int(eta) if isinstance(eta, int | float) else now
+                waiting = message.copy(queue_name=q_name(queue_name))
+                waiting.options.pop("eta", None)
+                args += [rid, due, waiting.encode()]
+            except Exception:
+                args += [rid, now, body]
+        scheduled = self._call(
+            self.lua.schedule_legacy,
+            client,
+            keys=[self.namespace],
+            args=[*self._head(queue_name, maintenance=False), *args],
+        )
+        return int(scheduled)
 
     def enqueue_step(
         self,
@@ -580,7 +615,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
                 script,
                 self.thread_client(),
                 keys=[*self._queue_keys(prepared), *keys],
-                args=[prepared.options["redis_message_id"], prepared.encode(), *args],
+                args=[prepared.options["redis_message_id"], self.encode(prepared, delay), *args],
             )
         )
         if reply[0] == 1:
@@ -614,7 +649,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         for i, message in enumerate(prepared):
             self.emit_before("enqueue", message, delay)
             lead = leads(message) if callable(leads) else leads[i]
-            argv += (lead, message.options["redis_message_id"], message.encode())
+            argv += (lead, message.options["redis_message_id"], self.encode(message, delay))
             if tails is not None:
                 argv += tails[i]
         reply = as_list(script(keys=list(self._queue_keys(prepared[0])), args=argv))
@@ -722,10 +757,22 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         self.client.connection_pool.disconnect()
 
 
+class MoveResult(NamedTuple):
+    """What one ``lua/move.lua`` step did: ``moved`` messages onto the queue; the ``next_due``
+    time left on the schedule (ms, Redis's clock; ``None``: none); Redis's clock ``now`` (ms);
+    ``legacy``: the length of Dramatiq's own delay queue list (work for
+    :meth:`KumikoBroker.schedule_legacy`)."""
+
+    moved: int
+    next_due: int | None
+    now: int
+    legacy: int
+
+
 def moved_redis_id(delayed_redis_id: str, queue_name: str) -> str:
-    """The redis id a delayed message takes on ``queue_name`` when it comes due and moves
-    there (derived, so that a second move of the same delayed copy is a no-op, and ``cancel``
-    finds the moved copy)."""
+    """The redis id a delayed message took on ``queue_name`` when an older version's worker
+    moved it there from Dramatiq's delay queue list (derived, so that a second move of the
+    same delayed copy was a no-op); ``cancel`` still looks there, for a rolling deploy."""
     return str(uuid5(_MOVED_NAMESPACE, f"{delayed_redis_id}>{queue_name}"))
 
 

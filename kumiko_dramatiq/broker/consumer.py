@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import heapq
 import logging
 import threading
 import time
@@ -32,6 +31,14 @@ logger = logging.getLogger("kumiko_dramatiq")
 #: its last tick to a local sleep.
 REDIS_TICK_MS = 100
 
+#: How many due delayed messages one ``lua/move.lua`` step moves at most (a step of this
+#: size takes a few ms of Redis's time; a larger backlog of due messages takes several).
+MOVE_BATCH = 1_000
+
+#: How many messages one ``lua/schedule_legacy.lua`` step takes off Dramatiq's own delay
+#: queue list (each is re-encoded in Python, so the step is bounded by bytes too).
+LEGACY_BATCH = 100
+
 
 class KumikoConsumer(Consumer):
     """What Dramatiq's worker pulls the messages of one queue from.
@@ -42,19 +49,26 @@ class KumikoConsumer(Consumer):
     onto the queue rings in the same Lua call, so a message enqueued into an idle system
     starts within a round trip or two. The wait is bounded by ``2 * timeout`` (a lost
     wake-up, say a connection killed while blocked, costs at most that; an idle consumer
-    sends two commands per bound, fewer than Dramatiq's polling) and, on a delay queue, by
-    the due time of the earliest delayed message it holds (its last Redis clock tick,
-    :data:`REDIS_TICK_MS`, is slept locally, so a due message moves on time). A worker
-    shutting down unblocks its consumers (:meth:`KumikoBroker.wake_consumers`).
+    sends two commands per bound, fewer than Dramatiq's polling). A worker shutting down
+    unblocks its consumers (:meth:`KumikoBroker.wake_consumers`). Once it holds ``prefetch``
+    messages (on a lane, see below), it waits for one of them to be settled, not for a poll.
+
+    **Delay queues** (``<queue>.DQ``, for which Dramatiq's worker runs a consumer of its own)
+    hold nothing in memory: the consumer never hands a message to Dramatiq's worker. It moves
+    due messages from the queue's schedule onto the queue, :data:`MOVE_BATCH` at a time
+    (:meth:`KumikoBroker.move_due`; whichever process's consumer comes first moves them, in
+    one atomic step), and what an older writer left on Dramatiq's ``.DQ`` list onto the
+    schedule (:meth:`KumikoBroker.schedule_legacy`), then sleeps until the next due time (by
+    Redis's clock, its last Redis clock tick, :data:`REDIS_TICK_MS`, slept locally so a due
+    message moves on time), the delay queue's doorbell (rung by an enqueue that becomes the
+    earliest) or ``2 * timeout``.
 
     On a kumiko lane queue a fetched message is a running one: Dramatiq's worker asks for
     twice its threads (``prefetch``), but the consumer holds at most ``prefetch // 2``
     messages, so every message it fetches goes straight to an idle thread (no message waits
     in a worker's memory where ``cancel`` could not reach it). It fetches when half its
     threads are free (or all of them), so a batch still serves several messages, and while
-    they are all busy it waits for an ack, not for a poll. Delay queues keep Dramatiq's
-    prefetch: their messages wait in memory until due, and their move is checked (and
-    dropped if cancelled) in the same Lua call that makes it.
+    they are all busy it waits for an ack, not for a poll.
 
     Every fetched message is checked before Dramatiq's worker sees it: one that does not
     decode, or decodes into something Dramatiq's worker would crash on (a non-string actor
@@ -102,9 +116,9 @@ class KumikoConsumer(Consumer):
         #: the suspect this consumer runs alone, if any
         self._alone: str | None = None
         self._suspects_waiting = 0
-        #: (eta, redis id) of the delayed messages held (delay queues; stale entries are
-        #: dropped when they reach the top)
-        self._etas: list[tuple[int, str]] = []
+        #: delay queues: how long to wait before the next move step (ms; 0: none; ``None``:
+        #: nothing is scheduled, wait for the doorbell or ``2 * timeout``)
+        self._wait_ms: int | None = 0
         #: the doorbell, the connection that waits on it and that connection's client id
         self._bell_key = queue_bell(queue_name, broker.namespace)
         self._bell: redis.Redis | None = None
@@ -117,10 +131,16 @@ class KumikoConsumer(Consumer):
 
     def __next__(self) -> Delivery | None:
         try:
+            if self._delayed:
+                try:
+                    self._move_due()
+                except redis.RedisError as exc:
+                    # any Redis error (a timeout, a refused write): Dramatiq restarts the
+                    # consumer after its restart delay, and the next one moves what is due
+                    raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+                return None
             if current_millis() - self._claims_checked_ms >= self.broker.maintenance_interval_ms:
                 self._give_back_lost_claims()
-            if self._delayed and self.queue_name in self.broker._abandoned:
-                self._requeue_abandoned()
             while True:
                 if self._cache:
                     delivery = self._deliver(*self._cache.popleft())
@@ -130,24 +150,41 @@ class KumikoConsumer(Consumer):
                     continue
                 if self._fill():
                     continue
-                if self._lane and self.outstanding_message_count > self._slots - self._batch:
-                    # Busy: wait for an ack to free room (bounded, so Dramatiq's loop goes
-                    # round to notice a shutdown).
-                    with self._settled:
+                with self._settled:
+                    if self.outstanding_message_count > self._slots - self._batch:
+                        # Busy: wait for an ack to free room (bounded, so Dramatiq's loop goes
+                        # round to notice a shutdown). Checked under the condition's lock, which
+                        # a settling thread takes to notify, so no settle slips in between.
                         self._settled.wait(self.timeout / 1000)
-                    return None
+                        return None
                 self._idle()
                 return None
         except redis.ConnectionError as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
 
-    def _idle(self) -> None:
-        """Wait until a message may be there: the doorbell rings, the earliest held delayed
-        message comes due, or ``2 * timeout`` ms pass."""
+    def _move_due(self) -> None:
+        """A delay queue's turn: wait as the last step said, then move what is due (and
+        schedule what an older writer left on Dramatiq's list); the next wait is until the
+        next due time, or none while a full batch was moved."""
+        if self._wait_ms != 0:
+            self._idle(self._wait_ms)
+        result = self.broker.move_due(self.queue_name, MOVE_BATCH)
+        taken = 0
+        if result.legacy:
+            taken = self.broker.schedule_legacy(self.queue_name, LEGACY_BATCH)
+        if result.moved >= MOVE_BATCH or taken:
+            self._wait_ms = 0
+        elif result.next_due is None:
+            self._wait_ms = None
+        else:
+            self._wait_ms = max(0, result.next_due - result.now)
+
+    def _idle(self, due_in_ms: int | None = None) -> None:
+        """Wait until a message may be there: the doorbell rings, ``due_in_ms`` pass (a delay
+        queue's next due time), or ``2 * timeout`` ms pass."""
         wait_ms = 2 * self.timeout
-        due = self._next_due()
-        if due is not None:
-            wait_ms = min(wait_ms, due - current_millis())
+        if due_in_ms is not None:
+            wait_ms = min(wait_ms, due_in_ms)
             if wait_ms <= REDIS_TICK_MS:
                 time.sleep(max(wait_ms, 0) / 1000)
                 return
@@ -190,35 +227,9 @@ class KumikoConsumer(Consumer):
             with contextlib.suppress(redis.RedisError):
                 bell.close()
 
-    def _next_due(self) -> int | None:
-        """The eta of the earliest delayed message held, if any."""
-        while self._etas and self._etas[0][1] not in self._outstanding:
-            heapq.heappop(self._etas)
-        return self._etas[0][0] if self._etas else None
-
     def close(self) -> None:
-        """Give the doorbell's connection back to the pool. A delay-queue consumer closed
-        while it still holds delayed messages (Dramatiq drops its in-memory delay queue on a
-        connection error, then closes the consumer) puts them back on the delay queue, or,
-        if Redis does not answer, leaves them to the next consumer of the queue in this
-        process: a held message is never stranded in a live worker's ack set."""
+        """Give the doorbell's connection back to the pool."""
         self._close_bell()
-        if self._delayed and self._outstanding:
-            held = set(self._outstanding)
-            try:
-                self.broker.do_requeue(self.queue_name, *held)
-            except redis.RedisError:
-                self.broker._abandoned.setdefault(self.queue_name, set()).update(held)
-            for rid in held:
-                self._done(rid)
-
-    def _requeue_abandoned(self) -> None:
-        held = self.broker._abandoned.pop(self.queue_name, set())
-        try:
-            self.broker.do_requeue(self.queue_name, *held)
-        except redis.RedisError:
-            self.broker._abandoned.setdefault(self.queue_name, set()).update(held)
-            raise
 
     def _give_back_lost_claims(self) -> None:
         """Requeue the ids of this worker's ack set that this process does not hold (see
@@ -313,11 +324,6 @@ class KumikoConsumer(Consumer):
             return None
         self._outstanding.add(rid)
         self._held.add(rid)
-        if self._delayed:
-            self.broker._held_delayed.add(rid)
-            eta = message.options.get("eta")
-            if isinstance(eta, int | float):
-                heapq.heappush(self._etas, (int(eta), rid))
         return delivery
 
     def _tell_dead_lettered(self, reason: str) -> None:
@@ -353,9 +359,6 @@ class KumikoConsumer(Consumer):
         if self._suspects_waiting and not self._outstanding and self._bell is not None:
             # a suspect waits for this consumer to hold nothing: end its wait now
             self.broker.unblock(self._bell_id)
-        if self._delayed:
-            self.broker._held_delayed.discard(rid)
-            self.broker._moved.discard(rid)
         with self._settled:
             self._settled.notify()
 
@@ -363,8 +366,6 @@ class KumikoConsumer(Consumer):
         rid = _redis_id(message)
         settled = True
         try:
-            if rid in self.broker._moved:
-                return  # moved off the delay queue by ``move``: nothing left to ack
             if not self._lane or not isinstance(message, Delivery):
                 self.broker.do_ack(self.queue_name, rid)
                 return
@@ -422,10 +423,9 @@ class KumikoConsumer(Consumer):
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """Put ``messages`` (and what this consumer fetched but did not hand out) back on
-        the queue. Redis not answering: a delay queue's messages are left to the next
-        consumer of the queue in this process (as :meth:`close` does); any other raises
-        Dramatiq's ``ConnectionClosed``, which its consumer thread survives (a raw Redis
-        error raised while it closes a consumer would end the thread)."""
+        the queue. Redis not answering raises Dramatiq's ``ConnectionClosed``, which its
+        consumer thread survives (a raw Redis error raised while it closes a consumer would
+        end the thread)."""
         rids = [_redis_id(message) for message in messages]
         rids += [rid for rid, _ in self._cache]
         self._cache.clear()
@@ -434,9 +434,7 @@ class KumikoConsumer(Consumer):
         try:
             self.broker.do_requeue(self.queue_name, *rids)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            if not self._delayed:
-                raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
-            self.broker._abandoned.setdefault(self.queue_name, set()).update(rids)
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         for rid in rids:
             self._done(rid)
 

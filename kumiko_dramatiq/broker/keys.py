@@ -9,7 +9,7 @@ built here too (at the end). No module but this one spells a key
 
 from __future__ import annotations
 
-from dramatiq.common import q_name
+from dramatiq.common import dq_name, q_name
 
 
 def _root(queue_prefix: str) -> str:
@@ -255,6 +255,18 @@ def queue_counts(queue_name: str, namespace: str = NAMESPACE) -> str:
     written before by ``lua/counts_backfill.lua``. Beside it, while that runs,
     ``:counts:fresh`` and ``:counts:seen`` (sets)."""
     return f"{queue_list(queue_name, namespace)}:counts"
+
+
+def queue_schedule(queue_name: str, namespace: str = NAMESPACE) -> str:
+    """Sorted set (kumiko's, beside Dramatiq's layout): the redis ids of ``queue_name``'s
+    delayed messages, scored by due time (ms, Redis's clock). Their bodies wait in the delay
+    queue's message hash (``<queue>.DQ.msgs``), already in the form they take on the queue
+    (no ``eta``); ``lua/move.lua`` moves due ones onto the queue. Lua builds it from the delay
+    queue's list key (``<namespace>:<queue>.DQ`` + ``":schedule"``, see
+    ``lua/include/enqueue.lua``); queue names cannot contain ``":"``, so no queue's keys
+    collide with it. Dramatiq's own ``<queue>.DQ`` list is read only to move what an older
+    writer left there onto this schedule (``lua/schedule_legacy.lua``)."""
+    return f"{queue_list(dq_name(q_name(queue_name)), namespace)}:schedule"
 
 
 def queue_withdrawn(queue_name: str, namespace: str = NAMESPACE) -> str:

@@ -976,43 +976,19 @@ class Admin:
         )
 
     def move_delayed_now(self, message_id: str) -> bool:
-        """Queue the delayed (or backing-off) message ``message_id`` now, whatever its due
-        time: same message id, same attempt (``lua/run_now.lua``); ``False`` when it is not
-        on a delay queue. Found by the redis ids kumiko derives from its id
-        (:meth:`redis_id_candidates`) on each lane's delay queue: a few key reads, never a
-        search. (On today's delay queues; the per-queue schedule of delayed messages moves
-        them its own way.)"""
-        hold_ms = self.settings.heartbeat_timeout_ms + 3_600_000
+        """Queue the delayed message ``message_id`` (or a sequential hand-off carrying it on)
+        now, whatever its due time: same message id, same attempt, same redis id; ``False``
+        when it is not on a schedule (not delayed: queued, running, ended or unknown; or written
+        by an older version onto Dramatiq's delay queue list and not scheduled yet). Found by
+        the redis ids kumiko derives from its id (:meth:`redis_id_candidates`) on each lane's
+        schedule: a few O(log n) steps in one Lua call (``lua/move_now.lua``), never a search.
+        (``run_now`` builds on it.)"""
+        places: list[str] = []
         for rid in self.redis_id_candidates(message_id):
             for queue in self.lane_queues:
-                body = self.client.hget(queue_messages(dq_name(queue)), rid)
-                if body is None:
-                    continue
-                message = Message.decode(body if isinstance(body, bytes) else body.encode())
-                if str(message.message_id) != message_id:
-                    continue
-                eta = message.options.get("eta")
-                options = {k: v for k, v in message.options.items() if k != "eta"}
-                options.pop("redis_message_id", None)
-                new_rid = moved_redis_id(rid, queue)
-                waiting: Message[Any] = Message(  # Message.copy would merge the old eta in
-                    queue_name=queue,
-                    actor_name=message.actor_name,
-                    args=message.args,
-                    kwargs=message.kwargs,
-                    options=options,
-                    message_id=message.message_id,
-                    message_timestamp=message.message_timestamp,
-                )
-                prepared = self.broker.prepare(waiting, None, redis_message_id=new_rid)
-                now_ms = int(datetime.now(UTC).timestamp() * 1000)
-                ttl_ms = max(0, int(eta or now_ms) - now_ms) + hold_ms
-                moved = self.broker.lua.run_now(
-                    keys=[self.broker.namespace, keys.cancelled(self.prefix, message_id)],
-                    args=[dq_name(queue), rid, body, queue, new_rid, prepared.encode(), ttl_ms],
-                )
-                return bool(moved == 1)
-        return False
+                places += [queue, rid]
+        reply = self.broker.lua.move_now(keys=[self.broker.namespace], args=places)
+        return bool(reply[0] == 1)
 
     def run_now(self, message_id: str) -> bool | None:
         """Queue delayed message ``message_id`` now (:meth:`move_delayed_now`): ``True``;

@@ -6,8 +6,9 @@ the whole queue:
 - **queued**: a lane queue's list, oldest first (from its head), skipping ids whose message
   was cancelled or purged (no body) and ids claimed by a worker (running);
 - **parked**: a paused job's parked list (``keys.parked``), oldest first;
-- **delayed**: the lane's delay queue (``<queue>.DQ.msgs``), read by ``HSCAN`` a batch at a
-  time and each page sorted by due time (soonest first within the page).
+- **delayed**: the lane's schedule of delayed messages (``keys.queue_schedule``, a sorted set
+  by due time), soonest due first, their bodies from the delay queue's hash. A message an older
+  version left on Dramatiq's own delay queue list is listed once it is scheduled.
 
 Each call reads at most ``max_read`` entries per place; a job's messages rare among many
 others may take several pages, some of them short. The position after the last message of a
@@ -158,32 +159,29 @@ class Waiting:
     def _read_delayed(
         self, place: str, queue: str, position: str, job: str | None, limit: int, max_read: int
     ) -> list[QueuedMessage]:
-        # position "<HSCAN cursor of a batch>:<how many of it, sorted, were listed>"
-        cursor, _, skip_text = position.partition(":")
-        cursor = cursor if cursor.isdigit() else "0"
-        skip = int(skip_text) if skip_text.isdigit() else 0
+        """Off the queue's schedule (``keys.queue_schedule``), soonest due first, by rank."""
+        offset = int(position) if position.isdigit() else 0
+        schedule = keys.queue_schedule(queue)
         found: list[QueuedMessage] = []
         read = 0
         while len(found) < limit and read < max_read:
-            next_cursor, entries = self.client.hscan(
-                keys.queue_messages(dq_name(queue)), int(cursor), count=BATCH
+            entries: list[tuple[Any, float]] = self.client.zrange(  # type: ignore[assignment]
+                schedule, offset, offset + BATCH - 1, withscores=True
             )
-            assert isinstance(entries, dict)
-            read += max(1, len(entries))
-            batch = [
-                message
-                for body in entries.values()
-                if (message := self._message(body, "delayed", job, ""))
-            ]
-            batch.sort(key=lambda m: (m.due_at or m.enqueued_at, m.message_id))
-            for n, message in enumerate(batch[skip:], start=skip):
-                found.append(replace(message, cursor=f"{place}|{cursor}:{n + 1}"))
-                if len(found) >= limit:
-                    return found
-            skip = 0
-            cursor = text(next_cursor)
-            if cursor == "0":
+            if not entries:
                 break
+            rids = [text(rid) for rid, _ in entries]
+            bodies = self.client.hmget(keys.queue_messages(dq_name(queue)), rids)
+            for n, ((_, score), body) in enumerate(zip(entries, bodies, strict=True)):
+                if body is None:
+                    continue
+                message = self._message(body, "delayed", job, f"{place}|{offset + n + 1}")
+                if message is not None:
+                    found.append(replace(message, due_at=_instant(score)))
+                    if len(found) >= limit:
+                        return found
+            read += len(rids)
+            offset += len(rids)
         return found
 
     def _message(self, body: Any, state: str, job: str | None, cursor: str) -> QueuedMessage | None:
@@ -198,7 +196,6 @@ class Waiting:
         name = found[0].qualified_name
         if job is not None and name != job:
             return None
-        eta = message.options.get("eta")
         return QueuedMessage(
             message_id=str(message.message_id),
             job_name=name,
@@ -206,7 +203,7 @@ class Waiting:
             state=state,
             attempt=options.attempt,
             enqueued_at=_instant(message.message_timestamp),
-            due_at=_instant(eta) if state == "delayed" and eta is not None else None,
+            due_at=None,  # a delayed one's is its score on the schedule
             payload=message.args[0] if message.args else None,
             cursor=cursor,
         )

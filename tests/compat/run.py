@@ -61,7 +61,19 @@ FILES: tuple[str, ...] = (
 
 #: Tests kumiko's broker is MEANT to fail, by id (``file::test[param]``), with the reason. The
 #: one place these differences are listed; docs/dramatiq.md points here.
-INTENDED_DIFFERENCES: Mapping[str, str] = {}
+INTENDED_DIFFERENCES: Mapping[str, str] = {
+    "test_redis.py::test_redis_requeues_unhandled_delay_messages_on_shutdown": (
+        "reads Dramatiq's <queue>.DQ list directly: kumiko keeps delayed messages on a "
+        "schedule by due time (dramatiq:<queue>.DQ:schedule), never in a worker's memory, so "
+        "there is nothing to put back on shutdown and the list stays empty (docs/upgrading.md)"
+    ),
+    "test_redis.py::test_redis_join_race_condition": (
+        "expects do_qsize to count a delayed message twice while a worker holds it in memory "
+        "(its body and the worker's claim on <queue>.DQ): kumiko's workers hold no delayed "
+        "message, so the count is 3 where Dramatiq's is 4; the message is counted (join "
+        "waits for it) and runs as on RedisBroker"
+    ),
+}
 
 #: Tests left out unless ``--full``, to keep the suite near three minutes of CI time.
 SLOW: Mapping[str, str] = {

@@ -124,7 +124,7 @@ def test_plain_actors_keep_dramatiqs_retries_and_jobs_keep_kumikos(
     # And each was dead-lettered once, on its own queue, with nothing left to retry
     assert len(runner.dead_letters()) == 1
     assert redis_client.llen(f"dramatiq:{plain_queue}") == 0
-    assert redis_client.zcard(f"dramatiq:{plain_queue}.DQ") == 0
+    assert redis_client.zcard(f"dramatiq:{plain_queue}.DQ:schedule") == 0
 
 
 def test_dramatiqs_retry_options_are_accepted_on_plain_actors(make_runner: RunnerFactory) -> None:
@@ -588,3 +588,32 @@ def test_the_cli_worker_refuses_an_app_that_sends_a_message_at_import_in_one_lin
         "exists: send messages once the app is loaded, not at import"
     ], done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_plain_queue_whose_prefetch_is_full_takes_the_next_message_as_one_finishes(
+    make_runner: RunnerFactory, plain_queue: str
+) -> None:
+    # Given a worker with one thread (a prefetch of 2) that polls rarely (an idle wait of
+    # 2 x 3 s): a consumer holding its prefetch that waited for a poll would idle seconds after
+    # every two messages (issue 31)
+    calls = Calls()
+    runner = make_runner(Registry([]))
+
+    @dramatiq.actor(broker=runner.broker, queue_name=plain_queue, max_retries=0)
+    def plain(n: int) -> None:
+        time.sleep(0.05)  # the work: the consumer finds its prefetch still full when it looks
+        calls.add(n)
+
+    runner.broker.boot_process()
+    worker = Worker(runner.broker, worker_threads=1, worker_timeout=3_000)
+    worker.start()
+    try:
+        # When twenty messages are sent at once
+        for n in range(20):
+            plain.send(n)
+        # Then each finished one lets the next in: all run long before the idle waits a
+        # consumer waiting for a poll would add up (up to 2 x 3 s after every two)
+        calls.wait_for(lambda seen: len(seen) == 20, timeout_s=15)
+    finally:
+        worker.stop(timeout=10_000)
+    assert sorted(calls.seen) == list(range(20))

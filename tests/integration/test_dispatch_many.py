@@ -96,7 +96,7 @@ def test_per_tenant_jobs_and_delays_go_as_with_dispatch(
     )
     # A delayed bulk dispatch waits on the delay queue
     runner.dispatch_many("bulk:job:send", [{}, {}], delay_ms=60_000)
-    assert int(redis_client.llen(f"dramatiq:{prefix}-worker.DQ")) == 2
+    assert int(redis_client.zcard(f"dramatiq:{prefix}-worker.DQ:schedule")) == 2
     # A per-tenant job's payloads become wrappers, each fanning out to every tenant
     wrappers = runner.dispatch_many("bulk:job:nightly", [{"day": 1}, {"day": 2}])
     runner.start()

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import redis
 from dramatiq.brokers.redis import RedisBroker
+from dramatiq.message import Message
 
 from kumiko_dramatiq.broker.broker import MAINTENANCE_SCALE, KumikoBroker
 
@@ -222,3 +223,44 @@ def test_messages_of_either_broker_are_consumed_by_the_other(
         assert plain.do_qsize(q) == kumiko.do_qsize(q) == 0
     finally:
         clean(redis_client, prefix)
+
+
+def test_a_delayed_enqueue_waits_on_the_schedule_not_on_the_delay_queue_list(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    """The one intended difference of the layout (docs/upgrading.md): a delayed message
+    waits on kumiko's schedule (``<queue>.DQ:schedule``, by due time), its body in the delay
+    queue's hash in the form it takes on its queue, not on Dramatiq's ``.DQ`` list; the
+    message middleware sees, Dramatiq's ``qsize`` and ``flush`` are the same."""
+    q = f"{prefix}-layout"
+    message: Message[Any] = Message(
+        queue_name=q, actor_name="act", args=(1,), kwargs={}, options={}
+    )
+    # Dramatiq: the id on the .DQ list, the body with its eta
+    plain = plain_broker(redis_client)
+    clean(redis_client, prefix)
+    sent = plain.enqueue(message, delay=60_000)
+    plain_state = snapshot(redis_client, prefix)
+    assert plain_state[f"dramatiq:{q}.DQ"] == ("list", [sent.options["redis_message_id"].encode()])
+    plain_size = plain.do_qsize(q)
+    clean(redis_client, prefix)
+    # kumiko: the id on the schedule, no .DQ list, the body as it will wait on the queue
+    ours = kumiko_broker(redis_client, prefix)
+    written = ours.enqueue(message, delay=60_000)
+    rid = written.options["redis_message_id"]
+    state = snapshot(redis_client, prefix)
+    assert f"dramatiq:{q}.DQ" not in state
+    assert state[f"dramatiq:{q}.DQ:schedule"] == ("zset", [rid.encode()])
+    assert set(state) == {f"dramatiq:{q}.DQ:schedule", f"dramatiq:{q}.DQ.msgs", "heartbeats"}
+    stored = redis_client.hget(f"dramatiq:{q}.DQ.msgs", rid)
+    assert isinstance(stored, bytes)
+    body = Message.decode(stored)
+    assert body.queue_name == q
+    assert "eta" not in body.options
+    assert (body.message_id, list(body.args)) == (message.message_id, [1])
+    # what callers and middleware see is Dramatiq's delayed message
+    assert written.queue_name == sent.queue_name == f"{q}.DQ"
+    assert "eta" in written.options
+    assert ours.do_qsize(q) == plain_size == 1
+    ours.flush(q)
+    assert set(snapshot(redis_client, prefix)) == {"heartbeats"}

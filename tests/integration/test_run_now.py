@@ -31,7 +31,7 @@ def registry() -> Registry:
     return Registry([feature])
 
 
-def test_a_delayed_message_not_yet_held_by_a_worker_runs_now(
+def test_a_delayed_message_runs_now(
     make_runner: RunnerFactory, recorder: Recorder
 ) -> None:
     runner = make_runner(registry(), **recorder.hooks())
@@ -46,7 +46,7 @@ def test_a_delayed_message_not_yet_held_by_a_worker_runs_now(
     assert (event.message_id, event.meta.attempt) == (message_id, 1)
 
 
-def test_a_backing_off_retry_held_by_a_worker_runs_now_once(
+def test_a_backing_off_retry_runs_now_once(
     make_runner: RunnerFactory, recorder: Recorder
 ) -> None:
     runner = make_runner(registry(), **recorder.hooks())

@@ -598,9 +598,11 @@ class Faults(threading.Thread):
     def delayed_kill(self) -> None:
         """:data:`BURST_SIZE` parallel jobs (a quarter failing once: their retries are
         delayed messages too) due :data:`BURST_DELAY_MS` after one ``dispatch_many``, and a
-        SIGKILL of the worker that holds most of them, 1-15 ms after they are due: while
-        its delay-queue consumer moves them to the queue (one ``lua/move.lua`` call
-        each), before or after each move. Their ids go to check 2 (:class:`DelayedBurst`)."""
+        SIGKILL, 1-15 ms after they are due, of a worker whose delay-queue consumer may be
+        moving them from the schedule to the queue (``lua/move.lua``, a batch per call), before
+        or after each step (the worker holding most of them in memory, where an older version
+        left delayed messages in workers' memory). Their ids go to check 2
+        (:class:`DelayedBurst`)."""
         number = len(self.bursts) + len(self.burst_notes) + 1
         payloads = [
             {"n": -(number * 1_000 + index), "fail_first": self.rng.choice([0, 0, 0, 1])}
@@ -622,7 +624,18 @@ class Faults(threading.Thread):
         time.sleep(max(0.0, due - 0.3 - time.time()))  # the burst is fetched by now
         holder = self._delay_holder()
         if holder is None:
-            self.burst_notes.append(f"burst {number}: no worker held it 0.3 s before it was due")
+            # Delayed messages wait on the schedule, held by no worker: kill any worker as they
+            # come due (its delay-queue consumer may be in the middle of a move step)
+            with self.fleet.lock:
+                slot = self.rng.choice(sorted(self.fleet.workers))
+                pgid = self.fleet.workers[slot].pgid
+            time.sleep(max(0.0, due + self.rng.uniform(*KILL_AFTER_DUE_MS) / 1000 - time.time()))
+            with self.fleet.lock:
+                if self.fleet.workers[slot].pgid != pgid:
+                    self.burst_notes.append(f"burst {number}: worker {pgid} died before the kill")
+                    return
+                self.fleet.kill_worker(slot)
+            self.bursts.append(check.DelayedBurst(tuple(message_ids), due, pgid, 0, 0))
             return
         slot, pgid, acks, held = holder
         time.sleep(max(0.0, due + self.rng.uniform(*KILL_AFTER_DUE_MS) / 1000 - time.time()))

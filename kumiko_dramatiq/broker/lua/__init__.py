@@ -10,8 +10,10 @@ before the script's own code; pieces may include pieces). Two calling convention
   are called only by :mod:`kumiko_dramatiq.broker`. Dramatiq's own commands (``enqueue``,
   ``fetch``, ``ack``, ``nack``, ``requeue``, ``purge``, ``qsize``) behave exactly as
   Dramatiq's; kumiko's lane queues use ``fetch_lane`` and ``settle``, which add the poison
-  message bound, the run history, the "already completed" markers and the ack-with-retry, and
-  due delayed messages move by ``move`` (one step instead of Dramatiq's enqueue-then-ack);
+  message bound, the run history, the "already completed" markers and the ack-with-retry;
+  delayed messages wait on a schedule by due time (``include/enqueue.lua``), due ones move
+  onto their queue by ``move``, and ``schedule_legacy`` moves what an older writer left on
+  Dramatiq's delay queue list onto the schedule;
 - **enqueue steps** (scripts that write a message together with kumiko's own records):
   ``KEYS[1]`` the queue's message hash, ``KEYS[2]`` its list, ``ARGV[1]`` the redis message
   id, ``ARGV[2]`` the encoded message; their own keys and arguments follow. They run through
@@ -66,6 +68,7 @@ class LuaScripts:
     ack: Script
     settle: Script
     move: Script
+    schedule_legacy: Script
     nack: Script
     requeue: Script
     purge: Script
@@ -88,13 +91,13 @@ class LuaScripts:
     run_put: Script
     # operating
     cancel: Script
+    move_now: Script
     retry_dead: Script
     resume: Script
     count_attempt: Script
     purge_step: Script
     delete_dead: Script
     counts_backfill: Script
-    run_now: Script
     # the start-up check of a user's permissions
     probe: Script
 

@@ -14,10 +14,13 @@
 -- parked list): its body is deleted and its redis id noted as withdrawn (in
 -- "<queue list>:withdrawn", or "<root>parked-withdrawn:<job>" while its job is paused), so
 -- the fetch or resume that meets the id drops it and counts leave it out: no search of the
--- list. Waiting on a delay queue's list: its body is deleted (the worker that fetches the id
--- finds nothing to run). Held in a worker's memory, waiting to come due: the cancel marker
--- "<root>cancel:<message id>" is set until it is due plus ARGV[6], and its move drops it (a
--- second cancel then finds the marker: {0, "ended"}).
+-- list. Delayed, on its queue's schedule ("<delay queue list>:schedule", keys.queue_schedule):
+-- it leaves the schedule and its body is deleted (O(log n); counts drop at once). Written by
+-- an older version, on Dramatiq's own delay queue list: its body is deleted (the step that
+-- schedules it, or the old worker that fetches the id, finds nothing to run). Held in an old
+-- worker's memory, waiting to come due: the cancel marker "<root>cancel:<message id>" is set
+-- until it is due plus ARGV[6], and its move drops it (a second cancel then finds the
+-- marker: {0, "ended"}).
 -- Either way its run record says "cancelled" and a dedup key it held is freed (and leaves
 -- its job's index, include/dedup_index.lua).
 -- Returns {1, queue, redis id} (cancelled) or {0, reason}.
@@ -66,7 +69,11 @@ for i = 7, #ARGV, 2 do
     if message then
         local delayed = string.sub(queue, -3) == ".DQ"
         local job = string.gsub(message.actor_name or "", ":fanout$", "")
-        if claimed(queue, rid) then
+        if delayed and redis.call("zrem", list .. ":schedule", rid) == 1 then
+            -- on its queue's schedule: off it, with its body
+            uncount(list .. ".msgs", rid)
+            redis.call("hdel", list .. ".msgs", rid)
+        elseif claimed(queue, rid) then
             if not delayed then
                 return {0, "running"}
             end

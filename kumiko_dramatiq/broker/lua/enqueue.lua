@@ -6,5 +6,5 @@
 -- Returns 1.
 -- @include dispatch
 -- @include enqueue
-enqueue_message(queue_messages, queue_list, ARGV[3], ARGV[4])
+write_message(queue_messages, queue_list, ARGV[3], ARGV[4])
 return 1

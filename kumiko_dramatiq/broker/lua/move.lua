@@ -1,24 +1,47 @@
--- move: a due delayed message goes from its delay queue to its queue, in one step.
--- KEYS[1] namespace   KEYS[2] the cancel marker of its message id
+-- move: due delayed messages go from their queue's schedule onto the queue, a bounded batch
+-- in one step (any consumer of the delay queue calls it; whichever comes first moves them).
+-- KEYS[1] namespace
 -- ARGV[1..2] dispatch head (see include/dispatch.lua), ARGV[1] = the delay queue
--- ARGV[3] its redis id on the delay queue   ARGV[4] the queue it moves to
--- ARGV[5] its new redis id   ARGV[6] the message as it goes there (no eta)
--- Iff the id is in this worker's ack set of the delay queue: it leaves the delay queue and,
--- unless its message id was cancelled meanwhile (KEYS[2] exists; deleted here), is written
--- to its queue. So a kill can neither lose the move nor make it twice (Dramatiq moves by an
--- enqueue and then an ack: a kill between them left a second copy).
--- Returns 1 (moved), 2 (cancelled: dropped) or 0 (no longer this worker's: recovered by
--- maintenance, its new holder moves it).
+-- ARGV[3] at most this many
+-- Now is Redis's clock (TIME), so processes on several hosts agree and nothing moves early.
+-- Each due id (schedule "<namespace>:<queue>.DQ:schedule", keys.queue_schedule, scored by due
+-- time ms), earliest first, leaves the schedule and its body leaves the delay queue's hash
+-- for the queue's (it is stored in the form it takes there, see include/enqueue.lua), its id
+-- goes to the queue's tail, and the queue's doorbell rings once. An id without a body (left
+-- by a cancel cut short, which cannot happen in one script) is dropped. One script: a kill
+-- neither loses a move nor makes it twice.
+-- Returns {moved, next due (ms, Redis's clock; -1: none), now (ms, Redis's clock), length of
+-- Dramatiq's own delay queue list (messages an older writer left for
+-- lua/schedule_legacy.lua)}.
 -- @include dispatch
--- @include enqueue
-if redis.call("srem", queue_acks, ARGV[3]) == 0 then
-    return 0
+-- @include bell
+local time = redis.call("time")
+local clock = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local schedule = queue_list .. ":schedule"
+local due = redis.call("zrangebyscore", schedule, "-inf", clock, "LIMIT", 0, tonumber(ARGV[3]))
+local moved = 0
+if #due > 0 then
+    local target = namespace .. ":" .. canonical
+    local target_messages = target .. ".msgs"
+    redis.call("zrem", schedule, unpack(due))
+    for _, rid in ipairs(due) do
+        local body = redis.call("hget", queue_messages, rid)
+        if body then
+            count_body(queue_messages, rid, body, -1)
+            redis.call("hdel", queue_messages, rid)
+            redis.call("hset", target_messages, rid, body)
+            count_body(target_messages, rid, body, 1)
+            redis.call("rpush", target, rid)
+            moved = moved + 1
+        end
+    end
+    if moved > 0 then
+        ring(target)
+    end
 end
-uncount(queue_messages, ARGV[3])
-redis.call("hdel", queue_messages, ARGV[3])
-if redis.call("del", KEYS[2]) == 1 then
-    return 2
+local next_due = -1
+local first = redis.call("zrange", schedule, 0, 0, "WITHSCORES")
+if first[2] then
+    next_due = tonumber(first[2])
 end
-local target = namespace .. ":" .. ARGV[4]
-enqueue_message(target .. ".msgs", target, ARGV[5], ARGV[6])
-return 1
+return {moved, next_due, clock, redis.call("llen", queue_list)}

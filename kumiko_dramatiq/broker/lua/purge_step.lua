@@ -5,17 +5,16 @@
 -- suspects list, from its tail), "delayed" (its delay queue's message hash, HSCAN), "parked"
 -- (the job's parked list, from its head) or "dead" (the lane's dead letters, oldest first)
 -- ARGV[4] the lane queue   ARGV[5] the cursor (0 to start; what the previous step returned)
--- ARGV[6] how many entries this step reads at most   ARGV[7] now (ms)
--- ARGV[8] how long past its due time a delayed message held in a worker's memory may still
--- be moved (ms; its cancel marker lives that long past its due time)
--- ARGV[9] "1": only count, change nothing (kumiko purge --dry-run)
+-- ARGV[6] how many entries this step reads at most   ARGV[7] now (ms, unused)
+-- ARGV[8] unused   ARGV[9] "1": only count, change nothing (kumiko purge --dry-run)
 -- Reads at most ARGV[6] entries and their bodies (a body is decoded only when it names the
--- job), so one step costs about a millisecond whatever the queue's size. What it removes:
+-- job), so one step costs about 2 ms whatever the queue's size. What it removes:
 -- queued: the body is deleted and the redis id noted as withdrawn ("<queue list>:withdrawn",
 -- as cancel does: the fetch that meets the id drops it, counts leave it out); one claimed by a
--- worker (running) is left alone. delayed: the body is deleted and the cancel marker of its
--- message id set, so a worker holding it in memory drops it at its move. parked: the id leaves
--- the parked list and its body is deleted. dead: the letter, its body and its note go.
+-- worker (running) is left alone. delayed: the id leaves its queue's schedule
+-- ("<queue list>.DQ:schedule") and its body is deleted (an id an older version left on
+-- Dramatiq's delay queue list is dropped for want of a body when it is scheduled). parked:
+-- the id leaves the parked list and its body is deleted. dead: the letter, its body and its note go.
 -- A dedup key a removed message held is freed (include/dedup_index.lua). No run record is
 -- written. Lists are walked from the tail (queued, suspects), which new messages pushed meanwhile
 -- shift but never make it skip an entry; pops from the head only end the walk sooner.
@@ -24,7 +23,7 @@
 -- @include counts
 local namespace, root, job, mode = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
 local queue, cursor, batch = ARGV[4], ARGV[5], tonumber(ARGV[6])
-local now, dry = tonumber(ARGV[7]), ARGV[9] == "1"
+local dry = ARGV[9] == "1"
 local wrapper = job .. ":fanout"
 local list = namespace .. ":" .. queue
 local removed = 0
@@ -105,14 +104,12 @@ elseif mode == "delayed" then
     local entries = reply[2]
     for i = 1, #entries, 2 do
         local rid, message = entries[i], of_job(entries[i + 1])
-        if message and redis.call("exists", root .. "cancel:" .. message.message_id) == 0 then
+        if message then
             removed = removed + 1
             if not dry then
+                redis.call("zrem", list .. ".DQ:schedule", rid)
                 uncount(bodies, rid)
                 redis.call("hdel", bodies, rid)
-                local due = tonumber(message.options.eta) or now
-                local ttl = math.max(due - now, 0) + tonumber(ARGV[8])
-                redis.call("set", root .. "cancel:" .. message.message_id, "1", "PX", ttl)
                 free_dedup(message)
             end
         end

@@ -9,12 +9,15 @@ USE_TZ = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 INSTALLED_APPS = ["django_dramatiq", "tests.apps.django_site.shop"]
 DATABASES = {
-    # two worker threads and the test's own reads share one SQLite file: wait for its lock
-    # instead of failing a write with "database is locked" (SQLite's default is 5 s)
+    # Two worker threads and the test's own reads share one SQLite file. django_dramatiq's
+    # update_or_create reads, then writes, in one transaction: begun DEFERRED, two such
+    # transactions deadlock on the lock upgrade and SQLite fails one at once with "database is
+    # locked" (no busy wait), leaving that task's row at "running". IMMEDIATE takes the write
+    # lock at BEGIN, so the other waits (up to the timeout) instead.
     "default": {
         "ENGINE": "django.db.backends.sqlite3",
         "NAME": os.environ["DJANGO_SITE_DB"],
-        "OPTIONS": {"timeout": 60},
+        "OPTIONS": {"timeout": 60, "transaction_mode": "IMMEDIATE"},
     }
 }
 

@@ -75,6 +75,7 @@ PARKED = "kumiko:{p}:parked:app:job:sync"
 CANCEL_M1 = "kumiko:{p}:cancel:m1"
 BELL = "dramatiq:{q}:bell"
 DQ_BELL = "dramatiq:{q}.DQ:bell"
+SCHEDULE = "dramatiq:{q}.DQ:schedule"
 #: The TTL (ms) of a doorbell's token, set when the token is pushed (never refreshed).
 BELL_TTL = 60_000
 

@@ -11,16 +11,14 @@ from typing import Any
 import pytest
 import redis
 
+from kumiko_dramatiq.broker.replies import text
 from tests.integration.lua.tables import (
     BELL,
     BELL_TTL,
     BOOT_MARKER,
-    CANCEL_M1,
     DEAD_TTL,
     DEDUP_INDEX,
     DQ,
-    DQ_ACKS,
-    DQ_ACKS_W2,
     DQ_BELL,
     DQ_LIST,
     DQ_MSGS,
@@ -37,12 +35,15 @@ from tests.integration.lua.tables import (
     NOW,
     QUEUE,
     RECORD,
+    SCHEDULE,
     SENT,
     SHORT_TTL,
     TICK,
     TTL,
+    DueIn,
     Env,
     State,
+    Z,
 )
 
 
@@ -138,50 +139,185 @@ def test_a_taken_token_is_rung_again_by_the_next_enqueue(env: Env) -> None:
     env.assert_ttls({BELL: BELL_TTL})
 
 
-# A due delayed message d1 (claimed off the delay queue by w1) goes to the queue as r9, in
-# one step; its message id's cancel marker drops it instead (and is deleted).
-MOVE_GIVEN: State = {LIST: ["r0"], MSGS: {"r0": "b0"}, DQ_MSGS: {"d1": "delayed"}}
+# A delayed message (handed over as "<delay ms> <body>", the body in the form it takes on its
+# queue) goes on its queue's schedule at Redis's clock plus the delay, its body in the delay
+# queue's hash; the delay queue's doorbell rings only when it is the earliest (a mover
+# sleeping until a later due time must wake), never for a later one.
+@pytest.mark.parametrize(
+    ("given", "after"),
+    [
+        pytest.param(
+            {},
+            {
+                DQ_MSGS: {"r1": "moved"},
+                SCHEDULE: Z({"r1": DueIn(5_000)}),
+                SENT: "1",
+                DQ_BELL: ["1"],
+            },
+            id="the-earliest-rings-the-delay-queues-bell",
+        ),
+        pytest.param(
+            {DQ_MSGS: {"r0": "b0"}, SCHEDULE: Z({"r0": 1})},
+            {
+                DQ_MSGS: {"r0": "b0", "r1": "moved"},
+                SCHEDULE: Z({"r0": 1, "r1": DueIn(5_000)}),
+                SENT: "1",
+            },
+            id="a-later-one-rings-nothing",
+        ),
+    ],
+)
+def test_a_delayed_enqueue_goes_on_the_schedule(env: Env, given: State, after: State) -> None:
+    env.seed(given)
+
+    reply = env.lua.guarded_enqueue(
+        keys=[env.key(DQ_MSGS), env.key(DQ_LIST), env.key(SENT)],
+        args=["r1", "5000 moved", TTL, "1"],
+    )
+
+    assert reply == [1]
+    env.assert_state(after)
 
 
+FAR = 9_000_000_000_000
+MOVE_GIVEN: State = {
+    LIST: ["r0"],
+    MSGS: {"r0": "b0"},
+    DQ_MSGS: {"d1": "b1", "d2": "b2", "d3": "b3"},
+    SCHEDULE: Z({"d1": 1, "d2": 2, "d3": FAR}),
+}
+
+
+# move: the due ids (by Redis's clock), earliest first and at most the batch, leave the
+# schedule for the queue's tail, their bodies the delay queue's hash for the queue's; the
+# queue's bell rings; it answers how many moved, the next due time, Redis's clock and the
+# length of Dramatiq's own delay queue list (work for schedule_legacy).
+@pytest.mark.parametrize(
+    ("given", "limit", "moved", "next_due", "after"),
+    [
+        pytest.param(
+            MOVE_GIVEN,
+            10,
+            2,
+            FAR,
+            {
+                LIST: ["r0", "d1", "d2"],
+                MSGS: {"r0": "b0", "d1": "b1", "d2": "b2"},
+                DQ_MSGS: {"d3": "b3"},
+                SCHEDULE: Z({"d3": FAR}),
+                BELL: ["1"],
+            },
+            id="due-ones-move-to-the-queues-tail-and-ring",
+        ),
+        pytest.param(
+            MOVE_GIVEN,
+            1,
+            1,
+            2,
+            {
+                LIST: ["r0", "d1"],
+                MSGS: {"r0": "b0", "d1": "b1"},
+                DQ_MSGS: {"d2": "b2", "d3": "b3"},
+                SCHEDULE: Z({"d2": 2, "d3": FAR}),
+                BELL: ["1"],
+            },
+            id="at-most-the-batch-earliest-first",
+        ),
+        pytest.param(
+            {**MOVE_GIVEN, DQ_MSGS: {"d2": "b2", "d3": "b3"}},
+            10,
+            1,
+            FAR,
+            {
+                LIST: ["r0", "d2"],
+                MSGS: {"r0": "b0", "d2": "b2"},
+                DQ_MSGS: {"d3": "b3"},
+                SCHEDULE: Z({"d3": FAR}),
+                BELL: ["1"],
+            },
+            id="an-id-without-a-body-is-dropped",
+        ),
+        pytest.param(
+            {DQ_MSGS: {"d3": "b3"}, SCHEDULE: Z({"d3": FAR})},
+            10,
+            0,
+            FAR,
+            {DQ_MSGS: {"d3": "b3"}, SCHEDULE: Z({"d3": FAR})},
+            id="nothing-due-changes-nothing",
+        ),
+        pytest.param({}, 10, 0, -1, {}, id="an-empty-schedule-has-no-next-due-time"),
+    ],
+)
+def test_move(env: Env, given: State, limit: int, moved: int, next_due: int, after: State) -> None:
+    env.seed(given)
+
+    reply = env.lua.move(keys=[NAMESPACE], args=[*env.head(DQ), limit])
+
+    assert reply[:2] == [moved, next_due]
+    assert DueIn(0) == reply[2]
+    assert reply[3] == 0
+    env.assert_state(after)
+    assert env.heartbeat("w1") == NOW
+
+
+def test_move_reports_dramatiqs_own_delay_queue_list(env: Env) -> None:
+    env.seed({DQ_LIST: ["d1", "d2"], DQ_MSGS: {"d1": "old1", "d2": "old2"}})
+
+    reply = env.lua.move(keys=[NAMESPACE], args=[*env.head(DQ), 10])
+
+    assert reply[:2] == [0, -1]
+    assert reply[3] == 2
+    env.assert_state({DQ_LIST: ["d1", "d2"], DQ_MSGS: {"d1": "old1", "d2": "old2"}})
+
+
+# schedule_legacy: each id still on Dramatiq's delay queue list leaves it for the schedule at
+# its due time, its body replaced by the form given; a cancelled one (no body) is dropped; one
+# no longer listed (an old worker fetched it) is left alone.
+def test_schedule_legacy_moves_listed_ids_onto_the_schedule(env: Env) -> None:
+    env.seed({DQ_LIST: ["d1", "d2", "d3"], DQ_MSGS: {"d1": "old1", "d3": "old3", "d4": "old4"}})
+
+    reply = env.lua.schedule_legacy(
+        keys=[NAMESPACE],
+        args=[*env.head(DQ), "d1", 123, "new1", "d2", 5, "", "d4", 7, "new4"],
+    )
+
+    assert reply == 2  # d1 scheduled, d2 dropped
+    env.assert_state(
+        {
+            DQ_LIST: ["d3"],
+            DQ_MSGS: {"d1": "new1", "d3": "old3", "d4": "old4"},
+            SCHEDULE: Z({"d1": 123}),
+            DQ_BELL: ["1"],
+        }
+    )
+
+
+# move_now: the first candidate on its queue's schedule moves now, whatever its due time.
 @pytest.mark.parametrize(
     ("given", "reply", "after"),
     [
         pytest.param(
-            {**MOVE_GIVEN, DQ_ACKS: {"d1", "d2"}},
-            1,
-            {
-                LIST: ["r0", "r9"],
-                MSGS: {"r0": "b0", "r9": "moved"},
-                DQ_ACKS: {"d2"},
-                BELL: ["1"],
-            },
-            id="owned-leaves-the-delay-queue-for-the-queues-tail-and-rings",
+            {DQ_MSGS: {"d3": "b3"}, SCHEDULE: Z({"d3": FAR})},
+            [1, "{q}", "d3"],
+            {LIST: ["d3"], MSGS: {"d3": "b3"}, BELL: ["1"]},
+            id="a-scheduled-one-moves",
         ),
         pytest.param(
-            {**MOVE_GIVEN, DQ_ACKS: {"d1"}, CANCEL_M1: "1"},
-            2,
-            {LIST: ["r0"], MSGS: {"r0": "b0"}},
-            id="cancelled-is-dropped-and-its-marker-deleted",
-        ),
-        pytest.param(
-            {**MOVE_GIVEN, DQ_ACKS_W2: {"d1"}, CANCEL_M1: "1"},
-            0,
-            {**MOVE_GIVEN, DQ_ACKS_W2: {"d1"}, CANCEL_M1: "1"},
-            id="not-owned-changes-nothing",
+            {LIST: ["d3"], MSGS: {"d3": "b3"}},
+            [0],
+            {LIST: ["d3"], MSGS: {"d3": "b3"}},
+            id="a-queued-one-is-not-delayed",
         ),
     ],
 )
-def test_move(env: Env, given: State, reply: int, after: State) -> None:
+def test_move_now(env: Env, given: State, reply: list[Any], after: State) -> None:
     env.seed(given)
 
-    result = env.lua.move(
-        keys=[NAMESPACE, env.key(CANCEL_M1)],
-        args=[*env.head(DQ), "d1", env.key(QUEUE), "r9", "moved"],
-    )
+    result = env.lua.move_now(keys=[NAMESPACE], args=[env.key(QUEUE), "dx", env.key(QUEUE), "d3"])
 
-    assert result == reply
+    assert result[0] == reply[0]
+    assert [text(item) for item in result[1:]] == [env.key(item) for item in reply[1:]]
     env.assert_state(after)
-    assert env.heartbeat("w1") == NOW
 
 
 # Like every enqueue step below, a message written rings its queue's doorbell; one guarded

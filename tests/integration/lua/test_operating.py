@@ -40,6 +40,7 @@ from tests.integration.lua.tables import (
     PLACES,
     QUEUE,
     ROOT,
+    SCHEDULE,
     SHORT_TTL,
     SUSPECTS,
     TTL,
@@ -378,11 +379,18 @@ CANCELLED_M5 = record("m5", 1, "cancelled", q=ENQUEUED_AT, en=NOW, o="m1", tr="r
             id="claimed-from-the-lane-queue-runs-nothing-changed",
         ),
         pytest.param(
+            {DQ_MSGS: {"d1": DELAYED_M1, "d2": "b2"}, SCHEDULE: Z({"d1": 9, "d2": 10})},
+            [1, DQ, "d1"],
+            {DQ_MSGS: {"d2": "b2"}, SCHEDULE: Z({"d2": 10}), **indexed(CANCELLED_M1, NOW)},
+            {run_hash("m1"): COMPLETED_TTL},
+            id="on-the-schedule-leaves-it-with-its-body",
+        ),
+        pytest.param(
             {DQ_LIST: ["d1"], DQ_MSGS: {"d1": DELAYED_M1}},
             [1, DQ, "d1"],
             {DQ_LIST: ["d1"], **indexed(CANCELLED_M1, NOW)},
             {run_hash("m1"): COMPLETED_TTL},
-            id="waiting-in-the-delay-queue-body-deleted",
+            id="waiting-in-an-older-versions-delay-queue-list-body-deleted",
         ),
         pytest.param(
             {DQ_MSGS: {"d1": DELAYED_M1}, DQ_ACKS_W2: {"d1"}},

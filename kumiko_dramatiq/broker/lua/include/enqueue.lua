@@ -1,13 +1,47 @@
 -- include "enqueue": write one message exactly as Dramatiq's Redis broker lays it out, and
--- ring the queue's doorbell (see include/bell.lua).
+-- ring the queue's doorbell (see include/bell.lua); a delayed one goes on its queue's schedule.
 -- enqueue_message(messages, list, rid, body)
 --   messages  <namespace>:<queue>.msgs, hash redis message id -> encoded message
 --   list      <namespace>:<queue>, list of redis message ids (consumers pop from the left)
+--   A delayed message (list <namespace>:<queue>.DQ) comes as "<delay ms> <encoded message>",
+--   the message already in the form it takes on <queue> (no "eta"; see
+--   KumikoBroker.encode): its body goes in the delay queue's hash and its id on the schedule
+--   "<namespace>:<queue>.DQ:schedule" (keys.queue_schedule), scored by its due time, Redis's
+--   clock (TIME) plus the delay; the delay queue's doorbell rings if it is the earliest, so
+--   a mover sleeping until a later due time wakes (lua/move.lua moves it when due). A body
+--   for a delay queue in Dramatiq's own form (JSON, "{..."; nothing of kumiko's writes one)
+--   goes on Dramatiq's list as Dramatiq writes it (lua/schedule_legacy.lua moves it later).
+-- write_message(messages, list, rid, body): Dramatiq's write, whatever the queue (the
+--   "enqueue" command, Dramatiq's own, uses it).
 -- @include bell
 -- @include counts
-local function enqueue_message(messages, list, rid, body)
+local function schedule_message(messages, list, rid, delay_ms, body)
+    local time = redis.call("time")
+    local due = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000) + delay_ms
+    local schedule = list .. ":schedule"
+    redis.call("hset", messages, rid, body)
+    count_body(messages, rid, body, 1)
+    redis.call("zadd", schedule, due, rid)
+    if redis.call("zrange", schedule, 0, 0)[1] == rid then
+        ring(list)
+    end
+end
+
+local function write_message(messages, list, rid, body)
     redis.call("hset", messages, rid, body)
     count_body(messages, rid, body, 1)
     redis.call("rpush", list, rid)
     ring(list)
+end
+
+local function enqueue_message(messages, list, rid, body)
+    if string.sub(list, -3) == ".DQ" then
+        local delay_ms = string.match(string.sub(body, 1, 24), "^(%d+) ")
+        if delay_ms then
+            schedule_message(messages, list, rid, tonumber(delay_ms),
+                string.sub(body, #delay_ms + 2))
+            return
+        end
+    end
+    write_message(messages, list, rid, body)
 end
