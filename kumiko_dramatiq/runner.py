@@ -493,7 +493,7 @@ class JobRunner:
     ) -> list[QueuedMessage]:
         """Waiting messages (``job``'s, in ``state``: ``"queued"``, ``"parked"`` or
         ``"delayed"``; all of them when ``None``), at most ``limit``: queued and parked
-        oldest first, delayed soonest due first (within each batch read); ``after`` = the
+        oldest first, delayed soonest due first (off their schedule); ``after`` = the
         last of the previous page. Each carries its payload. Costs the page, never a walk
         of a queue."""
         if job is not None:
