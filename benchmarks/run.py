@@ -51,6 +51,7 @@ from .latency import LatencyBench
 from .memory import MemoryBench
 from .metrics import MetricsBench
 from .plain_actors import suite as plain_actors
+from .redis_cost import suite as redis_cost
 from .typed import TypedBench
 
 WORKER_THREADS = 8
@@ -502,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
             "typed": TypedBench(bench),
             # on a private redis-server of its own: it flushes its database between runs
             "plain_actors": lambda: bench.notes.append(plain_actors(bench.rounds)),
+            # Redis CPU per job on a private redis-server of its own (issue 32)
+            "redis_cost": lambda: bench.notes.append(redis_cost(bench.rounds)),
             "delayed": lambda: bench.notes.append(delayed([0, 10_000, 100_000], 100_000)),
         }
         chosen = [s for s in args.only.split(",") if s] or list(suites)

@@ -27,6 +27,7 @@ from kumiko_dramatiq.registry import Feature, JobDefinition, Registry
 
 if TYPE_CHECKING:
     from kumiko_dramatiq.ops.history import JobRun
+    from kumiko_dramatiq.ops.stats import JobStats
     from kumiko_dramatiq.ops.waiting import QueuedMessage
     from kumiko_dramatiq.runner import JobRunner
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "JobRunner": "kumiko_dramatiq.runner",
     "JobRun": "kumiko_dramatiq.ops.history",
+    "JobStats": "kumiko_dramatiq.ops.stats",
     "QueuedMessage": "kumiko_dramatiq.ops.waiting",
 }
 
@@ -60,6 +62,7 @@ __all__ = [
     "JobMeta",
     "JobRun",
     "JobRunner",
+    "JobStats",
     "KumikoError",
     "Manual",
     "NotFoundError",

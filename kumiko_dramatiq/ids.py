@@ -23,9 +23,13 @@ def child_message_id(wrapper_message_id: str, tenant_id: str) -> str:
     return _uuid5("child", wrapper_message_id, tenant_id)
 
 
-def boot_message_id(job_name: str, queue_prefix: str) -> str:
-    """The one fixed id of a ``run_on_boot`` job in a dataset."""
-    return _uuid5("boot", queue_prefix, job_name)
+def boot_message_id(job_name: str, queue_prefix: str, generation: int = 0) -> str:
+    """The fixed id of a ``run_on_boot`` job in a dataset: one per ``generation`` (how many
+    times ``reset-boot`` reset it; 0 before the first reset), so a run after a reset never
+    overwrites the run records of the one before."""
+    if generation == 0:
+        return _uuid5("boot", queue_prefix, job_name)
+    return _uuid5("boot", queue_prefix, job_name, str(generation))
 
 
 def cron_tick_id(job_name: str, fire_time: datetime) -> str:

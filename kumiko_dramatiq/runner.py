@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 import redis
@@ -60,6 +60,7 @@ from kumiko_dramatiq.ops.admin import (
 )
 from kumiko_dramatiq.ops.draining import Drain
 from kumiko_dramatiq.ops.history import STATUSES, JobRun, RunHistory, RunStatus, run_ttls_ms
+from kumiko_dramatiq.ops.stats import MAX_HOURS, JobStats, read_stats
 from kumiko_dramatiq.ops.waiting import WAITING_STATES, QueuedMessage
 from kumiko_dramatiq.options import Retention, retry_window_ms
 from kumiko_dramatiq.payloads import event_payload, payload_to_enqueue
@@ -367,12 +368,15 @@ class JobRunner:
         message_id: str | None = None,
         origin_id: str | None = None,
         since: datetime | None = None,
-        before: datetime | None = None,
+        before: datetime | JobRun | None = None,
         limit: int = 50,
     ) -> list[JobRun]:
-        """Run records, newest first (by the time of their last write), filtered by job,
-        status, tenant, message id, origin id and time (``since`` <= t < ``before``); ``limit``
-        at most 1,000. Raises ``UnknownJobError`` for a job the registry does not declare."""
+        """Run records, newest first: by the attempt's start (its enqueue time if it never
+        started), ties by ``run_id``; filtered by job, status, tenant, message id, origin id
+        and start (``since`` <= start); ``before`` a time (started before it) or the last
+        :class:`JobRun` of the previous page (the next page starts right after it, so walking
+        pages yields every record exactly once); ``limit`` at most 1,000. Raises
+        ``UnknownJobError`` for a job the registry does not declare."""
         if job is not None:
             self._job(job)
         if status is not None and status not in STATUSES:
@@ -380,6 +384,8 @@ class JobRunner:
         if not isinstance(limit, int) or isinstance(limit, bool) or not 0 < limit <= 1_000:
             raise JobConfigError(None, "limit", "must be an integer from 1 to 1000", limit)
         for name, when in (("since", since), ("before", before)):
+            if isinstance(when, JobRun) and name == "before":
+                continue
             if when is not None and (not isinstance(when, datetime) or when.tzinfo is None):
                 raise JobConfigError(None, name, "must be an aware datetime", when)
         with self._redis("reading the run history"):
@@ -393,6 +399,20 @@ class JobRunner:
                 before=before,
                 limit=limit,
             )
+
+    def stats(self, job: str | None = None, *, hours: int = 24) -> list[JobStats]:
+        """Per job and hour (UTC), newest hour first, hours with no attempt left out: attempts
+        completed, failed (and retried), dead and cancelled, and the p50 and p95 duration of
+        the completed ones (within 5%); ``hours`` from 1 to 168 (kept 7 days). Every declared
+        job, or ``job`` alone (``UnknownJobError`` if undeclared). One round trip, no
+        run-history scan (:mod:`kumiko_dramatiq.ops.stats`)."""
+        if job is not None:
+            self._job(job)
+        if not isinstance(hours, int) or isinstance(hours, bool) or not 0 < hours <= MAX_HOURS:
+            raise JobConfigError(None, "hours", f"must be an integer from 1 to {MAX_HOURS}", hours)
+        jobs = [job] if job is not None else list(self.registry.jobs)
+        with self._redis("reading the job stats"):
+            return read_stats(self.broker.client, self.queue_prefix, jobs, hours, datetime.now(UTC))
 
     def run_record(self, message_id: str) -> list[JobRun]:
         """Every recorded attempt of ``message_id``, oldest first."""

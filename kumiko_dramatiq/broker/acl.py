@@ -77,6 +77,7 @@ CLIENT_COMMANDS: Final[dict[str, str]] = {
     "hkeys": "cancel and dead-letter lookups: the attempts a message has records of",
     "hlen": "status: delayed messages",
     "hmget": "dead letters, run records, bodies on an older version's delay queue list",
+    "incr": "reset-boot: the boot job's id generation",
     "hscan": "drain: messages in flight; kumiko queued: delayed messages",
     "llen": "status: queued messages",
     "lrange": "parked messages of paused jobs; the head of an older version's delay queue list; "

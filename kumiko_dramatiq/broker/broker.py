@@ -98,7 +98,9 @@ from kumiko_dramatiq.broker.seam import (
     emit_after,
     emit_before,
     set_consumed_queues,
+    worker_thread_count,
 )
+from kumiko_dramatiq.broker.settling import LINGER_S, SettleBatcher
 from kumiko_dramatiq.codec import TRIGGER
 from kumiko_dramatiq.ids import redis_message_id as derived_redis_id
 from kumiko_dramatiq.options import LANES, lane_queue
@@ -200,6 +202,12 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         self._thread_clients: list[tuple[threading.Thread, redis.Redis]] = []
         self._threads_pid = os.getpid()
         self._stopping = False
+        #: gathers the settles of deliveries that end at about the same time into one call
+        self.settler = SettleBatcher(self.settle_batch, self.settle_expected)
+        #: worker threads of the workers booted on this broker, and a moving average of the
+        #: time a delivery takes from ``before_process_message`` to its after hooks (seconds)
+        self.worker_threads = 0
+        self._processing_s = 0.0
         self.lua = LuaScripts.register(client)
         #: kumiko's chain (``id()`` of the middleware built with); later ones are guests
         self._chain = frozenset(id(each) for each in self.middleware)
@@ -222,6 +230,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         elif signal == "worker_boot":
             self._stopping = False
             self.route_worker(args[0])
+            self.worker_threads += worker_thread_count(args[0])
         elif signal == "declare_queue":
             self._route_declared(args[0])
         elif signal == "worker_shutdown":
@@ -233,8 +242,12 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             self.booted = True
         emit_after(self, self._current_hooks(), "after_" + signal, *args, **kwargs)
         if signal in ("process_message", "skip_message"):
-            self.running.pop(threading.get_ident(), None)
+            delivery = self.running.pop(threading.get_ident(), None)
+            if delivery is not None and delivery.started_at is not None:
+                took = time.time() - delivery.started_at
+                self._processing_s += (took - self._processing_s) / 16
         elif signal == "worker_shutdown":  # its threads are gone
+            self.worker_threads = max(0, self.worker_threads - worker_thread_count(args[0]))
             self._routed = [each for each in self._routed if each is not args[0]]
             self.close_thread_clients()
 
@@ -412,14 +425,15 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         run: RunWrite | None = None,
         client: redis.Redis | None = None,
     ) -> bool:
-        """The outcome of one delivery from a lane queue, in one Lua call
-        (``lua/settle.lua``, on ``client``, the calling thread's :meth:`thread_client`, or the
-        broker's pool); ``False`` if the delivery was no longer this worker's and its
-        recovered copy was taken by another worker already (then nothing but its in-flight
-        entry, marker and run record was written)."""
+        """The outcome of one delivery from a lane queue (``lua/settle.lua``), sent together
+        with the settles of the other deliveries of ``queue_name`` that end at about the same
+        time (:class:`~kumiko_dramatiq.broker.settling.SettleBatcher`), on ``client``, the
+        calling thread's :meth:`thread_client`, or the broker's pool; returns when it is
+        written. ``False`` if the delivery was no longer this worker's and its recovered copy
+        was taken by another worker already (then nothing but its in-flight entry, marker and
+        run record was written)."""
         header, record, note = "", "", ""
         if run is not None:
-            trim = TRIM_BUDGET if random.random() < 1 / TRIM_BUDGET else 0
             header = "\t".join(
                 (
                     keys.root(self.queue_prefix),
@@ -429,41 +443,65 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
                     run.status,
                     run.tenant,
                     run.origin,
-                    *map(str, self.run_ttls_ms),
-                    str(self.history_cap),
-                    str(trim),
+                    "" if run.started_ms is None else str(run.started_ms),
                 )
             )
             record, note = run.record, run.dead_note
-        args = [
-            *self._head(queue_name, maintenance=False),
+        entry: list[Any] = [
             redis_message_id,
-            f"{outcome} {self.completed_ttl_ms}",
+            outcome,
+            keys.completed(self.queue_prefix, message_id) if outcome == "completed" else "",
             header,
             record,
             note,
         ]
         if retry is not None:
             message, delay = retry
-            args += [
+            entry += [
                 message.queue_name,
                 message.options["redis_message_id"],
                 self.encode(message, delay),
             ]
-        done = self._call(
+        else:
+            entry += ["", "", ""]
+        done = self.settler.settle(queue_name, entry, client)
+        if done == 1 and retry is not None:
+            self.emit_after("enqueue", *retry)
+        return bool(done == 1)
+
+    def settle_batch(
+        self, queue_name: str, entries: Sequence[Sequence[Any]], client: redis.Redis | None
+    ) -> list[int]:
+        """One call of ``lua/settle.lua`` for ``entries`` (each the 9 arguments of one
+        delivery); one reply per entry."""
+        trim = TRIM_BUDGET if random.random() < len(entries) / TRIM_BUDGET else 0
+        completed_ttl, failed_ttl = self.run_ttls_ms
+        args: list[Any] = [
+            *self._head(queue_name, maintenance=False),
+            f"{len(entries)} {self.completed_ttl_ms} {completed_ttl} {failed_ttl} "
+            f"{self.history_cap} {trim}",
+        ]
+        for entry in entries:
+            args.extend(entry)
+        replies = self._call(
             self.lua.settle,
             client,
             keys=[
                 self.namespace,
                 keys.inflight(self.queue_prefix),
-                keys.completed(self.queue_prefix, message_id),
                 keys.suspects(self.queue_prefix, queue_name),
             ],
             args=args,
         )
-        if done == 1 and retry is not None:
-            self.emit_after("enqueue", *retry)
-        return bool(done == 1)
+        return [int(reply) for reply in replies]
+
+    def settle_expected(self, queue_name: str) -> int:
+        """How many settles of ``queue_name`` a batch may wait for (0: send at once): every
+        delivery this process holds of it, at most one per worker thread, while deliveries
+        take less than the batch's linger to process (a moving average); else none."""
+        if self._processing_s > LINGER_S or self.worker_threads < 2:
+            return 0
+        return min(self.worker_threads, len(self.held.get(queue_name, ())))
 
     @staticmethod
     def _call(

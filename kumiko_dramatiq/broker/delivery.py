@@ -22,6 +22,9 @@ class RunWrite:
     origin: str
     record: str
     dead_note: str
+    #: the attempt's start (ms): the run history orders records by it (its enqueue time if
+    #: it never started; None: the time of the write)
+    started_ms: int | None = None
 
 
 @dataclass

@@ -19,7 +19,7 @@ def _root(queue_prefix: str) -> str:
 def root(queue_prefix: str) -> str:
     """``kumiko:{queue_prefix}:``, the root of every key of the dataset's own. Lua scripts
     that are handed only the root build a few keys from it: those of :func:`run_record`,
-    the ``runs_*`` indexes, :func:`dead_note`, :func:`paused` and :func:`parked`
+    the ``runs_*`` indexes, :func:`job_stats`, :func:`dead_note`, :func:`paused` and :func:`parked`
     (``tests/integration/lua`` checks they spell them as here)."""
     return f"{_root(queue_prefix)}:"
 
@@ -27,6 +27,12 @@ def root(queue_prefix: str) -> str:
 def sent(queue_prefix: str, redis_message_id: str) -> str:
     """Set when a redis message id was written: a re-sent write finds it."""
     return f"{_root(queue_prefix)}:sent:{redis_message_id}"
+
+
+def boot_generation(queue_prefix: str, job_name: str) -> str:
+    """Persistent: how many times boot-once job ``job_name`` was reset (its message id's
+    generation, :func:`kumiko_dramatiq.ids.boot_message_id`); absent = 0."""
+    return f"{_root(queue_prefix)}:bootgen:{job_name}"
 
 
 def enqueue_guard(queue_prefix: str, message_id: str) -> str:
@@ -185,6 +191,12 @@ def runs_by_tenant(queue_prefix: str, tenant_id: str) -> str:
 def runs_by_origin(queue_prefix: str, origin_id: str) -> str:
     """Sorted set indexing the run records of one origin id (written in Lua)."""
     return f"{_root(queue_prefix)}:runs:origin:{origin_id}"
+
+
+def job_stats(queue_prefix: str, job_name: str, hour: int) -> str:
+    """Hash of one job's counters in one hour (``hour``: hours since the epoch, UTC; written
+    in Lua with the run records, see :mod:`kumiko_dramatiq.ops.stats`)."""
+    return f"{_root(queue_prefix)}:stats:{job_name}:{hour}"
 
 
 def dead_note(queue_prefix: str, message_id: str) -> str:

@@ -193,6 +193,12 @@ def consumed_queues(worker: Worker) -> set[str] | None:
     return queues
 
 
+def worker_thread_count(worker: Worker) -> int:
+    """How many worker threads ``worker`` runs (its ``worker_threads``)."""
+    count = getattr(worker, "worker_threads", 0)
+    return count if isinstance(count, int) else 0
+
+
 def set_consumed_queues(worker: Worker, queues: set[str]) -> None:
     """Make ``worker`` consume ``queues`` (its consumer loop adds each when declared)."""
     worker.consumer_whitelist = queues

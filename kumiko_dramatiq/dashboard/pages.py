@@ -131,7 +131,8 @@ def dedup_cursor_text(cursor: DedupCursor) -> str:
 
 
 def last_write(run: JobRun) -> datetime | None:
-    """The time a run's record was last written: what the history orders and filters by."""
+    """The time a run's record was last written (shown in the tables; the history orders by
+    the attempt's start, :attr:`JobRun.order_key`)."""
     return run.ended_at or run.started_at
 
 
@@ -228,6 +229,8 @@ class RunFilter:
     since: datetime | None
     before: datetime | None
     limit: int
+    #: the run id the page starts after (the "Older" link: the last run of the page before)
+    cursor: str | None = None
 
     def query(self, **changes: Any) -> dict[str, str]:
         """This filter as query parameters (empty ones left out), with ``changes``."""
@@ -239,6 +242,7 @@ class RunFilter:
             "since": None if self.since is None else self.since.isoformat(),
             "before": None if self.before is None else self.before.isoformat(),
             "limit": None if self.limit == RUN_LIMITS[1] else str(self.limit),
+            "cursor": self.cursor,
             **changes,
         }
         return {k: str(v) for k, v in values.items() if v not in (None, "")}
@@ -264,25 +268,42 @@ def parse_run_filter(runner: JobRunner, query: Query) -> RunFilter:
         since=parse_time(query, "since"),
         before=parse_time(query, "before"),
         limit=int(limit_text),
+        cursor=_run_id(query),
     )
+
+
+def _run_id(query: Query) -> str | None:
+    """The ``cursor`` parameter: a run id ``<message id>:<attempt>``."""
+    cursor = _text(query, "cursor", 100)
+    if cursor is None:
+        return None
+    message_id, _, attempt = cursor.rpartition(":")
+    if not attempt.isdigit():
+        raise BadInput(f"cursor must be a run id '<message id>:<attempt>', got {cursor!r}")
+    parse_message_id(message_id, "cursor")
+    return cursor
 
 
 def runs(runner: JobRunner, query: Query) -> dict[str, Any]:
     chosen = parse_run_filter(runner, query)
+    before: datetime | JobRun | None = chosen.before
+    if chosen.cursor is not None:
+        before = runner.history.find(chosen.cursor)
+        if before is None:
+            raise BadInput(f"no run record {chosen.cursor} (expired, or never written)")
     found = runner.runs(
         chosen.job,
         status=chosen.status,  # type: ignore[arg-type]  # checked against STATUSES
         tenant_id=chosen.tenant,
         origin_id=chosen.origin,
         since=chosen.since,
-        before=chosen.before,
+        before=before,
         limit=chosen.limit,
     )
     older = None
     if len(found) == chosen.limit:
-        oldest = last_write(found[-1])
-        if oldest is not None:
-            older = chosen.query(before=oldest.isoformat())
+        # the next page starts right after the last run of this one: none missed or repeated
+        older = chosen.query(cursor=found[-1].run_id, before=None)
     return {
         "filter": chosen,
         "runs": found,

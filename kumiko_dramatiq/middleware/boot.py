@@ -227,8 +227,10 @@ def reset_boot_marker(
     Deletes, in one command, the job's boot marker, the id guard of its fixed
     message id and any "already completed" record of that id, so the next
     worker start enqueues the job again. Returns whether anything was
-    deleted. Reset only once the earlier run is over (not queued, running or
-    waiting to retry): the new message has the same id as the old one.
+    deleted. When something was, the job's id generation goes one up
+    (``keys.boot_generation``): the next run's message id is a new one, so the
+    earlier run's records stay in the history. Reset only once the earlier run
+    is over (not queued, running or waiting to retry).
 
     ``redis_client_or_url`` is a ``redis.Redis`` (left open) or a URL (a
     client with bounded timeouts is opened and closed). Raises
@@ -255,16 +257,27 @@ def reset_boot_marker(
 
 
 def _delete_boot_records(client: redis.Redis, url: str, queue_prefix: str, job_name: str) -> bool:
-    message_id = boot_message_id(job_name, queue_prefix)
     try:
+        message_id = boot_message_id(
+            job_name, queue_prefix, boot_generation(client, queue_prefix, job_name)
+        )
         deleted = client.delete(
             keys.boot_marker(queue_prefix, job_name),
             keys.enqueue_guard(queue_prefix, message_id),
             keys.completed(queue_prefix, message_id),
         )
+        if deleted:
+            # the next run gets a new id: the run records of this one are kept
+            client.execute_command("INCR", keys.boot_generation(queue_prefix, job_name))  # type: ignore[no-untyped-call]
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise RedisUnavailableError(url, f"resetting the boot marker of {job_name}", exc) from exc
     return bool(deleted)
+
+
+def boot_generation(client: redis.Redis, queue_prefix: str, job_name: str) -> int:
+    """How many times boot-once job ``job_name`` was reset (0: never)."""
+    raw = client.get(keys.boot_generation(queue_prefix, job_name))
+    return int(raw) if raw is not None else 0
 
 
 def describe_client(client: redis.Redis) -> str:
@@ -360,12 +373,18 @@ class Boot(Middleware):
     def _enqueue_once(self, job: JobDefinition) -> None:
         runtime = self.runtime
         prefix = runtime.queue_prefix
-        message_id = boot_message_id(job.qualified_name, prefix)
+        broker = runtime.broker
+        try:
+            generation = boot_generation(broker.client, prefix, job.qualified_name)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise RedisUnavailableError(
+                describe_client(broker.client), f"enqueuing boot job {job.qualified_name}", exc
+            ) from exc
+        message_id = boot_message_id(job.qualified_name, prefix, generation)
         payload = empty_payload(job, max_bytes=runtime.settings.max_payload_bytes)
         message = build_message(
             job, payload, queue_prefix=prefix, trigger="boot", message_id=message_id
         )
-        broker = runtime.broker
         try:
             _, reply = broker.enqueue_step(
                 message,

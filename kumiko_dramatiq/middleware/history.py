@@ -115,6 +115,7 @@ def end_record(
         origin=origin,
         record=json.dumps(record, separators=(",", ":"), default=str),
         dead_note=dead_note,
+        started_ms=started_ms,
     )
 
 

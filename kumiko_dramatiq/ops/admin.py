@@ -510,7 +510,9 @@ class Admin:
                         matched.append((key, letter))
             if len(entries) < batch:
                 return matched, None
-            if len(matched) >= limit or offset >= max_read:
+            # stop early only past the cursor (a read of nothing but entries at or above it,
+            # ties of its score, must go on, or the next page would start at the same place)
+            if len(matched) >= limit or (offset >= max_read and fresh):
                 return matched, (float(entries[-1][1]), text(entries[-1][0]))
 
     def _with_notes(self, letters: Sequence[DeadLetter]) -> list[DeadLetter]:

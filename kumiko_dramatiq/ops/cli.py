@@ -89,7 +89,7 @@ from kumiko_dramatiq.loader import load_runner
 from kumiko_dramatiq.middleware.boot import reset_boot_marker
 from kumiko_dramatiq.middleware.metrics import serving
 from kumiko_dramatiq.ops.admin import COUNT_STATES
-from kumiko_dramatiq.ops.history import STATUSES
+from kumiko_dramatiq.ops.history import STATUSES, JobRun
 from kumiko_dramatiq.ops.terminal import indented, parse_when, table, without_frames_of
 from kumiko_dramatiq.ops.waiting import WAITING_STATES, QueuedMessage
 from kumiko_dramatiq.runner import JobRunner
@@ -172,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("--origin", help=f"every run that came of what dispatch returned: {an_id}")
     runs.add_argument("--since", help=when)
     runs.add_argument("--before", help=when)
+    runs.add_argument(
+        "--cursor",
+        metavar="RUN_ID",
+        help="the next page: the runs right after this one (the last run_id of the previous "
+        "page, as --json prints it) in the order runs are listed",
+    )
     runs.add_argument("--limit", type=_limit, default=50, help="at most this many (1-1000)")
     runs.add_argument(
         "--tracebacks",
@@ -415,7 +421,21 @@ def _runs(runner: JobRunner, args: argparse.Namespace) -> Result:
     message_id = None if args.message is None else resolve_id(runner, args.message)
     origin_id = None if args.origin is None else resolve_id(runner, args.origin)
     since = None if args.since is None else parse_when("--since", args.since, now)
-    before = None if args.before is None else parse_when("--before", args.before, now)
+    before: datetime | JobRun | None = None
+    if args.before is not None:
+        before = parse_when("--before", args.before, now)
+    if args.cursor is not None:
+        if args.before is not None:
+            _fail("kumiko runs: give --cursor or --before, not both")
+        message, sep, attempt = args.cursor.rpartition(":")
+        if not sep or not attempt.isdigit() or not message:
+            _fail(
+                "kumiko runs: --cursor must be a run id '<message id>:<attempt>', "
+                f"got {args.cursor!r}"
+            )
+        before = runner.history.find(f"{resolve_id(runner, message)}:{attempt}")
+        if before is None:
+            raise NotFoundError(f"no run record {args.cursor} (expired, or never written)")
     asked = min(args.limit + 1, 1_000)
     runs = runner.runs(
         args.job,
@@ -451,7 +471,9 @@ def _runs(runner: JobRunner, args: argparse.Namespace) -> Result:
     if not text:
         text = "no run matches"
     elif more:
-        text += "\n" + _more(len(runs), "runs", "raise --limit, up to 1000, or narrow the filters")
+        text += "\n" + _more(
+            len(runs), "runs", f"next page: --cursor {runs[-1].run_id}, or narrow the filters"
+        )
     if args.tracebacks or message_id is not None or origin_id is not None:
         text += _tracebacks(
             (f"{r.message_id} {r.job_name} attempt {r.attempt}", r.traceback) for r in runs
@@ -639,10 +661,7 @@ def _queued(runner: JobRunner, args: argparse.Namespace) -> Result:
 def _stats(runner: JobRunner, args: argparse.Namespace) -> Result:
     if args.job is not None:
         runner.job(args.job)
-    stats = getattr(runner, "stats", None)
-    if stats is None:  # recorded by the release that keeps hourly stats (issue 32)
-        raise NotFoundError("this version records no hourly stats")
-    rows: list[Any] = list(stats(args.job, hours=args.hours))
+    rows = runner.stats(args.job, hours=args.hours)
     text = table(
         ["hour (UTC)", "job", "completed", "failed", "dead", "cancelled", "p50", "p95"],
         [

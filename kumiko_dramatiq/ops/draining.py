@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any, Final
 
 import redis
@@ -157,18 +157,17 @@ class Drain:
     def _ended_since(self, since_ms: int) -> list[JobRun]:
         since = datetime.fromtimestamp(since_ms / 1000, UTC)
         found: dict[tuple[str, int], JobRun] = {}
-        before: datetime | None = None
+        before: JobRun | None = None
+        # Pages in the run order (attempt start, newest first), each after the last of the
+        # previous one. The dataset was idle at since_ms (the previous drain's look), so a
+        # run that ended since started since.
         while True:
             page = self.history.runs(since=since, before=before, limit=PAGE)
-            fresh = [run for run in page if _key(run) not in found]
-            for run in fresh:
+            for run in page:
                 found[_key(run)] = run
-            if len(page) < PAGE or not fresh:
+            if len(page) < PAGE:
                 break
-            # Newest first: go on below the oldest instant read, re-reading that instant
-            # (records sharing it may not all have fit; the ones read are skipped).
-            oldest = min(_last_write(run) for run in page)
-            before = oldest + timedelta(milliseconds=1)
+            before = page[-1]
         return [
             run
             for run in found.values()
@@ -231,10 +230,6 @@ def _ms(when: datetime | None) -> int:
 
 def _key(run: JobRun) -> tuple[str, int]:
     return run.message_id, run.attempt
-
-
-def _last_write(run: JobRun) -> datetime:
-    return run.ended_at or run.started_at or datetime.fromtimestamp(0, UTC)
 
 
 def _chronological(run: JobRun) -> tuple[datetime, datetime, int]:

@@ -30,8 +30,10 @@ attempt (:meth:`RunHistory.put`).
   ``JobRunner(record_payloads=True)``; tracebacks are cut to 8 KiB.
 - **Keys** (``kumiko:{prefix}:``): ``run:{message id}`` (hash attempt -> record),
   ``runs:job:{job}:{status}``, ``runs:status:{status}``, ``runs:tenant:{tenant}``,
-  ``runs:origin:{origin}`` (sorted sets of ``"{message id}:{attempt}"`` by the time of the
-  record's last write), ``dead:{message id}`` (a dead letter's error, for ``kumiko dead``).
+  ``runs:origin:{origin}`` (sorted sets of run ids ``"{message id}:{attempt}"`` by the
+  attempt's start, ms; each expires with the longest record age after its last write),
+  ``stats:{job}:{hour}`` (:mod:`kumiko_dramatiq.ops.stats`), ``dead:{message id}`` (a
+  dead letter's error, for ``kumiko dead``).
 """
 
 from __future__ import annotations
@@ -115,6 +117,24 @@ class JobRun:
     deliveries: int | None = None
     #: the payload, only with ``JobRunner(record_payloads=True)``
     payload: dict[str, Any] | None = None
+    #: unique per record: ``"<message id>:<attempt>"``; the tie-breaker of the run order
+    run_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            object.__setattr__(self, "run_id", f"{self.message_id}:{self.attempt}")
+
+    @property
+    def order_ms(self) -> int:
+        """Where the record sits in the run order: its attempt's start (its enqueue time if
+        it never started), in ms; ties go by :attr:`run_id`."""
+        when = self.started_at or self.enqueued_at
+        return 0 if when is None else round(when.timestamp() * 1000)
+
+    @property
+    def order_key(self) -> tuple[int, str]:
+        """(``order_ms``, ``run_id``): newest first is this key, highest first."""
+        return self.order_ms, self.run_id
 
     @classmethod
     def decode(cls, raw: bytes | str) -> JobRun:
@@ -131,7 +151,7 @@ class JobRun:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict with the contract's field names (datetimes as ISO-8601)."""
         out: dict[str, Any] = {}
-        for attribute in FIELDS.values():
+        for attribute in (*FIELDS.values(), "run_id"):
             value = getattr(self, attribute)
             out[attribute] = value.isoformat() if isinstance(value, datetime) else value
         return out
@@ -172,7 +192,17 @@ def record_write(
             {k: v for k, v in fields.items() if v is not None}, separators=(",", ":"), default=str
         ),
         dead_note=dead_note,
+        started_ms=_order_ms(fields),
     )
+
+
+def _order_ms(fields: dict[str, Any]) -> int | None:
+    """A record's order score: its start, else its enqueue time (ms), else None."""
+    for key in ("st", "q"):
+        value = fields.get(key)
+        if isinstance(value, int | float):
+            return int(value)
+    return None
 
 
 def error_fields(exception: BaseException | None) -> dict[str, Any]:
@@ -205,6 +235,15 @@ class RunHistory:
             if run.message_id == message_id:
                 runs[run.attempt] = run
         return [runs[attempt] for attempt in sorted(runs)]
+
+    def find(self, run_id: str) -> JobRun | None:
+        """The record ``run_id`` (``"<message id>:<attempt>"``), running or ended; ``None``
+        if there is none."""
+        message_id, _, attempt = run_id.rpartition(":")
+        for run in self.run_record(message_id):
+            if str(run.attempt) == attempt:
+                return run
+        return None
 
     def running(self) -> list[JobRun]:
         """The runs out with a worker now, read off the in-flight hash and their messages (a
@@ -239,15 +278,19 @@ class RunHistory:
         message_id: str | None = None,
         origin_id: str | None = None,
         since: datetime | None = None,
-        before: datetime | None = None,
+        before: datetime | JobRun | None = None,
         limit: int = 50,
     ) -> list[JobRun]:
-        """Run records, newest first (by the time of their last write), filtered."""
+        """Run records, newest first: by the attempt's start (its enqueue time if it never
+        started), ties by ``run_id``; filtered. ``before``: a time (records that started
+        before it), or the last :class:`JobRun` of the previous page (the page starts right
+        after it in that order, so walking pages yields every record exactly once). Each
+        index is read from the cursor's rank on (``lua/runs_from.lua``, O(log n)), a page at
+        a time, until ``limit`` records that pass the filters are found in it."""
+        cursor = _cursor(before)
         if message_id is not None:
-            found = self.run_record(message_id)
-            return _filtered(found, job, status, tenant_id, origin_id, since, before)[:limit]
-        low = "-inf" if since is None else int(since.timestamp() * 1000)
-        high = "+inf" if before is None else f"({int(before.timestamp() * 1000)}"
+            attempts = sorted(self.run_record(message_id), key=_key, reverse=True)
+            return _filtered(attempts, job, status, tenant_id, origin_id, since, cursor)[:limit]
         if origin_id is not None:
             indexes = [keys.runs_by_origin(self.prefix, origin_id)]
         elif tenant_id is not None:
@@ -261,43 +304,47 @@ class RunHistory:
         extra = self.run_record(origin_id) if origin_id is not None else []
         if status in (None, "running"):
             extra += self.running()
-        picked = _filtered(extra, job, status, tenant_id, origin_id, since, before)
-        scored = [(_last_write(run).timestamp() * 1000, run) for run in picked]
-        # Read each index newest first, a page at a time; stop once `limit` records that pass
-        # the filters are newer than anything still unread (records gone are skipped).
-        offsets = dict.fromkeys(indexes, 0)
-        floors: dict[str, float] = {}
-        while offsets:
-            pipe = self.client.pipeline(transaction=False)
-            for index, offset in offsets.items():
-                pipe.zrevrangebyscore(index, high, low, start=offset, num=limit, withscores=True)
-            for index, reply in zip(list(offsets), pipe.execute(), strict=True):
-                members = [(float(score), text(member)) for member, score in reply]
-                loaded = self._load([member for _, member in members])
-                for (score, _), run in zip(members, loaded, strict=True):
-                    if run is not None and _filtered(
-                        [run], job, status, tenant_id, None, since, before
-                    ):
-                        scored.append((score, run))
-                if len(reply) < limit:
-                    del offsets[index]
-                    floors.pop(index, None)
-                else:
-                    offsets[index] += limit
-                    floors[index] = members[-1][0]
-            scored.sort(key=lambda item: item[0], reverse=True)
-            unread_max = max(floors.values(), default=float("-inf"))
-            if len([1 for score, _ in scored if score >= unread_max]) >= limit:
-                break
-        unique: dict[tuple[str, int], JobRun] = {}
-        for _, run in sorted(scored, key=lambda item: item[0], reverse=True):
-            unique.setdefault((run.message_id, run.attempt), run)
-        return list(unique.values())[:limit]
+        found = {run.run_id: run for run in extra}
+        floor = None if since is None else round(since.timestamp() * 1000)
+        score, member = ("+inf", "") if cursor is None else (str(cursor[0]), cursor[1])
+        starts = [int(rank) for rank in self.lua.runs_from(keys=indexes, args=[score, member])]
+        for index, start in zip(indexes, starts, strict=True):
+            self._read_index(index, start, floor, limit, found, job, status, tenant_id)
+        picked = _filtered(found.values(), job, status, tenant_id, origin_id, since, cursor)
+        return sorted(picked, key=_key, reverse=True)[:limit]
+
+    def _read_index(
+        self,
+        index: str,
+        start: int,
+        floor: int | None,
+        limit: int,
+        found: dict[str, JobRun],
+        job: str | None,
+        status: str | None,
+        tenant_id: str | None,
+    ) -> None:
+        """Read ``index`` from rank ``start`` on, a page at a time, into ``found`` until
+        ``limit`` records passing the filters were read, the index ends or its scores fall
+        below ``floor`` (records gone are skipped)."""
+        passing = 0
+        while passing < limit:
+            reply: list[Any] = self.client.zrevrange(
+                index, start, start + limit - 1, withscores=True
+            )
+            start += limit
+            members = [text(member) for member, score in reply if floor is None or score >= floor]
+            for run in self._load(members):
+                if run is not None and _filtered([run], job, status, tenant_id, None, None, None):
+                    found.setdefault(run.run_id, run)
+                    passing += 1
+            if len(members) < len(reply) or len(reply) < limit:
+                return
 
     def counts(
         self, statuses: Sequence[RunStatus], edges_ms: Sequence[int]
     ) -> dict[str, list[int]]:
-        """Per status, how many records were last written in each interval
+        """Per status, how many records' attempts started in each interval
         ``[edges_ms[i], edges_ms[i + 1])`` (epoch ms): one ``ZCOUNT`` per status and interval
         on ``runs:status:{status}``, all in one round trip, never a scan."""
         pipe = self.client.pipeline(transaction=False)
@@ -335,6 +382,7 @@ class RunHistory:
                 *run_ttls_ms(settings),
                 settings.history_cap,
                 4,
+                "" if run.started_ms is None else run.started_ms,
             ],
         )
 
@@ -377,8 +425,18 @@ def _running_run(body: Any, entry: str) -> JobRun | None:
     )
 
 
-def _last_write(run: JobRun) -> datetime:
-    return run.ended_at or run.started_at or datetime.min.replace(tzinfo=UTC)
+def _key(run: JobRun) -> tuple[int, str]:
+    return run.order_key
+
+
+def _cursor(before: datetime | JobRun | None) -> tuple[int, str] | None:
+    """``before`` as a point in the run order: (ms, run id); a time is (its ms, ""), before
+    every run id at that ms."""
+    if before is None:
+        return None
+    if isinstance(before, JobRun):
+        return before.order_key
+    return round(before.timestamp() * 1000), ""
 
 
 def _filtered(
@@ -388,18 +446,19 @@ def _filtered(
     tenant_id: str | None,
     origin_id: str | None,
     since: datetime | None,
-    before: datetime | None,
+    cursor: tuple[int, str] | None,
 ) -> list[JobRun]:
+    floor = None if since is None else round(since.timestamp() * 1000)
     out = []
     for run in runs:
-        when = _last_write(run)
+        key = run.order_key
         if (
             (job is None or run.job_name == job)
             and (status is None or run.status == status)
             and (tenant_id is None or run.tenant_id == tenant_id)
             and (origin_id is None or run.origin_id == origin_id)
-            and (since is None or when >= since)
-            and (before is None or when < before)
+            and (floor is None or key[0] >= floor)
+            and (cursor is None or key < cursor)
         ):
             out.append(run)
     return out

@@ -274,6 +274,11 @@ def test_reset_boot_marker_makes_the_next_start_enqueue_the_job_again(
     second.start()
 
     recorder.wait_until(lambda r: len(r.of("complete", BOOT)) == 2, what="the run after reset")
+    # the history keeps both runs: the run after the reset has an id of its own
+    wait_for(lambda: len(second.runs(BOOT, status="completed")) == 2, what="both runs' records")
+    runs = second.runs(BOOT, status="completed")
+    assert len({r.run_id for r in runs}) == 2
+    assert boot_message_id(BOOT, prefix) in {r.message_id for r in runs}
 
 
 def test_reset_boot_marker_reports_that_there_was_nothing_to_reset(

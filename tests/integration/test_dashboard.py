@@ -427,6 +427,38 @@ def test_dead_letter_pages_neither_repeat_nor_skip_across_lanes(
         assert all(job is None or d.job_name == job for d in seen)
 
 
+def test_the_runs_pages_older_link_walks_every_run_once(
+    make_runner: RunnerFactory, dataset: Dataset, recorder: Recorder
+) -> None:
+    # Given more completed runs than a page holds
+    runner = worker(make_runner, dataset, recorder)
+    for _ in range(45):
+        runner.dispatch("shop:job:explode")
+    wait_for(lambda: len(runner.runs(status="completed", limit=100)) >= 46, what="46 runs")
+    expected = {r.run_id for r in runner.runs(status="completed", limit=100)}
+    page = TestClient(create_app(runner, token=TOKEN))
+    sign_in(page)
+
+    # When the pages of 20 are followed by their "Older" link (a cursor)
+    seen: list[str] = []
+    params: dict[str, str] = {"status": "completed", "limit": "20"}
+    for _ in range(10):
+        html = page.get("/runs", params=params).text
+        seen += re.findall(r'href="[^"]*/runs/([0-9a-f-]{36})" title', html)
+        cursor = re.search(r"cursor=([0-9a-f-]{36}(?:%3A|:)\d+)", html)
+        if cursor is None:
+            break
+        params = {
+            "status": "completed",
+            "limit": "20",
+            "cursor": cursor.group(1).replace("%3A", ":"),
+        }
+
+    # Then every run was on exactly one page
+    assert len(seen) == len(set(seen))
+    assert set(seen) == {run_id.rpartition(":")[0] for run_id in expected}
+
+
 def test_locks_are_listed_off_their_index_with_holder_and_held_since(
     make_runner: RunnerFactory, dataset: Dataset, recorder: Recorder
 ) -> None:

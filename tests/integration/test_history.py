@@ -227,8 +227,11 @@ def test_records_expire_by_status(
     assert [r.status for r in runner.run_record(bad)] == ["failed", "failed", "dead"]
 
 
-def put_many(runner: JobRunner, count: int, *, job: str, status: str, start_ms: int) -> list[str]:
-    """Write ``count`` records straight through the history's Lua (one pipeline)."""
+def put_many(
+    runner: JobRunner, count: int, *, job: str, status: str, start_ms: int, tie: int = 1
+) -> list[str]:
+    """Write ``count`` records straight through the history's Lua (one pipeline); ``tie``
+    records in a row share a start."""
     ids = []
     pipe = runner.broker.client.pipeline(transaction=False)
     history = runner.history
@@ -244,8 +247,8 @@ def put_many(runner: JobRunner, count: int, *, job: str, status: str, start_ms: 
                 "tr": "manual",
                 "a": 1,
                 "ma": 1,
-                "st": start_ms + n,
-                "en": start_ms + n,
+                "st": start_ms + n // tie,
+                "en": start_ms + n // tie,
             },
             status,  # type: ignore[arg-type]
             runner.settings,
@@ -260,7 +263,7 @@ def put_many(runner: JobRunner, count: int, *, job: str, status: str, start_ms: 
                 status,
                 "",
                 message_id,
-                start_ms + n,
+                start_ms + n // tie,
                 write.record,
                 completed_ttl,
                 failed_ttl,
@@ -292,15 +295,74 @@ def test_a_query_over_a_large_history_pages_newest_first(make_runner: RunnerFact
     failed = put_many(runner, 2_000, job="hist:job:flaky", status="failed", start_ms=now_ms)
     latest = runner.runs("hist:job:flaky", status="failed", limit=50)
     assert [r.message_id for r in latest] == failed[::-1][:50]
-    older = runner.runs("hist:job:flaky", status="failed", limit=50, before=_ended(latest[-1]))
+    older = runner.runs("hist:job:flaky", status="failed", limit=50, before=latest[-1])
     assert [r.message_id for r in older] == failed[::-1][50:100]
     since = datetime.fromtimestamp((now_ms + 1_990) / 1000, UTC)
     assert len(runner.runs("hist:job:flaky", since=since, limit=100)) == 10
 
 
-def _ended(run: JobRun) -> datetime:
-    assert run.ended_at is not None
-    return run.ended_at
+def walk(runner: JobRunner, page: int, **filters: Any) -> list[JobRun]:
+    """Every run the filters match, page by page, each page after the last of the one before."""
+    seen: list[JobRun] = []
+    before: JobRun | None = None
+    while True:
+        runs = runner.runs(limit=page, before=before, **filters)
+        seen += runs
+        if len(runs) < page:
+            return seen
+        before = runs[-1]
+
+
+def test_walking_pages_over_shared_start_times_yields_each_record_exactly_once(
+    make_runner: RunnerFactory,
+) -> None:
+    # Given: 2,000 completed and 600 failed records, 25 to each start instant (ties across
+    # page boundaries, and across the status indexes a job's listing merges)
+    runner = make_runner(app_registry(), get_active_tenant_ids=lambda: [], history_cap=1_000_000)
+    now_ms = int(time.time() * 1000) - 60_000
+    ok = put_many(runner, 2_000, job="hist:job:ok", status="completed", start_ms=now_ms, tie=25)
+    flaky = put_many(runner, 300, job="hist:job:flaky", status="failed", start_ms=now_ms, tie=25)
+    flaky += put_many(runner, 300, job="hist:job:flaky", status="completed", start_ms=now_ms)
+
+    # When: each listing is walked with pages of 37
+    everything = walk(runner, 37)
+    of_flaky = walk(runner, 37, job="hist:job:flaky")
+    failed = walk(runner, 37, status="failed")
+
+    # Then: each record exactly once, newest first by (start, run id)
+    for runs, expected in ((everything, ok + flaky), (of_flaky, flaky), (failed, flaky[:300])):
+        ids = [r.message_id for r in runs]
+        assert len(ids) == len(set(ids)) == len(expected)
+        assert set(ids) == set(expected)
+        keys = [r.order_key for r in runs]
+        assert keys == sorted(keys, reverse=True)
+    # and a page after a time leaves out every record that started at or after it
+    cut = everything[100]
+    after_time = runner.runs(limit=1_000, before=cut.started_at)
+    assert after_time
+    assert all(r.order_ms < cut.order_ms for r in after_time)
+    # and a message's attempts are listed newest first
+    assert [r.run_id for r in runner.runs(message_id=ok[0])] == [f"{ok[0]}:1"]
+
+
+def test_every_run_history_index_expires(make_runner: RunnerFactory) -> None:
+    runner = make_runner(app_registry(), get_active_tenant_ids=lambda: ["t1"])
+    runner.start()
+    runner.dispatch("hist:job:each")
+    wait_for(
+        lambda: len(runner.runs("hist:job:each", status="completed")) == 2,
+        what="the wrapper and its child to complete",
+    )
+    client = runner.broker.client
+    indexes = [
+        key
+        for pattern in ("runs:job:*", "runs:status:*", "runs:tenant:*", "runs:origin:*")
+        for key in client.scan_iter(match=f"{runner.history.root}{pattern}", count=1000)
+    ]
+    assert any(b":runs:tenant:" in key for key in indexes)
+    assert any(b":runs:origin:" in key for key in indexes)
+    for key in indexes:
+        assert client.pttl(key) > 0, key
 
 
 @pytest.mark.slow

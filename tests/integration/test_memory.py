@@ -19,7 +19,7 @@ from tests.conftest import Recorder, RunnerFactory, wait_for
 JOBS = 3_000
 #: kinds of keys kept for their own documented lifetime, not per message (no job here has a
 #: deterministic id, so no "enqueued" guard may be left either)
-KEPT = {"run", "runs", "boot", "cron", "proc", "procs"}
+KEPT = {"run", "runs", "stats", "boot", "cron", "proc", "procs"}
 
 
 def registry() -> Registry:

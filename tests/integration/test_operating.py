@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from kumiko_dramatiq import JobRunner
+from kumiko_dramatiq.ops.history import record_write
 from kumiko_dramatiq.ops.terminal import display_width
 from tests.apps.ops_app import registry
 from tests.conftest import wait_for
@@ -520,3 +521,37 @@ def test_tracebacks_show_in_the_text_output(ops: Ops) -> None:
     assert "RuntimeError: export failed on attempt 1" in runs
     assert "RuntimeError: export failed on attempt 2" in runs
     assert "--- " not in ops.kumiko("runs").stdout  # a plain listing: the table alone
+
+
+def test_kumiko_runs_pages_with_a_cursor_over_shared_start_times(ops: Ops) -> None:
+    # Given 40 records, 8 to each start instant
+    runner = ops.producer
+    start_ms = int(time.time() * 1000) - 60_000
+    for n in range(40):
+        message_id = f"0000{n:04d}-0000-4000-8000-000000000000"
+        at = start_ms + n // 8
+        fields: dict[str, Any] = {"j": "ops:job:note", "m": message_id, "o": message_id}
+        fields.update(tr="manual", a=1, ma=1, st=at, en=at)
+        when = datetime.fromtimestamp(at / 1000, UTC)
+        runner.history.put(
+            record_write(fields, "completed", runner.settings), when, runner.settings
+        )
+
+    # When `kumiko runs` is walked 7 at a time, each page after the last run_id of the one before
+    seen: list[str] = []
+    cursor: list[str] = []
+    for _ in range(10):
+        page = ops.json("runs", "--limit", "7", *cursor)["runs"]
+        seen += [r["run_id"] for r in page]
+        if len(page) < 7:
+            break
+        cursor = ["--cursor", page[-1]["run_id"]]
+
+    # Then each record came once, in the API's order
+    assert len(seen) == len(set(seen)) == 40
+    assert seen == [r.run_id for r in runner.runs(limit=100)]
+    # and a malformed cursor is bad input, an unknown one finds nothing
+    assert ops.kumiko("runs", "--cursor", "no-attempt").returncode == 2
+    unknown = ops.kumiko("runs", "--cursor", "0fffffff-0000-4000-8000-000000000000:1")
+    assert unknown.returncode == 1
+    assert "no run record" in unknown.stderr

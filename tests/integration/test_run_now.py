@@ -31,9 +31,7 @@ def registry() -> Registry:
     return Registry([feature])
 
 
-def test_a_delayed_message_runs_now(
-    make_runner: RunnerFactory, recorder: Recorder
-) -> None:
+def test_a_delayed_message_runs_now(make_runner: RunnerFactory, recorder: Recorder) -> None:
     runner = make_runner(registry(), **recorder.hooks())
     message_id = runner.dispatch(LATER, {}, delay_ms=600_000)
     assert runner.run_now(message_id) is True
@@ -46,9 +44,7 @@ def test_a_delayed_message_runs_now(
     assert (event.message_id, event.meta.attempt) == (message_id, 1)
 
 
-def test_a_backing_off_retry_runs_now_once(
-    make_runner: RunnerFactory, recorder: Recorder
-) -> None:
+def test_a_backing_off_retry_runs_now_once(make_runner: RunnerFactory, recorder: Recorder) -> None:
     runner = make_runner(registry(), **recorder.hooks())
     runner.start()
     message_id = runner.dispatch(FLAKY, {})

@@ -95,6 +95,7 @@ class LuaScripts:
     retry_dead: Script
     resume: Script
     count_attempt: Script
+    runs_from: Script
     purge_step: Script
     delete_dead: Script
     counts_backfill: Script

@@ -99,8 +99,9 @@ for i = 7, #ARGV, 2 do
         local run = run_of(root, body, "")
         if run then
             run.s, run.en, run.w = "cancelled", now, nil
-            put_run(root, run.m, run.a, run.j, "cancelled", run.t or "", run.o, now,
-                cjson.encode(run), tonumber(ARGV[4]), tonumber(ARGV[5]))
+            put_run(root, run.m, run.a, run.j, "cancelled", run.t or "", run.o, run.q or now,
+                cjson.encode(run), tonumber(ARGV[4]), tonumber(ARGV[5]), now)
+            flush_runs()
         end
         local key = message.options.kumiko_dedup_key
         if type(key) == "string" then

@@ -66,8 +66,11 @@ local function withdrawn(rid)
     return false
 end
 
-local function claim(rid, seen)
-    local body = redis.call("hget", queue_messages, rid)
+-- claim(rid, seen, body): take rid for this consumer unless it was withdrawn or its job is
+-- paused; its "already completed" check and its writes are done for all claims at once
+-- (finish_claims)
+local candidates = {}
+local function claim(rid, seen, body)
     if not body and withdrawn(rid) then
         redis.call("hdel", inflight, rid)
         return false
@@ -79,22 +82,56 @@ local function claim(rid, seen)
             return false
         end
     end
-    redis.call("sadd", queue_acks, rid)
-    if body and done_prefix ~= "" then
-        local message_id = message_id_of(body)
-        if message_id and redis.call("exists", done_prefix .. message_id) == 1 then
-            redis.call("srem", queue_acks, rid)
-            uncount(queue_messages, rid)
-            redis.call("hdel", queue_messages, rid)
-            redis.call("hdel", inflight, rid)
-            dropped[#dropped + 1] = message_id
-            return false
+    candidates[#candidates + 1] = {rid, seen, body}
+    return true
+end
+
+local function finish_claims()
+    if #candidates == 0 then
+        return
+    end
+    local done = {}
+    if done_prefix ~= "" then
+        local markers, at = {}, {}
+        for i, c in ipairs(candidates) do
+            local message_id = c[3] and message_id_of(c[3])
+            if message_id then
+                markers[#markers + 1] = done_prefix .. message_id
+                at[#markers] = i
+                c[4] = message_id
+            end
+        end
+        if #markers > 0 then
+            for j, value in ipairs(redis.call("mget", unpack(markers))) do
+                if value then
+                    done[at[j]] = true
+                end
+            end
         end
     end
-    redis.call("hset", inflight, rid, (seen + 1) .. "|" .. now .. "|" .. run_worker)
-    fetched[#fetched + 1] = rid
-    fetched[#fetched + 1] = body
-    return true
+    local acks, entries, gone = {}, {}, {}
+    for i, c in ipairs(candidates) do
+        if done[i] then
+            count_body(queue_messages, c[1], c[3], -1)
+            gone[#gone + 1] = c[1]
+            dropped[#dropped + 1] = c[4]
+        else
+            acks[#acks + 1] = c[1]
+            entries[#entries + 1] = c[1]
+            entries[#entries + 1] = (c[2] + 1) .. "|" .. now .. "|" .. run_worker
+            fetched[#fetched + 1] = c[1]
+            fetched[#fetched + 1] = c[3]
+        end
+    end
+    if #gone > 0 then
+        redis.call("hdel", queue_messages, unpack(gone))
+        redis.call("hdel", inflight, unpack(gone))
+    end
+    if #acks > 0 then
+        redis.call("sadd", queue_acks, unpack(acks))
+        redis.call("hset", inflight, unpack(entries))
+    end
+    candidates = {}
 end
 
 -- a suspect: bury it, run it alone, or set it aside
@@ -108,16 +145,19 @@ local function suspect(rid, seen)
         if run then
             local reason = "worker died during " .. seen .. " deliveries"
             run.s, run.en, run.et, run.em, run.n = "dead", now, "WorkerDied", reason, seen
-            put_run(root, run.m, run.a, run.j, "dead", run.t or "", run.o, now,
-                cjson.encode(run), completed_ttl, failed_ttl)
+            put_run(root, run.m, run.a, run.j, "dead", run.t or "", run.o, run.q or now,
+                cjson.encode(run), completed_ttl, failed_ttl, now)
             redis.call("set", root .. "dead:" .. run.m, cjson.encode({
                 r = rid, q = queue, j = run.j, m = run.m, o = run.o, t = run.t, a = run.a,
                 ma = run.ma, et = "WorkerDied", em = reason, at = now,
             }), "PX", dead_ttl)
         end
-    elseif idle and #fetched == 0 and alone == 0 then
-        if claim(rid, seen) then
-            alone = 1
+    elseif idle and #fetched == 0 and #candidates == 0 and alone == 0 then
+        if claim(rid, seen, redis.call("hget", queue_messages, rid)) then
+            finish_claims()
+            if #fetched > 0 then
+                alone = 1
+            end
         end
     else
         redis.call("rpush", suspects, rid)
@@ -133,20 +173,36 @@ if idle then
         suspect(rid, inflight_count(redis.call("hget", inflight, rid)))
     end
 end
-while alone == 0 and #fetched < 2 * wanted do
-    local rid = redis.call("lpop", queue_list)
-    if not rid then
+-- Pop what is wanted in one step, read the deliveries counts and bodies in one step each; a
+-- suspect that is claimed alone puts back what was popped after it (at the head, in order).
+while alone == 0 and #fetched / 2 < wanted do
+    local popped = redis.call("lpop", queue_list, wanted - #fetched / 2)
+    if not popped then
         break
     end
-    local seen = inflight_count(redis.call("hget", inflight, rid))
-    if seen > 0 then
-        suspect(rid, seen)
-    else
-        claim(rid, 0)
+    local counts = redis.call("hmget", inflight, unpack(popped))
+    local bodies = redis.call("hmget", queue_messages, unpack(popped))
+    for i, rid in ipairs(popped) do
+        if alone == 1 then
+            local back = {}
+            for j = #popped, i, -1 do
+                back[#back + 1] = popped[j]
+            end
+            redis.call("lpush", queue_list, unpack(back))
+            break
+        end
+        local seen = inflight_count(counts[i] or nil)
+        if seen > 0 then
+            suspect(rid, seen)
+        else
+            claim(rid, 0, bodies[i])
+        end
     end
+    finish_claims()
 end
+flush_runs()
 local waiting = redis.call("llen", suspects)
-local full = #fetched >= 2 * wanted or alone == 1
+local full = #fetched / 2 >= wanted or alone == 1
 if (waiting > 0 and not idle) or (full and redis.call("llen", queue_list) > 0) then
     ring(queue_list)
 end

@@ -33,7 +33,8 @@ for _, rid in ipairs(step) do
         if run then
             run.s, run.en, run.em = "cancelled", tonumber(ARGV[3]), "skipped on resume (misfire)"
             put_run(ARGV[2], run.m, run.a, run.j, "cancelled", run.t or "", run.o,
-                tonumber(ARGV[3]), cjson.encode(run), tonumber(ARGV[4]), tonumber(ARGV[5]))
+                run.q or tonumber(ARGV[3]), cjson.encode(run), tonumber(ARGV[4]),
+                tonumber(ARGV[5]), tonumber(ARGV[3]))
         end
         uncount(KEYS[4], rid)
         redis.call("hdel", KEYS[4], rid)
@@ -43,6 +44,7 @@ for _, rid in ipairs(step) do
         requeued = requeued + 1
     end
 end
+flush_runs()
 local left = redis.call("llen", KEYS[2])
 if left == 0 then
     redis.call("del", KEYS[5])

@@ -1,121 +1,170 @@
--- settle: the outcome of one delivery from a kumiko lane queue, in one step.
--- KEYS[1] namespace   KEYS[2] in-flight hash (see fetch_lane)   KEYS[3] "already completed"
--- marker of the message id (written only for outcome "completed")   KEYS[4] the queue's
--- suspects list (see fetch_lane)
+-- settle: the outcomes of one or more deliveries from one kumiko lane queue, in one step.
+-- KEYS[1] namespace   KEYS[2] in-flight hash (see fetch_lane)   KEYS[3] the queue's suspects
+-- list (see fetch_lane)
 -- ARGV[1..2] dispatch head (see include/dispatch.lua)
--- ARGV[3] redis message id   ARGV[4] "<outcome> <marker TTL ms>", outcome "ack" |
---         "completed" | "retry" (a failed attempt's retry, or a sequential hand-off) | "dead"
--- ARGV[5] the run record's header, tab-separated, or "" for none: kumiko root
---         "kumiko:<prefix>:", message id, attempt, job, status, tenant ("" = none), origin id,
---         TTL ms of completed and cancelled records, TTL ms of failed ones, record cap, trim
---         budget (0, or how many records beyond the cap to drop now: about every 32nd call,
---         see trim_runs). Status "" writes no record (a sequential hand-off: no attempt
---         happened); "malformed": the message is dead-lettered unrun, and if its body reads
---         as kumiko's, its attempt's record says "dead" with the reason ARGV[6]
--- ARGV[6] the run record (JSON)   ARGV[7] the dead letter's note (JSON, outcome "dead"; "" =
---         none), kept as long as dead letters
--- ARGV[8] retry queue (a delay queue if delayed)   ARGV[9] retry redis id   ARGV[10] the
---         encoded retry (outcome "retry" only)
--- Writes the run record (with the deliveries count when more than one); then, iff the
--- delivery is this worker's: removes its in-flight entry; "ack" and "completed" forget the
--- message, "retry" forgets it and enqueues its retry or hand-off (so a crash can neither
--- lose it nor enqueue it twice; it is written first, so a write that fails leaves the
--- delivery untouched), "dead" moves it to the dead letters with its note. A delivery no
+-- ARGV[3] "<deliveries> <marker TTL ms> <TTL ms of completed and cancelled run records>
+--         <TTL ms of failed ones> <record cap> <trim budget>": trim budget 0, or how many
+--         records beyond the cap to drop now (about every 32nd call, see trim_runs)
+-- Then 9 arguments per delivery, from ARGV[4]:
+--   +0 redis message id   +1 outcome: "ack" | "completed" | "retry" (a failed attempt's
+--   retry, or a sequential hand-off) | "dead"   +2 its "already completed" marker key
+--   (outcome "completed")   +3 the run record's header, tab-separated, or "" for none: kumiko
+--   root "kumiko:<prefix>:", message id, attempt, job, status, tenant ("" = none), origin id,
+--   order score (the attempt's start, ms). Status "" writes no record (a sequential hand-off:
+--   no attempt happened); "malformed": the message is dead-lettered unrun, and if its body
+--   reads as kumiko's, its attempt's record says "dead" with the reason in +4
+--   +4 the run record (JSON)   +5 the dead letter's note (JSON, outcome "dead"; "" = none),
+--   kept as long as dead letters   +6 retry queue (a delay queue if delayed)   +7 retry redis
+--   id   +8 the encoded retry (outcome "retry" only; else "")
+-- Each delivery as if settled alone, in order: writes its run record (with the deliveries
+-- count when more than one); then, iff the delivery is this worker's: removes its in-flight
+-- entry; "ack" and "completed" forget the message, "retry" forgets it and enqueues its retry
+-- or hand-off (so a crash can neither lose it nor enqueue it twice; the follow-ups are
+-- written first, before anything else of the call, so a write that fails leaves the
+-- deliveries untouched), "dead" moves it to the dead letters with its note. A delivery no
 -- longer in this worker's ack set was recovered by maintenance while the worker was presumed
 -- dead: if its recovered copy still waits (in the queue or the suspects list), the copy is
 -- taken back and the delivery settled as if it had stayed this worker's, so no second copy
 -- of a settled message is left to run; if another worker took the copy already, only the
 -- marker and the record are written (the in-flight entry is that worker's now): it runs
--- there too (at least once).
--- Returns 1 if the delivery was (or became again) this worker's, else 0.
+-- there too (at least once). A redis id given twice is settled once (the second is not
+-- this worker's any more). Settling again (a reply lost) changes nothing.
+-- The writes common to the batch are one command each (ack set, message hash, in-flight
+-- hash, each run index, each stats counter).
+-- Returns one 1 or 0 per delivery: 1 if it was (or became again) this worker's.
 -- @include dispatch
 -- @include enqueue
 -- @include dead_letter
 -- @include ttl
 -- @include history
-local rid = ARGV[3]
-local outcome, marker_ttl = string.match(ARGV[4], "^(%a+) (%d+)$")
-if outcome == "completed" then
-    ttl_ms(marker_ttl, "completed marker")
+local count, marker_ttl, completed_ttl, failed_ttl, cap, trim =
+    string.match(ARGV[3], "^(%d+) (%S+) (%S+) (%S+) (%d+) (%d+)$")
+if not count then
+    error("kumiko: malformed settle batch head " .. tostring(ARGV[3]))
 end
-local root, mid, attempt, job, status, tenant, origin, completed_ttl, failed_ttl, cap, trim
-if ARGV[5] ~= "" then
-    root, mid, attempt, job, status, tenant, origin, completed_ttl, failed_ttl, cap, trim =
-        string.match(ARGV[5], "^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t"
-            .. "([^\t]*)\t([^\t]*)\t(%d+)\t(%d+)\t(%d+)\t(%d+)$")
-    ttl_ms(completed_ttl, "completed run record")
-    ttl_ms(failed_ttl, "failed run record")
-    completed_ttl, failed_ttl = tonumber(completed_ttl), tonumber(failed_ttl)
+count = tonumber(count)
+ttl_ms(marker_ttl, "completed marker")
+completed_ttl = ttl_ms(completed_ttl, "completed run record")
+failed_ttl = ttl_ms(failed_ttl, "failed run record")
+local FIELDS = 9
+
+-- Whose deliveries are they? Read first: nothing is written before the follow-ups, the one
+-- write that can fail on a key it does not own.
+local rids = {}
+for i = 1, count do
+    rids[i] = ARGV[4 + (i - 1) * FIELDS]
 end
--- Whose delivery is it? Read first: nothing is written before the follow-up, the one write
--- that can fail on a key it does not own (a failed settle then leaves the delivery as it was).
-local owned = redis.call("sismember", queue_acks, rid) == 1
-local recovered = nil
-if not owned then
-    if redis.call("lpos", queue_list, rid) then
-        recovered = queue_list
-    elseif redis.call("lpos", KEYS[4], rid) then
-        recovered = KEYS[4]
+local members = redis.call("smismember", queue_acks, unpack(rids))
+local entries = redis.call("hmget", KEYS[2], unpack(rids))
+local owned, recovered, seen = {}, {}, {}
+for i, rid in ipairs(rids) do
+    if seen[rid] then
+        owned[i] = false
+    else
+        seen[rid] = true
+        owned[i] = members[i] == 1
+        if not owned[i] then
+            if redis.call("lpos", queue_list, rid) then
+                recovered[i] = queue_list
+            elseif redis.call("lpos", KEYS[3], rid) then
+                recovered[i] = KEYS[3]
+            end
+        end
     end
 end
-local mine = owned or recovered ~= nil
-if mine and outcome == "retry" then
-    local retry_list = namespace .. ":" .. ARGV[8]
-    enqueue_message(retry_list .. ".msgs", retry_list, ARGV[9], ARGV[10])
+for i = 1, count do
+    local base = 4 + (i - 1) * FIELDS
+    if (owned[i] or recovered[i]) and ARGV[base + 1] == "retry" then
+        local retry_list = namespace .. ":" .. ARGV[base + 6]
+        enqueue_message(retry_list .. ".msgs", retry_list, ARGV[base + 7], ARGV[base + 8])
+    end
 end
-local entry = nil
-if mine then
-    entry = redis.call("hget", KEYS[2], rid)
-    redis.call("hdel", KEYS[2], rid)
-end
-if outcome == "completed" then
-    redis.call("set", KEYS[3], "1", "PX", marker_ttl)
-end
-if root then
-    if status == "malformed" then
+
+local acked, forgotten, out_of_flight, results = {}, {}, {}, {}
+local head_now, dead_count = now, 0
+local indexed_job = nil
+for i, rid in ipairs(rids) do
+    local base = 4 + (i - 1) * FIELDS
+    local outcome, header = ARGV[base + 1], ARGV[base + 3]
+    local mine = owned[i] or recovered[i] ~= nil
+    local entry = nil
+    if mine then
+        entry = entries[i] or nil
+        out_of_flight[#out_of_flight + 1] = rid
+    end
+    if outcome == "completed" then
+        redis.call("set", ARGV[base + 2], "1", "PX", marker_ttl)
+    end
+    local root, mid, attempt, job, status, tenant, origin, score
+    if header ~= "" then
+        root, mid, attempt, job, status, tenant, origin, score = string.match(header,
+            "^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(%d*)$")
+        if not root then
+            error("kumiko: malformed run record header " .. header)
+        end
+    end
+    if root and status == "malformed" then
         local claimed_by = entry and string.match(entry, "^%d+|%d+|(.+)$")
         local run = run_of(root, redis.call("hget", queue_messages, rid), claimed_by or worker)
         if run then
-            run.s, run.en, run.et, run.em = "dead", now, "MalformedMessage", ARGV[6]
+            run.s, run.en, run.et, run.em = "dead", now, "MalformedMessage", ARGV[base + 4]
             if inflight_count(entry) > 1 then
                 run.n = inflight_count(entry)
             end
-            put_run(root, run.m, run.a, run.j, "dead", run.t or "", run.o, now,
-                cjson.encode(run), completed_ttl, failed_ttl)
+            put_run(root, run.m, run.a, run.j, "dead", run.t or "", run.o, run.q or now,
+                cjson.encode(run), completed_ttl, failed_ttl, now)
         end
-    elseif status ~= "" then
-        local record = ARGV[6]
+    elseif root and status ~= "" then
+        local record = ARGV[base + 4]
         local deliveries = inflight_count(entry)
         if deliveries > 1 then
             record = string.sub(record, 1, -2) .. ',"n":' .. deliveries .. "}"
         end
-        put_run(root, mid, attempt, job, status, tenant, origin, now, record, completed_ttl,
-            failed_ttl)
+        put_run(root, mid, attempt, job, status, tenant, origin, tonumber(score) or now, record,
+            completed_ttl, failed_ttl, now, owned[i] and deliveries <= 1)
+        indexed_job = indexed_job or job
     end
-    if tonumber(trim) > 0 then
-        local indexed_job = nil
-        if status ~= "" and status ~= "malformed" then
-            indexed_job = job
+    if mine then
+        results[i] = 1
+        if owned[i] then
+            acked[#acked + 1] = rid
+        else
+            redis.call("lrem", recovered[i], 0, rid)
         end
+        if outcome == "dead" then
+            -- each dead letter of the batch a millisecond apart, in order: listings page
+            -- the dead letters by time
+            now = head_now + dead_count
+            dead_count = dead_count + 1
+            dead_letter(rid)
+            now = head_now
+            if root and ARGV[base + 5] ~= "" then
+                redis.call("set", root .. "dead:" .. mid, ARGV[base + 5], "PX", dead_ttl)
+            end
+        else
+            uncount(queue_messages, rid)
+            forgotten[#forgotten + 1] = rid
+        end
+    else
+        results[i] = 0
+    end
+end
+if #out_of_flight > 0 then
+    redis.call("hdel", KEYS[2], unpack(out_of_flight))
+end
+if #acked > 0 then
+    redis.call("srem", queue_acks, unpack(acked))
+end
+if #forgotten > 0 then
+    redis.call("hdel", queue_messages, unpack(forgotten))
+end
+flush_runs()
+if tonumber(trim) > 0 then
+    local header = ARGV[4 + 3]
+    local root = string.match(header, "^([^\t]*)\t")
+    if root then
         trim_runs(root, tonumber(cap), tonumber(trim), completed_ttl, failed_ttl, now,
             indexed_job)
     end
 end
-if not mine then
-    return 0
-end
-if owned then
-    redis.call("srem", queue_acks, rid)
-else
-    redis.call("lrem", recovered, 0, rid)
-end
-if outcome == "dead" then
-    dead_letter(rid)
-    if root and ARGV[7] ~= "" then
-        redis.call("set", root .. "dead:" .. mid, ARGV[7], "PX", dead_ttl)
-    end
-    return 1
-end
-uncount(queue_messages, rid)
-redis.call("hdel", queue_messages, rid)
-return 1
+return results

@@ -457,22 +457,34 @@ class Env:
         worker: str = "w1",
         now: int = NOW,
     ) -> Any:
-        """settle (of r1, message m1) as the broker calls it: ARGV[3] the redis id, ARGV[4]
-        "<outcome> <marker TTL>", ARGV[5] the record's header, ARGV[6] the record, ARGV[7]
-        the dead note, ARGV[8..10] the retry (queue, redis id, body)."""
+        """settle (of r1, message m1) as the broker calls it, a batch of one: ARGV[3] the
+        batch head ("1 <marker TTL> <completed TTL> <failed TTL> <cap> <trim>", the TTLs, cap
+        and trim from ``run_header``, :func:`header`'s old single-settle layout), then the
+        delivery's 9 arguments: redis id, outcome, marker key, record header (root ..
+        origin, order score "" = now), record, dead note, retry (queue, redis id, body)."""
+        completed_ttl, failed_ttl, cap, trim = COMPLETED_TTL, FAILED_TTL, CAP, 0
+        record_header = ""
+        if run_header:
+            fields = run_header.split("\t")
+            completed_ttl, failed_ttl, cap, trim = (int(f) for f in fields[7:11])
+            record_header = "\t".join([*fields[:7], ""])
         args = [
             *self.head(worker=worker, now=now),
+            f"1 {marker_ttl} {completed_ttl} {failed_ttl} {cap} {trim}",
             rid,
-            f"{outcome} {marker_ttl}",
-            self.key(run_header),
+            outcome,
+            self.key(DONE_M1) if outcome == "completed" else "",
+            self.key(record_header),
             self.encode(run),
             self.encode(note),
         ]
         if retry is not None:
             args += [self.key(retry[0]), retry[1], retry[2]]
-        return self.lua.settle(
-            keys=[NAMESPACE, self.key(INFLIGHT), self.key(DONE_M1), self.key(SUSPECTS)], args=args
-        )
+        else:
+            args += ["", "", ""]
+        return self.lua.settle(keys=[NAMESPACE, self.key(INFLIGHT), self.key(SUSPECTS)], args=args)[
+            0
+        ]
 
     def seed(self, given: State) -> None:
         """Write ``given``; a :class:`J` is written as cjson writes it (no spaces)."""
@@ -494,7 +506,8 @@ class Env:
                 self.client.set(key, value)
 
     def state(self) -> State:
-        """Every key of this test's prefix (as the prefix fixture deletes them), decoded."""
+        """Every key of this test's prefix (as the prefix fixture deletes them), decoded; the
+        per-job stats counters left out (tests/integration/lua/test_run_stats.py)."""
         found: State = {}
         for pattern in (
             f"kumiko:{self.prefix}:*",
@@ -503,6 +516,8 @@ class Env:
         ):
             for raw in self.client.scan_iter(match=pattern, count=1000):
                 key: str = text(raw)
+                if key.startswith(f"kumiko:{self.prefix}:stats:"):
+                    continue  # per-job stats counters: test_run_stats.py
                 kind: str = text(self.client.type(key))
                 if kind == "list":
                     found[key] = text(self.client.lrange(key, 0, -1))
@@ -545,9 +560,18 @@ class Env:
 
     def assert_expiry(self, expected: dict[str, int]) -> None:
         """The TTL of EVERY key of the state: each key of ``expected`` was set to that many ms
-        just now (it must exist), every other key has none."""
+        just now (it must exist), every other key has none; a run-history index
+        (``<root>runs:...``) not in ``expected`` expects :data:`LONG_TTL` (every write
+        refreshes it to the longest record age)."""
         filled = {self.key(template): ttl for template, ttl in expected.items()}
         present = set(self.state())
+        index_prefix = self.key(ROOT) + "runs:"
+        for key in present:
+            if key.startswith(index_prefix) and key not in filled:
+                if int(self.client.pttl(key)) == NO_TTL:
+                    filled[key] = NO_TTL  # seeded, and not written by the script
+                else:
+                    filled[key] = LONG_TTL
         assert set(filled) <= present, f"no such keys: {sorted(set(filled) - present)}"
         for key in sorted(present):
             ttl = filled.get(key, NO_TTL)

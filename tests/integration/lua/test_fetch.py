@@ -29,6 +29,7 @@ from tests.integration.lua.tables import (
     DQ_BELL,
     DQ_LIST,
     DQ_MSGS,
+    ENQUEUED_AT,
     FAILED_TTL,
     HEARTBEAT_TIMEOUT,
     HEARTBEATS,
@@ -825,7 +826,7 @@ DIED_M2 = died(
             {
                 XQ: Z({"r1": NOW}),
                 XQ_MSGS: {"r1": kumiko_message("m1")},
-                **indexed(died(), NOW),
+                **indexed(died(), ENQUEUED_AT),
                 dead_note("m1"): died_note("r1", died()),
             },
             {run_hash("m1"): FAILED_TTL, dead_note("m1"): DEAD_TTL},
@@ -838,7 +839,7 @@ DIED_M2 = died(
             {
                 XQ: Z({"r2": NOW}),
                 XQ_MSGS: {"r2": KUMIKO_M2},
-                **indexed(DIED_M2, NOW),
+                **indexed(DIED_M2, ENQUEUED_AT),
                 dead_note("m2"): died_note("r2", DIED_M2),
             },
             {
@@ -1152,7 +1153,7 @@ def test_a_message_whose_worker_dies_max_deliveries_times_is_dead_lettered(env: 
             XQ: Z({"r1": NOW}),
             XQ_MSGS: {"r1": kumiko_message("m1")},
             BELL: ["1"],
-            **indexed(died(), NOW),
+            **indexed(died(), ENQUEUED_AT),
             dead_note("m1"): died_note("r1", died()),
         }
     )

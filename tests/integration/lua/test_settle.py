@@ -505,7 +505,7 @@ W2_ENTRY = entry(3, NOW - 1_000, OTHER_RUN_WORKER)
             {
                 XQ: Z({"r1": NOW}),
                 XQ_MSGS: {"r1": kumiko_message("m1")},
-                **indexed(MALFORMED_M1, NOW),
+                **indexed(MALFORMED_M1, ENQUEUED_AT),
             },
             {run_hash("m1"): FAILED_TTL},
             id="malformed-kumikos-record-says-dead-names-the-in-flight-worker",

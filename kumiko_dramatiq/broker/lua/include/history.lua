@@ -3,10 +3,14 @@
 --   run:<message id>          hash attempt -> the record of an attempt that ended (JSON);
 --                             TTL = the longest status age of its records (running runs are
 --                             read off the in-flight hash "<root>inflight", see fetch_lane)
---   runs:job:<job>:<status>   zset "<message id>:<attempt>" by the time of the record's write
+--   runs:job:<job>:<status>   zset "<message id>:<attempt>" (the run id) by the attempt's
+--                             start in ms (its enqueue time if it never started)
 --   runs:status:<status>      zset, the same members across jobs
---   runs:tenant:<tenant>      zset, records of a tenant (TTL refreshed on write)
+--   runs:tenant:<tenant>      zset, records of a tenant
 --   runs:origin:<origin id>   zset, records of messages whose origin is another id
+--                             (every index's TTL is refreshed to the longest record age on
+--                             each write, so an index of a job or tenant gone quiet expires)
+--   stats:<job>:<hour>        hash, per-job counters of the hour (see put_run)
 -- trim_runs drops index entries older than their status age and records beyond the cap; the
 -- writers call it on about one write in 32, so its cost is shared.
 
@@ -29,42 +33,133 @@ local function run_ttl(status, completed_ttl, failed_ttl)
     return failed_ttl
 end
 
--- put_run(root, message id, attempt, job, status, tenant or "", origin id, at ms, record,
---         completed TTL ms, failed TTL ms)
--- The run hash lives as long as the longest-lived of its records: an attempt after the first
--- follows a failed one, so its hash keeps at least the failed TTL.
-local function put_run(root, mid, attempt, job, status, tenant, origin, at, record,
-                       completed_ttl, failed_ttl)
+-- Index entries and per-job stats are gathered while a script runs and written once at its
+-- end by flush_runs() (one ZADD per index and one HINCRBY per stats field for a whole batch of
+-- records): every script that calls put_run calls flush_runs() before it returns.
+local pending_index, pending_index_keys = {}, {}
+local pending_stats, pending_stats_keys = {}, {}
+local pending_index_ttl = 0
+
+local function index_add(index, score, member, ttl)
+    local entries = pending_index[index]
+    if not entries then
+        entries = {}
+        pending_index[index] = entries
+        pending_index_keys[#pending_index_keys + 1] = index
+    end
+    entries[#entries + 1] = score
+    entries[#entries + 1] = member
+    if ttl > pending_index_ttl then
+        pending_index_ttl = ttl
+    end
+end
+
+-- Per-job stats (kumiko_dramatiq/ops/stats.py reads them): hash "<root>stats:<job>:<hour>"
+-- (hours since the epoch, by the attempt's end), fields "completed", "failed", "dead",
+-- "cancelled" (attempts) and "b<bucket>" (completed attempts by duration: bucket d for d <
+-- 64 ms, else 64 + floor(log(d / 64) / log(1.1)), so a bucket spans 10%); kept 8 days.
+local STATS_TTL_MS = 8 * 86400000
+local STATS_BUCKETS_EXACT = 64
+local LOG_STEP = math.log(1.1)
+
+local function duration_bucket(d)
+    if d < STATS_BUCKETS_EXACT then
+        return d
+    end
+    return STATS_BUCKETS_EXACT + math.floor(math.log(d / STATS_BUCKETS_EXACT) / LOG_STEP)
+end
+
+local function stat_add(hash, field)
+    local fields = pending_stats[hash]
+    if not fields then
+        fields = {}
+        pending_stats[hash] = fields
+        pending_stats_keys[#pending_stats_keys + 1] = hash
+    end
+    fields[field] = (fields[field] or 0) + 1
+end
+
+-- put_run(root, message id, attempt, job, status, tenant or "", origin id, score, record,
+--         completed TTL ms, failed TTL ms, now ms, sole writer)
+-- sole writer: true when no other step can have written this attempt's record with another
+-- status (the settle of a delivery still this worker's, delivered once): the old record is
+-- then not read; HSET's reply says whether the record is new, and only if it is not are its
+-- other statuses' index entries looked for.
+-- score: the attempt's start in ms (its enqueue time if it never started): the indexes order
+-- records by it, then by member (the run id "<message id>:<attempt>"). The run hash lives as
+-- long as the longest-lived of its records: an attempt after the first follows a failed one,
+-- so its hash keeps at least the failed TTL. Writing the same record again (a settle retried
+-- after a lost reply) changes nothing and counts nothing twice in the stats.
+local function put_run(root, mid, attempt, job, status, tenant, origin, score, record,
+                       completed_ttl, failed_ttl, now, sole_writer)
     local hash = root .. "run:" .. mid
     local member = mid .. ":" .. attempt
-    local old = redis.call("hget", hash, attempt)
-    if old then
-        local was = string.match(old, '"s":%s*"(%a+)"')
-        if was and was ~= status then
-            redis.call("zrem", run_job_index(root, job, was), member)
-            redis.call("zrem", run_status_index(root, was), member)
+    local fresh = true
+    if sole_writer then
+        if redis.call("hset", hash, attempt, record) == 0 then
+            -- written before (rare): drop its entries under another status, if any
+            fresh = false
+            for _, was in ipairs(RUN_STATUSES) do
+                if was ~= status and redis.call("zrem", run_status_index(root, was), member) == 1 then
+                    redis.call("zrem", run_job_index(root, job, was), member)
+                    fresh = true
+                end
+            end
         end
+    else
+        local old = redis.call("hget", hash, attempt)
+        if old then
+            local was = string.match(old, '"s":%s*"(%a+)"')
+            if was == status then
+                fresh = false
+            elseif was then
+                redis.call("zrem", run_job_index(root, job, was), member)
+                redis.call("zrem", run_status_index(root, was), member)
+            end
+        end
+        redis.call("hset", hash, attempt, record)
     end
-    redis.call("hset", hash, attempt, record)
     local ttl = run_ttl(status, completed_ttl, failed_ttl)
     if tostring(attempt) ~= "1" then
         ttl = math.max(ttl, failed_ttl)
     end
     redis.call("pexpire", hash, ttl)
-    redis.call("zadd", run_job_index(root, job, status), at, member)
-    redis.call("zadd", run_status_index(root, status), at, member)
     local long_ttl = math.max(completed_ttl, failed_ttl)
-    local extra = {}
+    index_add(run_job_index(root, job, status), score, member, long_ttl)
+    index_add(run_status_index(root, status), score, member, long_ttl)
     if tenant ~= "" then
-        extra[#extra + 1] = root .. "runs:tenant:" .. tenant
+        index_add(root .. "runs:tenant:" .. tenant, score, member, long_ttl)
     end
     if origin ~= mid then
-        extra[#extra + 1] = root .. "runs:origin:" .. origin
+        index_add(root .. "runs:origin:" .. origin, score, member, long_ttl)
     end
-    for _, index in ipairs(extra) do
-        redis.call("zadd", index, at, member)
-        redis.call("pexpire", index, long_ttl)
+    if fresh and status ~= "running" then
+        local stats = root .. "stats:" .. job .. ":" .. math.floor(now / 3600000)
+        stat_add(stats, status)
+        if status == "completed" then
+            local d = tonumber(string.match(record, '"d":(%d+)'))
+            if d then
+                stat_add(stats, "b" .. duration_bucket(d))
+            end
+        end
     end
+end
+
+-- flush_runs(): write what put_run gathered (index entries, with the indexes' TTL refreshed
+-- to the longest record age; stats counters, TTL 8 days).
+local function flush_runs()
+    for _, index in ipairs(pending_index_keys) do
+        redis.call("zadd", index, unpack(pending_index[index]))
+        redis.call("pexpire", index, pending_index_ttl)
+    end
+    for _, hash in ipairs(pending_stats_keys) do
+        for field, n in pairs(pending_stats[hash]) do
+            redis.call("hincrby", hash, field, n)
+        end
+        redis.call("pexpire", hash, STATS_TTL_MS)
+    end
+    pending_index, pending_index_keys = {}, {}
+    pending_stats, pending_stats_keys = {}, {}
 end
 
 -- drop_run(root, member, status): forget one record and its index entries.
@@ -130,9 +225,17 @@ local function inflight_count(entry)
 end
 
 -- message_id_of(body): the message id of a message Dramatiq encoded (its last field but one),
--- without decoding it; nil if the body does not end that way
+-- without decoding it; nil if the body does not end that way. The match starts near the end
+-- first (an id of up to about 100 bytes), so a long body costs no scan of its whole length.
+local MESSAGE_ID_TAIL = '"message_id":"([^"]*)","message_timestamp":[%d.]+}$'
 local function message_id_of(body)
-    return string.match(body, '"message_id":"([^"]*)","message_timestamp":[%d.]+}$')
+    if #body > 160 then
+        local id = string.match(body, MESSAGE_ID_TAIL, #body - 160)
+        if id then
+            return id
+        end
+    end
+    return string.match(body, MESSAGE_ID_TAIL)
 end
 
 -- run_of(root, body, worker): the run record fields of an encoded message kumiko wrote (its

@@ -1,0 +1,308 @@
+"""Redis CPU per job: kumiko vs plain Dramatiq on one private redis-server (issue 32).
+
+``python -m benchmarks.redis_cost [--rounds 3] [--messages 10000] [--feature-messages 2000]``
+(or ``bash benchmarks/run.sh --only redis_cost``)
+
+Each round enqueues ``--messages`` no-op jobs, then drains them with one worker of 8 threads;
+the server's own CPU (``INFO cpu``: ``used_cpu_user + used_cpu_sys``) is read before the
+enqueue, between enqueue and drain, and once the queue's message hash is empty. Kumiko's plain
+case (no dedup key, not sequential, run history and metrics on) and plain Dramatiq's
+``RedisBroker`` run in alternating rounds; the table reports medians per job, the ratio and
+the derived ceiling (jobs per second one Redis core can serve: 1 s / CPU per job). Then the
+features, kumiko only, each beside plain Dramatiq's plain case: a dedup key per dispatch, a
+sequential job (its waiting runs' hand-offs included), per-tenant children (per child, the
+wrapper included) and a retry (a first attempt that fails, retried at once; per job, both
+attempts included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import dramatiq
+import redis
+from dramatiq.brokers.redis import RedisBroker
+from dramatiq.worker import Worker
+
+from kumiko_dramatiq import Feature, JobContext, JobRunner, Registry
+from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.testing import private_redis_server
+
+from .harness import Countdown, alternate
+from .metrics import free_port
+
+WORKER_THREADS = 8
+WORKER_TIMEOUT_MS = 200
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def server_cpu_s(client: redis.Redis) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def command_usec(client: redis.Redis) -> dict[str, tuple[int, int]]:
+    """(calls, µs) per command from ``INFO commandstats``."""
+    info = client.info("commandstats")
+    return {
+        name.removeprefix("cmdstat_"): (int(s["calls"]), int(s["usec"])) for name, s in info.items()
+    }
+
+
+@dataclass
+class Sample:
+    enqueue_us: float
+    drain_us: float
+
+    @property
+    def total_us(self) -> float:
+        return self.enqueue_us + self.drain_us
+
+
+@dataclass
+class Series:
+    name: str
+    samples: list[Sample] = field(default_factory=list)
+
+    def median(self, part: str) -> float:
+        return float(statistics.median(float(getattr(s, part)) for s in self.samples))
+
+
+def wait_empty(client: redis.Redis, messages_key: str, timeout_s: float = 600) -> None:
+    """Until the queue's message hash is empty (every message acked), polling gently."""
+    deadline = time.monotonic() + timeout_s
+    while client.hlen(messages_key):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{messages_key} not empty after {timeout_s}s")
+        time.sleep(0.02)
+
+
+class RedisCost:
+    def __init__(self, url: str, messages: int, feature_messages: int, rounds: int) -> None:
+        self.url = url
+        self.messages = messages
+        self.feature_messages = feature_messages
+        self.rounds = rounds
+        self.client = redis.Redis.from_url(url)
+        self.commands: dict[str, dict[str, list[float]]] = {}
+
+    def flush(self) -> None:
+        self.client.flushdb()
+
+    def _measure(
+        self,
+        name: str,
+        n: int,
+        enqueue: Callable[[], None],
+        start: Callable[[], None],
+        done: Callable[[], None],
+        stop: Callable[[], None],
+    ) -> Sample:
+        c0 = server_cpu_s(self.client)
+        enqueue()
+        c1 = server_cpu_s(self.client)
+        s1 = command_usec(self.client)
+        start()
+        done()
+        c2 = server_cpu_s(self.client)
+        s2 = command_usec(self.client)
+        stop()
+        self.flush()
+        delta = {
+            cmd: (
+                round((calls - s1.get(cmd, (0, 0))[0]) / n, 2),
+                round((us - s1.get(cmd, (0, 0))[1]) / n, 1),
+            )
+            for cmd, (calls, us) in s2.items()
+            if calls != s1.get(cmd, (0, 0))[0] and cmd not in {"info", "hlen"}
+        }
+        self.commands[name] = {k: list(v) for k, v in sorted(delta.items())}
+        return Sample((c1 - c0) / n * 1e6, (c2 - c1) / n * 1e6)
+
+    # -- kumiko ---------------------------------------------------------------
+    def kumiko(self, case: str = "plain") -> Sample:
+        prefix = f"rc{uuid.uuid4().hex[:6]}"
+        n = self.messages if case == "plain" else self.feature_messages
+        countdown = Countdown(n)
+        feature = Feature("bench")
+        tenant_ids = [f"tenant-{i}" for i in range(n)]
+        options: dict[str, Any] = {}
+        if case == "sequential":
+            options["concurrency"] = "sequential"
+        elif case == "per-tenant child":
+            options["per_tenant"] = True
+        elif case == "retry":
+            options["retries"] = 1
+
+        @feature.job("noop", **options)
+        def noop(payload: dict[str, Any], ctx: JobContext) -> None:
+            if case == "retry" and ctx.attempt == 1:
+                raise RuntimeError("first attempt fails")
+            countdown.hit()
+
+        runner = JobRunner(
+            Registry([feature]),
+            redis_url=self.url,
+            queue_prefix=prefix,
+            worker_threads=WORKER_THREADS,
+            get_active_tenant_ids=lambda: tenant_ids,
+            sequential_retry_delay_ms=20,
+            metrics_port=free_port(),
+        )
+        logging.getLogger("kumiko_dramatiq").setLevel(logging.CRITICAL)
+
+        def enqueue() -> None:
+            if case == "per-tenant child":
+                runner.dispatch("bench:job:noop")
+                return
+            for i in range(n):
+                key = f"k{i}" if case == "dedup key" else None
+                runner.dispatch("bench:job:noop", {"i": i}, dedup_key=key)
+
+        def done() -> None:
+            countdown.wait(timeout_s=900)
+            wait_empty(self.client, keys.queue_messages(f"{prefix}-worker"))
+
+        return self._measure(f"kumiko {case}", n, enqueue, runner.start, done, runner.stop)
+
+    # -- plain Dramatiq -------------------------------------------------------
+    def plain(self) -> Sample:
+        queue = f"rp{uuid.uuid4().hex[:6]}"
+        n = self.messages
+        countdown = Countdown(n)
+        broker = RedisBroker(url=self.url)  # type: ignore[no-untyped-call]
+
+        def noop(payload: dict[str, Any]) -> None:
+            countdown.hit()
+
+        actor = dramatiq.Actor(
+            noop, broker=broker, actor_name="noop", queue_name=queue, priority=0, options={}
+        )
+        worker = Worker(broker, worker_threads=WORKER_THREADS, worker_timeout=WORKER_TIMEOUT_MS)
+
+        def enqueue() -> None:
+            for i in range(n):
+                actor.send({"i": i})
+
+        def start() -> None:
+            broker.emit_after("process_boot")
+            worker.start()
+
+        def done() -> None:
+            countdown.wait(timeout_s=900)
+            wait_empty(self.client, keys.queue_messages(queue))
+
+        def stop() -> None:
+            worker.stop()
+            broker.client.connection_pool.disconnect()
+
+        return self._measure("plain Dramatiq", n, enqueue, start, done, stop)
+
+    # -- the run --------------------------------------------------------------
+    def run(self, features: list[str]) -> dict[str, Any]:
+        kumiko, plain = Series("kumiko (plain case)"), Series("plain Dramatiq")
+        alternate(
+            self.rounds,
+            lambda: kumiko.samples.append(self.kumiko()),
+            lambda: plain.samples.append(self.plain()),
+        )
+        rows = [kumiko]
+        for case in features:
+            series = Series(f"kumiko, {case}")
+            for _ in range(self.rounds):
+                series.samples.append(self.kumiko(case))
+            rows.append(series)
+        return {"plain": plain, "rows": rows}
+
+
+def table(result: dict[str, Any], uptime: str) -> str:
+    plain: Series = result["plain"]
+    base = plain.median("total_us")
+    lines = [
+        "| case | enqueue µs/job | drain µs/job | both µs/job | vs plain Dramatiq | ceiling jobs/s"
+        " per Redis core | rounds |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for series in [*result["rows"], plain]:
+        total = series.median("total_us")
+        lines.append(
+            f"| {series.name} | {series.median('enqueue_us'):.1f} | {series.median('drain_us'):.1f}"
+            f" | {total:.1f} (rounds: {', '.join(f'{s.total_us:.0f}' for s in series.samples)})"
+            f" | {total / base:.2f}x | {1e6 / total:,.0f} | {len(series.samples)} |"
+        )
+    lines += ["", f"Load (`uptime` before the run): {uptime}"]
+    return "\n".join(lines)
+
+
+@contextmanager
+def _server() -> Iterator[str]:
+    with private_redis_server() as url:
+        yield url
+
+
+FEATURES = ["dedup key", "sequential", "per-tenant child", "retry"]
+
+
+def suite(
+    rounds: int,
+    messages: int = 10_000,
+    feature_messages: int = 2_000,
+    features: list[str] | None = None,
+) -> str:
+    uptime = os.popen("uptime").read().strip()
+    with _server() as url:
+        bench = RedisCost(url, messages, feature_messages, rounds)
+        result = bench.run(FEATURES if features is None else features)
+    text = "\n".join(
+        [
+            f"Redis CPU per job (server `INFO cpu`), {messages:,} jobs per round"
+            f" ({feature_messages:,} for the features), 8 worker threads, medians",
+            "",
+            table(result, uptime),
+        ]
+    )
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "redis_cost.json").write_text(
+        json.dumps(
+            {
+                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "uptime": uptime,
+                "series": {
+                    s.name: [s2.__dict__ for s2 in s.samples]
+                    for s in [*result["rows"], result["plain"]]
+                },
+                "commands_per_job_last_round": bench.commands,
+            },
+            indent=2,
+        )
+    )
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--messages", type=int, default=10_000)
+    parser.add_argument("--feature-messages", type=int, default=2_000)
+    parser.add_argument("--features", default=",".join(FEATURES), help="'' for none")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    features = [f for f in args.features.split(",") if f]
+    print(suite(args.rounds, args.messages, args.feature_messages, features))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

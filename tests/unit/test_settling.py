@@ -1,0 +1,73 @@
+"""SettleBatcher: concurrent settles of one queue share one flush; each gets its own reply."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import redis
+
+from kumiko_dramatiq.broker.settling import SettleBatcher
+
+
+class Flushes:
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.batches: list[list[Any]] = []
+        self.error = error
+
+    def __call__(self, queue: str, entries: Sequence[Sequence[Any]], client: Any) -> list[int]:
+        self.batches.append([entry[0] for entry in entries])
+        if self.error is not None:
+            raise self.error
+        return [int(entry[0]) * 10 for entry in entries]
+
+
+def settle_all(batcher: SettleBatcher, count: int) -> list[Any]:
+    """``count`` threads settle at once; what each got (a reply or the error it raised)."""
+    results: list[Any] = [None] * count
+
+    def one(i: int) -> None:
+        try:
+            results[i] = batcher.settle("q", [str(i)], None)
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return results
+
+
+def test_settles_expected_together_share_one_flush_and_get_their_own_replies() -> None:
+    flushes = Flushes()
+    # the leader waits for all 6 (a generous linger: only the count ends the wait)
+    batcher = SettleBatcher(flushes, lambda queue: 6, linger_s=30)
+    results = settle_all(batcher, 6)
+    assert results == [i * 10 for i in range(6)]
+    assert len(flushes.batches) == 1
+    assert sorted(flushes.batches[0]) == [str(i) for i in range(6)]
+
+
+def test_nothing_expected_means_each_settle_is_sent_at_once() -> None:
+    flushes = Flushes()
+    batcher = SettleBatcher(flushes, lambda queue: 0, linger_s=30)
+    assert batcher.settle("q", ["3"], None) == 30
+    assert batcher.settle("q", ["4"], None) == 40
+    assert flushes.batches == [["3"], ["4"]]
+
+
+@pytest.mark.parametrize(
+    "error", [redis.ConnectionError("gone"), RuntimeError("interrupted")], ids=["redis", "other"]
+)
+def test_a_failed_flush_fails_every_settle_of_its_batch_as_a_connection_error(
+    error: BaseException,
+) -> None:
+    batcher = SettleBatcher(Flushes(error), lambda queue: 3, linger_s=30)
+    results = settle_all(batcher, 3)
+    assert all(isinstance(result, Exception) for result in results)
+    followers = [r for r in results if r is not error]
+    assert all(isinstance(r, redis.ConnectionError) for r in followers)
