@@ -36,6 +36,7 @@ from dramatiq.worker import Worker
 from kumiko_dramatiq import Feature, JobContext, JobRunner, Registry
 from kumiko_dramatiq.ops.history import RunHistory
 
+from .caps import CapsBench
 from .delayed import suite as delayed
 from .harness import (
     Comparison,
@@ -501,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             "memory": MemoryBench(bench, args.memory_jobs),
             "metrics": MetricsBench(bench),
             "typed": TypedBench(bench),
+            "caps": CapsBench(bench, rate_seconds=15.0),
             # on a private redis-server of its own: it flushes its database between runs
             "plain_actors": lambda: bench.notes.append(plain_actors(bench.rounds)),
             # Redis CPU per job on a private redis-server of its own (issue 32)

@@ -22,7 +22,14 @@ from kumiko_dramatiq.errors import (
     RedisUnavailableError,
     UnknownJobError,
 )
-from kumiko_dramatiq.options import Backoff, Event, Manual, Retention, build_message_options
+from kumiko_dramatiq.options import (
+    Backoff,
+    Event,
+    Manual,
+    RateLimit,
+    Retention,
+    build_message_options,
+)
 from kumiko_dramatiq.registry import Feature, JobDefinition, Registry
 
 if TYPE_CHECKING:
@@ -68,6 +75,7 @@ __all__ = [
     "NotFoundError",
     "PayloadError",
     "QueuedMessage",
+    "RateLimit",
     "RedisAccessError",
     "RedisUnavailableError",
     "Registry",

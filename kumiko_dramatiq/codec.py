@@ -15,6 +15,11 @@ these, all JSON-native so they survive the JSON round trip of delays and retries
 ``kumiko_scheduled_at``     ISO-8601 tick of a cron message, with its UTC offset (absent = none)
 ``kumiko_origin_id``        the id the caller got back for the work this message carries on (a
                             hand-off's, a per-tenant child's); absent = the message's own id
+``kumiko_caps``             the job's caps (``build_message_options``; absent = none): an object
+                            with ``max_running`` (int, 1 to :data:`MAX_CAP_RUNNING`) and/or
+                            ``rate_limit`` ([count, per_ms, per_tenant]: count 1 to
+                            :data:`MAX_RATE_COUNT`, per_ms 1 to 366 days, a bool); the fetch
+                            (``lua/include/caps.lua``) reads it out of the encoded message
 ``kumiko_trace``            OpenTelemetry context (:mod:`~.middleware.tracing`): an object
                             with ``parent`` (the dispatching span) and/or ``link`` (the wrapper
                             or predecessor span), each a propagator carrier: at most
@@ -57,6 +62,12 @@ DEDUP_KEY: Final = "kumiko_dedup_key"
 SCHEDULED_AT: Final = "kumiko_scheduled_at"
 ORIGIN_ID: Final = "kumiko_origin_id"
 TRACE: Final = "kumiko_trace"
+CAPS: Final = "kumiko_caps"
+
+#: The largest ``max_running`` and ``RateLimit.count`` a declaration can give (a rate limit's
+#: window keeps one entry per start in it).
+MAX_CAP_RUNNING: Final = 100_000
+MAX_RATE_COUNT: Final = 100_000
 
 #: A trace carrier holds at most this many entries, of names up to :data:`MAX_CARRIER_NAME`
 #: characters and values up to :data:`MAX_CARRIER_VALUE` (W3C baggage allows 8,192 bytes).
@@ -85,6 +96,27 @@ def encode_policy(
 ) -> dict[str, Any]:
     """The three retry-policy keys (the body of ``build_message_options``)."""
     return {RETRIES: retries, BACKOFF: backoff, BACKOFF_DELAY_MS: backoff_delay_ms}
+
+
+def encode_caps(
+    max_running: int | None, rate_limit: tuple[int, int, bool] | None
+) -> dict[str, Any]:
+    """The caps key of a capped job's messages (empty for a job without caps)."""
+    caps: dict[str, Any] = {}
+    if max_running is not None:
+        caps["max_running"] = max_running
+    if rate_limit is not None:
+        caps["rate_limit"] = list(rate_limit)
+    return {CAPS: caps} if caps else {}
+
+
+@dataclass(frozen=True, slots=True)
+class Caps:
+    """The decoded ``kumiko_caps`` of a message."""
+
+    max_running: int | None = None
+    #: (count, per_ms, per_tenant)
+    rate_limit: tuple[int, int, bool] | None = None
 
 
 def encode_run(
@@ -146,11 +178,14 @@ class KumikoOptions:
     scheduled_at: datetime | None = None
     origin_id: str | None = None
     trace: TraceContext | None = None
+    caps: Caps | None = None
 
     def encode(self) -> dict[str, Any]:
         """JSON-native options; keys at their default (0 failures, no tenant...) are left out."""
+        caps = self.caps
         return {
             **encode_policy(self.retries, self.backoff, self.backoff_delay_ms),
+            **(encode_caps(caps.max_running, caps.rate_limit) if caps else {}),
             **encode_run(
                 self.trigger,
                 failures=self.failures,
@@ -203,6 +238,7 @@ class KumikoOptions:
             scheduled_at=_instant(options, SCHEDULED_AT),
             origin_id=_text(options, ORIGIN_ID),
             trace=_trace(options),
+            caps=_caps(options),
         )
 
     @property
@@ -276,6 +312,43 @@ def _trace(options: Mapping[str, Any]) -> TraceContext | None:
         raise OptionsError(TRACE, 'must be an object with "parent" and/or "link"', value)
     parent, link = (_carrier(value, part) for part in _TRACE_PARTS)
     return TraceContext(parent=parent, link=link)
+
+
+def _caps(options: Mapping[str, Any]) -> Caps | None:
+    if CAPS not in options:
+        return None
+    value = options[CAPS]
+    if not isinstance(value, Mapping) or not value or set(value) - {"max_running", "rate_limit"}:
+        raise OptionsError(CAPS, 'must be an object with "max_running" and/or "rate_limit"', value)
+    running = value.get("max_running")
+    if "max_running" in value and (
+        not is_strict_int(running) or not 1 <= running <= MAX_CAP_RUNNING
+    ):
+        raise OptionsError(
+            f"{CAPS}.max_running", f"must be an integer from 1 to {MAX_CAP_RUNNING}", running
+        )
+    rate = value.get("rate_limit")
+    limit: tuple[int, int, bool] | None = None
+    if "rate_limit" in value:
+        if (
+            not isinstance(rate, list)
+            or len(rate) != 3
+            or not is_strict_int(rate[0])
+            or not 1 <= rate[0] <= MAX_RATE_COUNT
+            or not is_strict_int(rate[1])
+            or not 1 <= rate[1] <= MAX_DURATION_MS
+            or not isinstance(rate[2], bool)
+        ):
+            raise OptionsError(
+                f"{CAPS}.rate_limit",
+                f"must be [count 1 to {MAX_RATE_COUNT}, per_ms 1 to {MAX_DURATION_MS}, "
+                "per_tenant bool]",
+                rate,
+            )
+        limit = (int(rate[0]), int(rate[1]), bool(rate[2]))
+    if running is None and limit is None:
+        raise OptionsError(CAPS, "must hold a cap", value)
+    return Caps(max_running=running, rate_limit=limit)
 
 
 def _carrier(trace: Mapping[str, Any], part: str) -> dict[str, str] | None:

@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kumiko_dramatiq.codec import BackoffType, encode_policy
+from kumiko_dramatiq.codec import (
+    MAX_CAP_RUNNING,
+    MAX_RATE_COUNT,
+    BackoffType,
+    encode_caps,
+    encode_policy,
+)
 from kumiko_dramatiq.cron import Cron
 from kumiko_dramatiq.errors import JobConfigError
 from kumiko_dramatiq.limits import MAX_DURATION_MS, MAX_RETRIES, backoff_window_ms, is_strict_int
@@ -68,6 +74,18 @@ class Backoff:
 
     type: BackoffType
     delay_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """At most ``count`` attempts of a job start in any window of ``per_ms`` milliseconds,
+    across every process and host; per tenant (each tenant its own window) when
+    ``per_tenant=True``, for per-tenant jobs. Validated when a job is declared with it, so
+    the error can name the job."""
+
+    count: int
+    per_ms: int
+    per_tenant: bool = False
 
 
 class Retention:
@@ -133,6 +151,33 @@ class JobOptions(BaseModel):
     boot_gate: bool = False
     run_in: Literal["worker", "api"] = "worker"
     timeout_ms: int | None = Field(default=None, gt=0, le=MAX_DURATION_MS)
+    max_running: int | None = Field(default=None, ge=1, le=MAX_CAP_RUNNING)
+    rate_limit: RateLimit | None = None
+
+    @field_validator("rate_limit", mode="before")
+    @classmethod
+    def _check_rate_limit(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        if not isinstance(value, RateLimit):
+            raise _FieldProblem("rate_limit", _PROBLEMS["rate_limit"], value)
+        if not is_strict_int(value.count) or value.count < 1:
+            raise _FieldProblem("rate_limit.count", "must be a positive integer", value.count)
+        if value.count > MAX_RATE_COUNT:
+            raise _FieldProblem(
+                "rate_limit.count", f"is too large (at most {MAX_RATE_COUNT})", value.count
+            )
+        if not is_strict_int(value.per_ms) or value.per_ms < 1:
+            raise _FieldProblem("rate_limit.per_ms", "must be a positive integer", value.per_ms)
+        if value.per_ms > MAX_DURATION_MS:
+            raise _FieldProblem(
+                "rate_limit.per_ms",
+                f"is too large (at most {MAX_DURATION_MS} ms, 366 days)",
+                value.per_ms,
+            )
+        if not isinstance(value.per_tenant, bool):
+            raise _FieldProblem("rate_limit.per_tenant", "must be a bool", value.per_tenant)
+        return value
 
     @field_validator("trigger", mode="before")
     @classmethod
@@ -165,6 +210,18 @@ class JobOptions(BaseModel):
                 "boot_gate",
                 'with concurrency="sequential" is not supported: a gate runs in-process on '
                 "every worker start, before any lock could be shared",
+            )
+        if self.boot_gate and (self.max_running is not None or self.rate_limit is not None):
+            raise _FieldProblem(
+                "max_running" if self.max_running is not None else "rate_limit",
+                "with boot_gate=True is not supported: a gate runs in-process on every worker "
+                "start, outside the queue the caps are kept at",
+            )
+        if self.rate_limit is not None and self.rate_limit.per_tenant and not self.per_tenant:
+            raise _FieldProblem(
+                "rate_limit.per_tenant",
+                "needs per_tenant=True: only a per-tenant job's runs have a tenant",
+                True,
             )
         if self.boot_gate and self.per_tenant:
             raise _FieldProblem(
@@ -199,6 +256,8 @@ _PROBLEMS: dict[str, str] = {
     "boot_gate": "must be a bool",
     "run_in": 'must be "worker" or "api"',
     "timeout_ms": "must be a positive integer or None",
+    "max_running": "must be an integer >= 1 or None",
+    "rate_limit": "must be None or RateLimit(count, per_ms, per_tenant=False)",
 }
 
 
@@ -229,16 +288,27 @@ def _config_error(job_name: str, exc: ValidationError) -> JobConfigError:
 
 
 def build_message_options(job: JobDefinition) -> dict[str, Any]:
-    """The retry/backoff options every enqueue path attaches to a message of ``job``.
+    """The retry/backoff options every enqueue path attaches to a message of ``job`` (and
+    its caps, ``max_running`` and ``rate_limit``, for a capped job: the fetch keeps them).
 
     Pure and deterministic; JSON-native values only.
     """
-    backoff = job.options.backoff
-    return encode_policy(
-        job.options.retries,
+    options = job.options
+    backoff = options.backoff
+    policy = encode_policy(
+        options.retries,
         None if backoff is None else backoff.type,
         None if backoff is None else backoff.delay_ms,
     )
+    rate = options.rate_limit
+    if options.max_running is not None or rate is not None:
+        policy.update(
+            encode_caps(
+                options.max_running,
+                None if rate is None else (rate.count, rate.per_ms, rate.per_tenant),
+            )
+        )
+    return policy
 
 
 def retry_delay_ms(

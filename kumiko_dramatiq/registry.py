@@ -118,6 +118,11 @@ class JobDefinition:
         return trigger.name if isinstance(trigger, Event) else None
 
     @property
+    def is_capped(self) -> bool:
+        """Whether the job has a cap: ``max_running`` or ``rate_limit``."""
+        return self.options.max_running is not None or self.options.rate_limit is not None
+
+    @property
     def wrapper_actor_name(self) -> str:
         """Actor name of a per-tenant job's fan-out wrapper (contains the qualified name)."""
         return self.qualified_name + WRAPPER_SUFFIX

@@ -179,6 +179,12 @@ class JobRunner:
             max_deliveries=settings.max_deliveries,
             run_ttls_ms=run_ttls_ms(settings),
             history_cap=settings.history_cap,
+            capped_queues=frozenset(
+                job.queue_name(settings.queue_prefix)
+                for job in registry.jobs.values()
+                if job.is_capped
+            ),
+            slot_ttl_ms=settings.lock_ttl_ms,
             message_policy=KumikoMessages(
                 registry,
                 rejected=dedup.release_rejected,

@@ -73,7 +73,7 @@ CLIENT_COMMANDS: Final[dict[str, str]] = {
     "exists": "stop_run: whether a message that does not run left a trace",
     "get": "status, locks, dedup records, dead-letter details",
     "hget": "run records",
-    "hgetall": "run records, dedup records",
+    "hgetall": "run records, dedup records, messages waiting for caps",
     "hkeys": "cancel and dead-letter lookups: the attempts a message has records of",
     "hlen": "status: delayed messages",
     "hmget": "dead letters, run records, bodies on an older version's delay queue list",

@@ -40,6 +40,11 @@ What kumiko adds on top of that layout, each in the same Lua call as the command
   left for its ack to write, the retry of a failed attempt
   (:mod:`kumiko_dramatiq.middleware.retries`) or the "already completed" marker
   (:mod:`kumiko_dramatiq.middleware.history`);
+- **caps at the fetch** (``capped_queues``, ``lua/include/caps.lua``): on a lane queue with a
+  capped job (``max_running``, ``rate_limit``), the fetch claims a capped message only when
+  its job has a free slot (taken in the same call, a lease of ``slot_ttl_ms``) and its rate
+  window allows, else sets it waiting in Redis; the settle gives the slot back and looks at
+  the waiters (:mod:`kumiko_dramatiq.middleware.caps`). Other queues do no cap work at all;
 - **strict fetch**: a fetched message that does not decode is dead-lettered by its redis id
   with a logged reason (Dramatiq's consumer would crash on it and leave it unacked, a poison
   pill returning with every crash recovery); on a kumiko lane, a message whose id already
@@ -157,6 +162,8 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         message_policy: MessagePolicy | None = None,
         run_ttls_ms: tuple[int, int] = (86_400_000, 604_800_000),
         history_cap: int = 100_000,
+        capped_queues: frozenset[str] = frozenset(),
+        slot_ttl_ms: int = 30_000,
     ) -> None:
         super().__init__(  # type: ignore[no-untyped-call]
             client=client,
@@ -185,6 +192,10 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         #: (TTL of completed records, TTL of failed ones) in ms
         self.run_ttls_ms = run_ttls_ms
         self.history_cap = history_cap
+        #: the lane queues of jobs with caps (their fetch keeps the caps, ``lua/include/caps.lua``)
+        #: and the lease TTL of a slot; any other queue's fetch does no cap work at all
+        self.capped_queues = capped_queues
+        self.slot_ttl_ms = slot_ttl_ms
         self._identity = (0, "")
         #: per queue, the redis ids this process's consumers fetched and have not settled yet
         #: (handed to Dramatiq's worker, or running; see ``KumikoConsumer``, "lost claims")
@@ -359,7 +370,8 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         """Claim up to ``count`` messages of a lane queue (``lua/fetch_lane.lua``), on
         ``client`` (the calling thread's :meth:`thread_client`) or the broker's pool."""
         completed_ttl, failed_ttl = self.run_ttls_ms
-        fetched, completed, buried, waiting, alone = self._call(
+        capped = queue_name in self.capped_queues
+        reply = self._call(
             self.lua.fetch_lane,
             client,
             keys=[
@@ -373,14 +385,25 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
                 keys.completed(self.queue_prefix, ""),
                 keys.root(self.queue_prefix),
                 self.worker_identity(),
+                *((self.slot_ttl_ms,) if capped else ()),
             ],
         )
+        fetched, completed, buried, waiting, alone = reply[:5]
+        slots: dict[str, tuple[str, str]] = {}
+        caps_due_in_ms = None
+        if capped:
+            taken = reply[5]
+            for i in range(0, len(taken), 3):
+                slots[text(taken[i])] = (text(taken[i + 1]), text(taken[i + 2]))
+            caps_due_in_ms = None if int(reply[6]) < 0 else int(reply[6])
         return LaneFetch(
             fetched=[(text(fetched[i]), fetched[i + 1]) for i in range(0, len(fetched), 2)],
             completed=[text(message_id) for message_id in completed],
             buried=[(text(buried[i]), int(buried[i + 1])) for i in range(0, len(buried), 2)],
             suspects_waiting=int(waiting),
             alone=alone == 1,
+            slots=slots,
+            caps_due_in_ms=caps_due_in_ms,
         )
 
     def worker_identity(self) -> str:
@@ -424,6 +447,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         retry: tuple[Message[Any], int | None] | None = None,
         run: RunWrite | None = None,
         client: redis.Redis | None = None,
+        slot: tuple[str, str] | None = None,
     ) -> bool:
         """The outcome of one delivery from a lane queue (``lua/settle.lua``), sent together
         with the settles of the other deliveries of ``queue_name`` that end at about the same
@@ -431,7 +455,9 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         calling thread's :meth:`thread_client`, or the broker's pool; returns when it is
         written. ``False`` if the delivery was no longer this worker's and its recovered copy
         was taken by another worker already (then nothing but its in-flight entry, marker and
-        run record was written)."""
+        run record was written). ``slot``: the (slots key, owner token) of the capped job's
+        slot the delivery holds, given back in the same call (also when it is not this
+        worker's any more: the token is this delivery's own)."""
         header, record, note = "", "", ""
         if run is not None:
             header = "\t".join(
@@ -449,7 +475,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             record, note = run.record, run.dead_note
         entry: list[Any] = [
             redis_message_id,
-            outcome,
+            outcome if slot is None else f"{outcome} {slot[0]} {slot[1]}",
             keys.completed(self.queue_prefix, message_id) if outcome == "completed" else "",
             header,
             record,
@@ -502,6 +528,30 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         if self._processing_s > LINGER_S or self.worker_threads < 2:
             return 0
         return min(self.worker_threads, len(self.held.get(queue_name, ())))
+
+    def release_slots(self, queue_name: str, slots: Sequence[tuple[str, str]]) -> None:
+        """Give back capped jobs' slots ((slots key, owner token) each) of deliveries that
+        go back to ``queue_name`` unrun or cut short (``lua/slot_release.lua``). A Redis error
+        is logged, not raised: the slots then wait out their leases."""
+        if not slots:
+            return
+        try:
+            self.lua.slot_release(
+                keys=[key for key, _ in slots],
+                args=[
+                    queue_name,
+                    queue_list(queue_name, self.namespace),
+                    *(token for _, token in slots),
+                ],
+            )
+        except redis.RedisError as exc:
+            logger.warning(
+                "could not give back %d slot(s) of capped jobs on %s (%s); they are free "
+                "again once their leases run out",
+                len(slots),
+                queue_name,
+                exc,
+            )
 
     @staticmethod
     def _call(

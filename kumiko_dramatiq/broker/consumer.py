@@ -82,6 +82,15 @@ class KumikoConsumer(Consumer):
     takes no healthy message down with it, and after ``max_deliveries`` deaths in a row it is
     dead-lettered (``lua/fetch_lane.lua``).
 
+    **Caps.** On a lane with capped jobs the fetch also returns the slots it took (each
+    delivery carries its own, :attr:`Delivery.slot`, given back by its settle, or by
+    ``slot_release`` when it goes back to the queue unrun) and when waiting capped messages are
+    due a look (a rate window opening, a lease running out): an idle wait ends then at the
+    latest, so a waiting message starts on time without a poll. While capped messages wait,
+    the consumer fetches with any free room, not only half its threads' worth: a slot frees
+    one run at a time. A lost claim's slot (below)
+    waits out its lease.
+
     **Lost claims.** A fetch claims its messages for this worker in Redis (its ack set) before
     the reply comes back. When the reply never does (the connection dropped while the fetch
     ran, or a fetch sent into a cut link that Redis ran only once the link was back, after
@@ -119,6 +128,10 @@ class KumikoConsumer(Consumer):
         #: delay queues: how long to wait before the next move step (ms; 0: none; ``None``:
         #: nothing is scheduled, wait for the doorbell or ``2 * timeout``)
         self._wait_ms: int | None = 0
+        #: the capped jobs' slots the fetches took, by redis id: (slots key, owner token, when
+        #: the fetch was sent); and when waiting capped messages are due a look (local ms)
+        self._cap_leases: dict[str, tuple[str, str, float]] = {}
+        self._caps_due: int | None = None
         #: the doorbell, the connection that waits on it and that connection's client id
         self._bell_key = queue_bell(queue_name, broker.namespace)
         self._bell: redis.Redis | None = None
@@ -157,7 +170,7 @@ class KumikoConsumer(Consumer):
                         # a settling thread takes to notify, so no settle slips in between.
                         self._settled.wait(self.timeout / 1000)
                         return None
-                self._idle()
+                self._idle(self._caps_due_in())
                 return None
         except redis.ConnectionError as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
@@ -178,6 +191,10 @@ class KumikoConsumer(Consumer):
             self._wait_ms = None
         else:
             self._wait_ms = max(0, result.next_due - result.now)
+
+    def _caps_due_in(self) -> int | None:
+        """How long until waiting capped messages are due a look (ms), if any wait."""
+        return None if self._caps_due is None else self._caps_due - current_millis()
 
     def _idle(self, due_in_ms: int | None = None) -> None:
         """Wait until a message may be there: the doorbell rings, ``due_in_ms`` pass (a delay
@@ -255,7 +272,9 @@ class KumikoConsumer(Consumer):
         """Fetch what there is room for; ``False`` if nothing was (or could be) fetched."""
         outstanding = self.outstanding_message_count
         room = self._slots - outstanding
-        if room <= 0 or (outstanding and room < self._batch):
+        # while capped messages wait (a slot frees one at a time), any room is worth a fetch
+        batching = self._caps_due is None
+        if room <= 0 or (outstanding and room < self._batch and batching):
             return False
         if not self._lane:
             fetched = self.broker.fetch(self.queue_name, room)
@@ -263,10 +282,15 @@ class KumikoConsumer(Consumer):
             return bool(fetched)
         if self._alone is not None or (self._suspects_waiting and outstanding):
             return False  # a suspect runs alone, or waits for this consumer to drain
+        sent_at = time.monotonic()
         result = self.broker.fetch_lane(
             self.queue_name, room, outstanding=outstanding, client=self.broker.thread_client()
         )
         self._suspects_waiting = result.suspects_waiting
+        for rid, (slots_key, token) in result.slots.items():
+            self._cap_leases[rid] = (slots_key, token, sent_at)
+        due_in = result.caps_due_in_ms
+        self._caps_due = None if due_in is None else current_millis() + due_in
         for message_id in result.completed:
             logger.warning(
                 "message %s on %s already completed: acked without running it again",
@@ -307,6 +331,9 @@ class KumikoConsumer(Consumer):
             delivery = Delivery(
                 message, fetched_from=self.queue_name, redis_message_id=rid, encoded_bytes=len(body)
             )
+            lease = self._cap_leases.get(rid)
+            if lease is not None:
+                delivery.slot, delivery.slot_sent_at = (lease[0], lease[1]), lease[2]
             if policy is not None:
                 problem = policy.admit(delivery)
         if message is None or delivery is None or problem is not None:
@@ -340,7 +367,15 @@ class KumikoConsumer(Consumer):
             run = None
             if outcome == "dead":
                 run = RunWrite(rid, 0, "", "malformed", "", "", reason[:2_000], "")
-            self.broker.settle(self.queue_name, rid, outcome, message_id=rid, run=run)
+            lease = self._cap_leases.get(rid)
+            self.broker.settle(
+                self.queue_name,
+                rid,
+                outcome,
+                message_id=rid,
+                run=run,
+                slot=None if lease is None else (lease[0], lease[1]),
+            )
         elif outcome == "dead":
             self.broker.do_nack(self.queue_name, rid)
         else:
@@ -354,6 +389,7 @@ class KumikoConsumer(Consumer):
         self._outstanding.discard(rid)
         if settled:
             self._held.discard(rid)
+            self._cap_leases.pop(rid, None)
         if rid == self._alone:
             self._alone = None
         if self._suspects_waiting and not self._outstanding and self._bell is not None:
@@ -372,6 +408,8 @@ class KumikoConsumer(Consumer):
             settlement = message.settlement
             if settlement.requeue:
                 self.broker.do_requeue(self.queue_name, rid)
+                if message.slot is not None:
+                    self.broker.release_slots(self.queue_name, [message.slot])
                 return
             outcome: Outcome = "ack"
             follow_up = settlement.retry or settlement.handoff
@@ -387,6 +425,7 @@ class KumikoConsumer(Consumer):
                 retry=follow_up,
                 run=settlement.run,
                 client=self.broker.thread_client(),
+                slot=message.slot,
             )
             if not owned:
                 logger.warning(
@@ -407,9 +446,14 @@ class KumikoConsumer(Consumer):
         settled = True
         try:
             if self._lane:
-                run = message.settlement.run if isinstance(message, Delivery) else None
+                delivery = message if isinstance(message, Delivery) else None
                 self.broker.settle(
-                    self.queue_name, rid, "dead", message_id=str(message.message_id), run=run
+                    self.queue_name,
+                    rid,
+                    "dead",
+                    message_id=str(message.message_id),
+                    run=None if delivery is None else delivery.settlement.run,
+                    slot=None if delivery is None else delivery.slot,
                 )
             else:
                 self.broker.do_nack(self.queue_name, rid)
@@ -433,6 +477,8 @@ class KumikoConsumer(Consumer):
             return
         try:
             self.broker.do_requeue(self.queue_name, *rids)
+            slots = [lease[:2] for rid in rids if (lease := self._cap_leases.get(rid))]
+            self.broker.release_slots(self.queue_name, slots)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         for rid in rids:

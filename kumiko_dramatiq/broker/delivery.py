@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from dramatiq.broker import MessageProxy
@@ -82,6 +82,11 @@ class Delivery(MessageProxy):
         self.execution: object | None = None
         #: when a worker thread started processing it (epoch seconds; set by the broker)
         self.started_at = 0.0
+        #: the slot of a capped job (``max_running``) the fetch took for it: (slots key,
+        #: owner token), given back by its settle; and when that fetch was sent (monotonic
+        #: seconds: the lease runs from then at the latest)
+        self.slot: tuple[str, str] | None = None
+        self.slot_sent_at = 0.0
 
 
 #: What ``settle`` does with a delivery: forget it ("ack"), forget it and mark its id
@@ -113,3 +118,8 @@ class LaneFetch:
     suspects_waiting: int
     #: the one message fetched is a suspect that runs alone
     alone: bool
+    #: redis id -> (slots key, owner token) of the capped jobs' slots the fetch took
+    slots: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: ms until the fetch should look at waiting capped messages again (None: none wait, or
+    #: the queue has no capped jobs)
+    caps_due_in_ms: int | None = None

@@ -205,6 +205,46 @@ def dead_note(queue_prefix: str, message_id: str) -> str:
     return f"{_root(queue_prefix)}:dead:{message_id}"
 
 
+def cap_slots(queue_prefix: str, job_name: str) -> str:
+    """Sorted set of the slots of a job with ``max_running``: member a holder's owner token
+    (``"<redis id>#<delivery>"``), scored by its lease's expiry (ms, Redis's clock). Written
+    by ``lua/include/caps.lua`` (fetch_lane takes, settle and slot_release give back,
+    lock_renew renews); a lease that ran out is reclaimed by the next fetch that looks."""
+    return f"{_root(queue_prefix)}:slots:{job_name}"
+
+
+def cap_group(job_name: str, tenant_id: str | None) -> str:
+    """The name of a waiting group: a job (its slot waiters and its rate limit's), or a job's
+    tenant (a per-tenant rate limit's waiters), spelled as :func:`sequential_lock` scopes
+    (with the tenant's length in UTF-8 bytes, as Lua counts)."""
+    if tenant_id is None:
+        return job_name
+    return f"{job_name}:tenant:{len(tenant_id.encode())}:{tenant_id}"
+
+
+def cap_rate(queue_prefix: str, group: str) -> str:
+    """Sorted set of the starts in a rate limit's window (:func:`cap_group`): member a start's
+    owner token, scored by when it started (ms, Redis's clock)."""
+    return f"{_root(queue_prefix)}:rate:{group}"
+
+
+def cap_wait(queue_prefix: str, group: str) -> str:
+    """List: redis ids of the messages waiting for a cap of :func:`cap_group`, oldest first
+    (their bodies stay in the queue's message hash)."""
+    return f"{_root(queue_prefix)}:capwait:{group}"
+
+
+def cap_waiting(queue_prefix: str, queue_name: str) -> str:
+    """Sorted set of a lane queue's waiting groups that hold messages, scored by when its
+    fetch should look at them next (ms, Redis's clock; 0 = now: a slot was given back)."""
+    return f"{_root(queue_prefix)}:capwaiting:{queue_name}"
+
+
+def cap_waits(queue_prefix: str) -> str:
+    """Hash: job name -> how many of its messages wait for a cap (all its groups)."""
+    return f"{_root(queue_prefix)}:capwaits"
+
+
 def patterns(queue_prefix: str | None) -> list[str]:
     """Glob patterns covering every key of one dataset (``queue_prefix``: kumiko's own, its
     Dramatiq queues, their ack sets, Dramatiq's shared worker heartbeats), or of both

@@ -16,6 +16,7 @@ from dramatiq.middleware import (
 )
 
 from kumiko_dramatiq.middleware.boot import Boot
+from kumiko_dramatiq.middleware.caps import Caps
 from kumiko_dramatiq.middleware.dedup import Dedup
 from kumiko_dramatiq.middleware.history import History
 from kumiko_dramatiq.middleware.hooks import Hooks
@@ -46,6 +47,7 @@ def build_middleware(runtime: Runtime, dedup: Dedup, presence: Presence) -> list
         Pipelines   Dramatiq's: the next step of a pipeline, unless the message failed
         Retries     kumiko's jobs: retried on the same message id (after: runs late); any
                     other actor: Dramatiq's Retries and its options (.retries)
+        Caps        the slot leases of max_running jobs (renewed and fenced while they run)
         Sequential  the lease of sequential jobs (before: acquire or hand off; after: release)
         Dedup       the life of dedup keys
         Hooks       on_job_start / on_job_complete / on_job_failed
@@ -72,6 +74,7 @@ def build_middleware(runtime: Runtime, dedup: Dedup, presence: Presence) -> list
         Callbacks(),
         Pipelines(),
         Retries(runtime.registry, log_payloads=runtime.settings.log_payloads),
+        Caps(runtime),
         Sequential(runtime),
         dedup,
         Hooks(runtime),

@@ -73,7 +73,7 @@ import random
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.middleware import Middleware
@@ -281,6 +281,13 @@ class Sequential(Middleware):
             )
 
 
+class LeaseOwner(Protocol):
+    """What a :class:`LeaseRenewer` serves: a runtime and the TTL of its leases."""
+
+    runtime: Runtime
+    lock_ttl_ms: int
+
+
 class LeaseRenewer:
     """One daemon thread per :class:`Sequential` that extends the leases this process holds,
     and moves the fence of their runs (:class:`~kumiko_dramatiq.worker.fencing.Fence`).
@@ -295,8 +302,9 @@ class LeaseRenewer:
     run that outlived the stop) is renewed until its run ends.
     """
 
-    def __init__(self, owner: Sequential) -> None:
+    def __init__(self, owner: LeaseOwner, kind: str = "sequential locks") -> None:
         self._owner = owner
+        self._kind = kind
         self._mutex = threading.Condition()
         self._leases: dict[str, str] = {}  # token -> lock key
         self._thread: threading.Thread | None = None
@@ -373,8 +381,9 @@ class LeaseRenewer:
             except Exception as exc:
                 delay_s = retry_interval_ms(ttl_ms) / 1000
                 logger.warning(
-                    "could not renew sequential locks (%s: %s); trying again in %d ms, their "
+                    "could not renew %s (%s: %s); trying again in %d ms, their "
                     "runs are interrupted %d ms after the last renewal that went through",
+                    self._kind,
                     type(exc).__name__,
                     exc,
                     retry_interval_ms(ttl_ms),
@@ -402,8 +411,9 @@ class LeaseRenewer:
                 still_held = self._leases.pop(token, None) is not None
             if still_held:
                 logger.warning(
-                    "lost sequential lock %s (token %s): it expired or was taken over while "
+                    "lost %s %s (token %s): it expired or was taken over while "
                     "its run continues; interrupting the run",
+                    self._kind,
                     lock_key,
                     token,
                 )

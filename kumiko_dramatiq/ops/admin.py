@@ -57,6 +57,7 @@ from kumiko_dramatiq.codec import (
     DEDUP_KEY,
     FAILURES,
     ORIGIN_ID,
+    TENANT_ID,
     TRIGGER,
     KumikoOptions,
     OptionsError,
@@ -122,6 +123,14 @@ class JobInfo:
     next_fire: datetime | None
     last_fire: datetime | None
     paused: bool
+    #: the caps (``None``: none) and how full they are: slots held now, starts in the rate
+    #: limit's window now (all tenants' windows together for a per-tenant one), messages
+    #: waiting for them
+    max_running: int | None = None
+    rate_limit: str | None = None
+    running_slots: int = 0
+    rate_window_starts: int = 0
+    cap_waiting: int = 0
     #: A typed job's payload model (its class name) and the fields of its JSON schema;
     #: ``None`` for an untyped job (:mod:`kumiko_dramatiq.payloads`).
     payload_model: str | None = None
@@ -172,6 +181,8 @@ class LockInfo:
     expires_in_ms: int
     held_since: datetime | None = None
     worker_alive: bool = True
+    #: ``"lock"`` (a sequential lock) or ``"slot"`` (one of a ``max_running`` job's slots)
+    kind: str = "lock"
 
     def to_json(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -271,11 +282,19 @@ class Admin:
         for job in held:
             pipe.llen(keys.parked(self.prefix, job))
             pipe.scard(keys.parked_withdrawn(self.prefix, job))
-        replies = iter(pipe.execute())
+        pipe.hgetall(keys.cap_waits(self.prefix))
+        *counts, cap_waits = pipe.execute()
+        replies = iter(counts)
+        # messages waiting for a cap (max_running, rate_limit) are queued, on their job's lane
+        capped_by_lane: dict[str, int] = {}
+        for job_name, count in cap_waits.items():
+            declared = self.registry.jobs.get(text(job_name))
+            lane_name = "worker" if declared is None else declared.options.run_in
+            capped_by_lane[lane_name] = capped_by_lane.get(lane_name, 0) + max(0, int(count))
         lanes = []
         for lane, queue in zip(LANES, self.lane_queues, strict=True):
             # ids cancel withdrew stay in the lists until a fetch meets them: not counted
-            listed = int(next(replies)) + int(next(replies))
+            listed = int(next(replies)) + int(next(replies)) + capped_by_lane.get(lane, 0)
             queued = max(0, listed - int(next(replies)))
             delayed = int(next(replies))
             dead = int(next(replies))
@@ -368,6 +387,7 @@ class Admin:
             else []
         )
         last_by_job = dict(zip((j.qualified_name for j in cron_jobs), last, strict=True))
+        fullness = self.caps_fullness()
         infos = []
         for job in declared:
             options = job.options
@@ -396,9 +416,53 @@ class Admin:
                     paused=job.qualified_name in paused,
                     payload_model=None if model is None else model.__name__,
                     payload_schema=None if model is None else schema_fields(model),
+                    max_running=options.max_running,
+                    rate_limit=None
+                    if options.rate_limit is None
+                    else (
+                        f"{options.rate_limit.count} per {options.rate_limit.per_ms} ms"
+                        + (" per tenant" if options.rate_limit.per_tenant else "")
+                    ),
+                    **fullness.get(job.qualified_name, {}),
                 )
             )
         return infos
+
+    def capped_jobs(self) -> list[JobDefinition]:
+        """The declared jobs with a cap (``max_running`` or ``rate_limit``)."""
+        return [job for job in self.registry.jobs.values() if job.is_capped]
+
+    def caps_fullness(self) -> dict[str, dict[str, int]]:
+        """Per capped job: ``running_slots`` (live slot leases), ``rate_window_starts``
+        (starts in its rate limit's window now; a per-tenant limit's tenant windows are not
+        summed: 0) and ``cap_waiting`` (messages waiting for its caps). One round trip plus
+        Redis's clock, bounded by the declared jobs."""
+        capped = self.capped_jobs()
+        if not capped:
+            return {}
+        now_s, now_us = self.client.time()
+        now_ms = int(now_s) * 1000 + int(now_us) // 1000
+        pipe = self.client.pipeline(transaction=False)
+        for job in capped:
+            pipe.zcount(keys.cap_slots(self.prefix, job.qualified_name), f"({now_ms}", "+inf")
+            rate = job.options.rate_limit
+            since = now_ms - (rate.per_ms if rate is not None else 0)
+            pipe.zcount(
+                keys.cap_rate(self.prefix, keys.cap_group(job.qualified_name, None)),
+                f"({since}",
+                "+inf",
+            )
+        pipe.hgetall(keys.cap_waits(self.prefix))
+        *counts, waits = pipe.execute()
+        waiting = {text(name): max(0, int(count)) for name, count in waits.items()}
+        return {
+            job.qualified_name: {
+                "running_slots": int(counts[2 * i]),
+                "rate_window_starts": int(counts[2 * i + 1]),
+                "cap_waiting": waiting.get(job.qualified_name, 0),
+            }
+            for i, job in enumerate(capped)
+        }
 
     def dead_letters(self, job: str | None = None, *, limit: int = 100) -> list[DeadLetter]:
         """Dead-lettered kumiko messages, newest first, with their last error: the first
@@ -555,6 +619,7 @@ class Admin:
         each checked against its lock's key, with its holder from the runs in flight and
         whether that holder's worker is alive. Cost: the page, the runs in flight and the
         live processes, whatever the size of the keyspace."""
+        slots = self.slot_holders(limit=limit)
         now_ms = int(datetime.now(UTC).timestamp() * 1000)
         names = [
             text(name)
@@ -563,7 +628,7 @@ class Admin:
             )
         ]
         if not names:
-            return []
+            return slots
         lock_root = keys.sequential_lock(self.prefix, "", None)
         pipe = self.client.pipeline(transaction=False)
         for name in names:
@@ -600,7 +665,81 @@ class Admin:
                     worker_alive=worker is not None and worker in alive,
                 )
             )
-        return sorted(found, key=lambda lock: (lock.job_name, lock.tenant_id or ""))
+        found = sorted(found, key=lambda lock: (lock.job_name, lock.tenant_id or ""))
+        return found + slots[: max(0, limit - len(found))]
+
+    def slot_holders(self, *, limit: int = 1_000) -> list[LockInfo]:
+        """The live slots of ``max_running`` jobs (at most ``limit``), as :class:`LockInfo`
+        of kind ``"slot"``: the run holding each (read off its message and the in-flight
+        hash), the time left on its lease and whether its worker is alive. Bounded by the
+        declared jobs and ``limit``."""
+        capped = [job for job in self.capped_jobs() if job.options.max_running is not None]
+        if not capped:
+            return []
+        now_s, now_us = self.client.time()
+        now_ms = int(now_s) * 1000 + int(now_us) // 1000
+        pipe = self.client.pipeline(transaction=False)
+        for job in capped:
+            pipe.zrangebyscore(
+                keys.cap_slots(self.prefix, job.qualified_name),
+                f"({now_ms}",
+                "+inf",
+                start=0,
+                num=limit,
+                withscores=True,
+            )
+        held = [
+            (job, text(token), int(expiry))
+            for job, reply in zip(capped, pipe.execute(), strict=True)
+            for token, expiry in reply
+        ][:limit]
+        if not held:
+            return []
+        rids = [token.rpartition("#")[0] for _, token, _ in held]
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hmget(keys.inflight(self.prefix), rids)
+        for (job, _, _), rid in zip(held, rids, strict=True):
+            pipe.hget(queue_messages(job.queue_name(self.prefix)), rid)
+        entries, *bodies = pipe.execute()
+        alive = {
+            f"{process.host}:{process.pid}"
+            for process in live_processes(self.client, self.prefix)
+            if process.role == "worker"
+        }
+        found = []
+        for (job, token, expiry), entry, body in zip(held, entries, bodies, strict=True):
+            message_id, origin_id, tenant = token, None, None
+            try:
+                message = json.loads(body) if body is not None else None
+            except ValueError:
+                message = None
+            if isinstance(message, dict):
+                message_id = str(message.get("message_id") or token)
+                options = message.get("options")
+                if isinstance(options, dict):
+                    origin_id = options.get(ORIGIN_ID) or message_id
+                    tenant = options.get(TENANT_ID)
+            claimed = text(entry).split("|", 2) if entry is not None else []
+            worker = claimed[2] if len(claimed) == 3 else None
+            since = (
+                datetime.fromtimestamp(int(claimed[1]) / 1000, UTC)
+                if len(claimed) == 3 and claimed[1].isdigit()
+                else None
+            )
+            found.append(
+                LockInfo(
+                    job_name=job.qualified_name,
+                    tenant_id=tenant if isinstance(tenant, str) else None,
+                    message_id=message_id,
+                    origin_id=origin_id if isinstance(origin_id, str) else None,
+                    worker=worker,
+                    expires_in_ms=max(0, expiry - now_ms),
+                    held_since=since,
+                    worker_alive=worker is not None and worker in alive,
+                    kind="slot",
+                )
+            )
+        return found
 
     def dedup_page(
         self, job: str | None = None, *, after: DedupCursor | None = None, limit: int = 100

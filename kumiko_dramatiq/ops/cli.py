@@ -26,7 +26,8 @@ kumiko_dramatiq.scheduler``).
     busy [--job J]               attempts running now: worker, started, for how long
     stop MESSAGE_ID              ask a running attempt to stop (it ends cancelled)
     pause JOB / resume JOB       hold a job's messages back / let them run
-    locks [--limit N]            held sequential locks and the runs holding them
+    locks [--limit N]            held sequential locks and capped jobs' slots, and the runs
+                                 holding them
     dedup [--job J] [--limit N]  live dedup keys
     reset-boot JOB | --all       the next worker start enqueues a boot-once job again
     dashboard [--host H] [--port P]   serve the web dashboard (needs the dashboard extra;
@@ -224,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     pause.add_argument("job", metavar="JOB")
     resume = command("resume", "let a paused job's messages run again")
     resume.add_argument("job", metavar="JOB")
-    locks = command("locks", "held sequential locks")
+    locks = command("locks", "held sequential locks and capped jobs' slots")
     locks.add_argument("--limit", type=_limit, default=100, help="at most this many (1-1000)")
     dedup = command("dedup", "live dedup keys")
     dedup.add_argument("--job", help="qualified job name")
@@ -392,6 +393,21 @@ def _jobs(runner: JobRunner, args: argparse.Namespace) -> Result:
         ],
         rows,
     )
+    caps = [
+        [
+            j.name,
+            "" if j.max_running is None else f"{j.running_slots}/{j.max_running} running",
+            ""
+            if j.rate_limit is None
+            else f"{j.rate_limit}"
+            + ("" if "per tenant" in j.rate_limit else f" ({j.rate_window_starts} in window)"),
+            j.cap_waiting,
+        ]
+        for j in jobs
+        if j.max_running is not None or j.rate_limit is not None
+    ]
+    if caps:
+        text += "\n\n" + table(["capped job", "max running", "rate limit", "waiting"], caps)
     fields = []
     for j in jobs:
         if j.payload_model is None:
@@ -782,11 +798,12 @@ def _locks(runner: JobRunner, args: argparse.Namespace) -> Result:
             (lock.worker or "-") + ("" if lock.worker_alive else " (gone)"),
             _ago(lock.held_since) if lock.held_since is not None else "",
             f"{lock.expires_in_ms / 1000:.1f} s",
+            lock.kind,
         ]
         for lock in locks
     ]
     text = table(
-        ["job", "tenant", "message", "origin", "worker", "held since", "expires in"],
+        ["job", "tenant", "message", "origin", "worker", "held since", "expires in", "kind"],
         rows,
         cuttable=("tenant",),
     )

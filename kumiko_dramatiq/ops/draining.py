@@ -8,7 +8,8 @@ of counts, so no message can move between two reads and be missed) finds, on BOT
 nothing queued (the lane list and its crash suspects), nothing delayed (``delay_ms``, a retry
 waiting out its backoff, a sequential hand-off waiting for its lock: the delay queue) and
 nothing running (claimed by a worker: the in-flight hash, which also holds messages a worker
-fetched but has not started, and those of a worker that died until they are redelivered).
+fetched but has not started, and those of a worker that died until they are redelivered),
+and nothing waiting for a capped job's slot or rate window (``keys.cap_waits``).
 Every step of a message from one of these states to the next (fetch, retry, move of a due
 delayed message, per-tenant fan-out, dedup follow-up, hand-off) is one Lua call, or happens
 while the message is still claimed, so an idle look is never a message in transit. Parked
@@ -71,11 +72,16 @@ class PendingWork:
 
     lanes: tuple[LanePending, ...]
     running: int
+    #: messages waiting for a capped job's slot or rate window (``max_running``,
+    #: ``rate_limit``), both lanes
+    capped: int = 0
 
     @property
     def idle(self) -> bool:
-        return self.running == 0 and all(
-            lane.queued == 0 and lane.delayed == 0 for lane in self.lanes
+        return (
+            self.running == 0
+            and self.capped == 0
+            and all(lane.queued == 0 and lane.delayed == 0 for lane in self.lanes)
         )
 
     def describe(self) -> str:
@@ -83,7 +89,8 @@ class PendingWork:
         lanes = "; ".join(
             f"{lane.lane} lane: {lane.queued} queued, {lane.delayed} delayed" for lane in self.lanes
         )
-        return f"{lanes}; {self.running} running"
+        capped = f"; {self.capped} waiting for caps" if self.capped else ""
+        return f"{lanes}; {self.running} running{capped}"
 
 
 def pending_work(client: redis.Redis, queue_prefix: str) -> PendingWork:
@@ -97,7 +104,9 @@ def pending_work(client: redis.Redis, queue_prefix: str) -> PendingWork:
         pipe.scard(keys.queue_withdrawn(queue))
         pipe.hlen(queue_messages(dq_name(queue)))
     pipe.hlen(keys.inflight(queue_prefix))
-    replies = [int(reply) for reply in pipe.execute()]
+    pipe.hgetall(keys.cap_waits(queue_prefix))
+    *counts, waits = pipe.execute()
+    replies = [int(reply) for reply in counts]
     lanes = tuple(
         LanePending(
             lane,
@@ -106,7 +115,7 @@ def pending_work(client: redis.Redis, queue_prefix: str) -> PendingWork:
         )
         for i, lane in enumerate(LANES)
     )
-    return PendingWork(lanes, replies[-1])
+    return PendingWork(lanes, replies[-1], sum(max(0, int(count)) for count in waits.values()))
 
 
 class Drain:

@@ -55,7 +55,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Final
@@ -66,6 +66,7 @@ from dramatiq.common import dq_name
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.broker import KumikoBroker
 from kumiko_dramatiq.broker.keys import dead_letters, queue_list, queue_messages
+from kumiko_dramatiq.broker.replies import text
 from kumiko_dramatiq.environment import multiproc_dir, set_multiproc_dir
 from kumiko_dramatiq.errors import JobConfigError
 from kumiko_dramatiq.options import LANES, lane_queue
@@ -223,18 +224,29 @@ class DatasetReading:
 
     messages: dict[tuple[str, str], int]
     records: dict[str, int]
+    #: per capped job: ``max_running`` (0: none), slots held, starts in its rate limit's
+    #: window (a per-tenant one: not summed, 0), messages waiting for its caps
+    caps: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
 
 
 def lane_counts(
-    *, listed: int, suspects: int, stored: int, delayed: int, parked: int, dead: int
+    *,
+    listed: int,
+    suspects: int,
+    stored: int,
+    delayed: int,
+    parked: int,
+    dead: int,
+    capped: int = 0,
 ) -> dict[str, int]:
     """The states of one lane's messages from its Redis counts. Pure.
 
     ``stored`` counts every message of the queue's hash: those listed (queued), those set
-    aside as suspects (queued too, waiting to run alone), those parked (a paused job's) and
+    aside as suspects (queued too, waiting to run alone), those waiting for a capped job's slot
+    or rate window (``capped``: queued too), those parked (a paused job's) and
     the rest, which are out with a worker (running, or held by a dead worker until
     recovered)."""
-    queued = listed + suspects
+    queued = listed + suspects + capped
     return {
         "queued": queued,
         "delayed": delayed,
@@ -257,6 +269,10 @@ class DatasetCollector:
             lane: sorted(name for name, job in registry.jobs.items() if job.options.run_in == lane)
             for lane in LANES
         }
+        self.capped = sorted(
+            (job for job in registry.jobs.values() if job.is_capped),
+            key=lambda job: job.qualified_name,
+        )
 
     def read(self) -> DatasetReading:
         """Read the dataset now (one round trip)."""
@@ -272,11 +288,25 @@ class DatasetCollector:
                 pipe.llen(keys.parked(self.prefix, job))
         for status in RECORD_STATUSES:
             pipe.zcard(keys.runs_by_status(self.prefix, status))
-        replies = iter(int(reply) for reply in pipe.execute())
+        now_ms = int(time.time() * 1000)  # the local clock: a gauge, not a decision
+        for capped_job in self.capped:
+            rate = capped_job.options.rate_limit
+            name = capped_job.qualified_name
+            pipe.zcount(keys.cap_slots(self.prefix, name), f"({now_ms}", "+inf")
+            pipe.zcount(
+                keys.cap_rate(self.prefix, name),
+                f"({now_ms - (0 if rate is None else rate.per_ms)}",
+                "+inf",
+            )
+        pipe.hgetall(keys.cap_waits(self.prefix))
+        *counts, waits = pipe.execute()
+        waiting = {text(name): max(0, int(count)) for name, count in waits.items()}
+        replies = iter(int(reply) for reply in counts)
         messages: dict[tuple[str, str], int] = {}
         for lane in LANES:
             listed, suspects, stored, delayed, dead = (next(replies) for _ in range(5))
             parked = sum(next(replies) for _ in self.jobs_by_lane[lane])
+            capped = sum(waiting.get(job, 0) for job in self.jobs_by_lane[lane])
             counts = lane_counts(
                 listed=listed,
                 suspects=suspects,
@@ -284,10 +314,20 @@ class DatasetCollector:
                 delayed=delayed,
                 parked=parked,
                 dead=dead,
+                capped=capped,
             )
             messages.update({(lane, state): count for state, count in counts.items()})
         records = {status: next(replies) for status in RECORD_STATUSES}
-        return DatasetReading(messages, records)
+        caps = {
+            capped_job.qualified_name: (
+                capped_job.options.max_running or 0,
+                next(replies),
+                next(replies),
+                waiting.get(capped_job.qualified_name, 0),
+            )
+            for capped_job in self.capped
+        }
+        return DatasetReading(messages, records, caps)
 
     def collect(self) -> Iterator[Any]:
         core = importlib.import_module("prometheus_client.core")
@@ -319,6 +359,24 @@ class DatasetCollector:
         for status, count in reading.records.items():
             records.add_metric([status], count)
         yield records
+        if not reading.caps:
+            return
+        families = [
+            core.GaugeMetricFamily(metric_name(name), help_text, labels=["job"])
+            for name, help_text in (
+                ("cap_max_running", "A capped job's max_running (0: no concurrency cap)"),
+                ("cap_running", "Slots of a capped job held now (runs under max_running)"),
+                (
+                    "cap_rate_window_starts",
+                    "Starts in a rate-limited job's window now (0 for a per-tenant limit)",
+                ),
+                ("cap_waiting", "Messages waiting for a capped job's slot or rate window"),
+            )
+        ]
+        for job, values in reading.caps.items():
+            for family, value in zip(families, values, strict=True):
+                family.add_metric([job], value)
+        yield from families
 
 
 class GroupCollector:

@@ -145,6 +145,8 @@ def forged(prefix: str, change: dict[str, Any], options: dict[str, Any]) -> byte
         ({}, {"kumiko_backoff": "fixed", "kumiko_backoff_delay_ms": 10**20, "kumiko_retries": 1}),
         ({}, {"kumiko_backoff": "exponential", "kumiko_backoff_delay_ms": 1, "kumiko_retries": 60}),
         ({}, {"kumiko_tenant_id": "acme"}),  # a job that is not per-tenant
+        ({}, {"kumiko_caps": {"max_running": 0}}),
+        ({}, {"kumiko_caps": {"rate_limit": [1, 10**20, False]}}),
         # arguments outside the payload limits
         ({"args": [{"n": 2**70}]}, {}),
         ({"args": [{"s": "\ud800"}]}, {}),

@@ -45,7 +45,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from kumiko_dramatiq import Backoff, Cron, Feature, JobContext, JobRunner, Registry
+from kumiko_dramatiq import Backoff, Cron, Feature, JobContext, JobRunner, RateLimit, Registry
 
 #: The 50 tenants every per-tenant dispatch fans out to.
 TENANTS = [f"tenant-{index:02d}" for index in range(50)]
@@ -63,6 +63,13 @@ DEDUP = "soak:job:dedup"
 TICK = "soak:job:tick"
 BOOT = "soak:job:boot"
 POISON = "soak:job:poison"
+CAPPED = "soak:job:capped"
+RATED = "soak:job:rated"
+#: ``soak:job:capped``: at most this many runs at once, across every worker process.
+CAPPED_MAX_RUNNING = 2
+#: ``soak:job:rated``: at most this many starts in any window of RATED_PER_MS.
+RATED_COUNT = 5
+RATED_PER_MS = 1_000
 
 
 class SoakFailure(Exception):
@@ -157,6 +164,26 @@ def sequential(payload: dict[str, Any], ctx: JobContext) -> None:
 
 @soak.job("dedup", retries=RETRIES, backoff=Backoff("fixed", delay_ms=BACKOFF_MS))
 def dedup(payload: dict[str, Any], ctx: JobContext) -> None:
+    _run(payload, ctx)
+
+
+@soak.job(
+    "capped",
+    max_running=CAPPED_MAX_RUNNING,
+    retries=RETRIES,
+    backoff=Backoff("fixed", delay_ms=BACKOFF_MS),
+)
+def capped(payload: dict[str, Any], ctx: JobContext) -> None:
+    _run(payload, ctx)
+
+
+@soak.job(
+    "rated",
+    rate_limit=RateLimit(RATED_COUNT, RATED_PER_MS),
+    retries=RETRIES,
+    backoff=Backoff("fixed", delay_ms=BACKOFF_MS),
+)
+def rated(payload: dict[str, Any], ctx: JobContext) -> None:
     _run(payload, ctx)
 
 

@@ -593,6 +593,49 @@ def check_sequential(jobs: Iterable[str], index: RunIndex, kills: KillLog) -> Ch
     return result
 
 
+def check_capped(job: str, max_running: int, index: RunIndex, kills: KillLog) -> CheckResult:
+    """4b. At no instant did more than ``max_running`` runs of a capped job overlap (spans as
+    in :func:`check_sequential`: a cut run's ends when its worker was killed; its slot is then
+    held until its lease runs out, so the cap may only be undershot there)."""
+    events: list[tuple[float, int, Run]] = []
+    for run in index.of_job(job):
+        end = run.finished
+        if end is None:
+            end = kills.first_after(run.pgid, run.started)
+        if end is not None:
+            events += [(run.started, 1, run), (end, -1, run)]
+    result = CheckResult(4, f"no more than {max_running} capped runs at once", len(events) // 2)
+    running = 0
+    # an end and a start at the same instant do not overlap: ends first
+    for at, step, run in sorted(events, key=lambda event: (event[0], event[1])):
+        running += step
+        if running > max_running:
+            result.violations.append(
+                f"{running} runs of {job} at once at {at:.3f}: {run.describe()} started"
+            )
+    return result
+
+
+#: Handlers stamp their start with their process's wall clock after the fetch that counted
+#: it (on Redis's clock): a loaded machine's scheduling jitter is allowed this much.
+RATE_JITTER_S = 0.25
+
+
+def check_rated(job: str, count: int, per_ms: int, index: RunIndex) -> CheckResult:
+    """4c. At most ``count`` runs of a rate-limited job started in any window of ``per_ms``
+    (less :data:`RATE_JITTER_S`)."""
+    starts = sorted(run.started for run in index.of_job(job))
+    result = CheckResult(4, f"at most {count} starts per {per_ms} ms", len(starts))
+    window = per_ms / 1000 - RATE_JITTER_S
+    for i in range(len(starts) - count):
+        if starts[i + count] - starts[i] < window:
+            result.violations.append(
+                f"{count + 1} starts of {job} within {starts[i + count] - starts[i]:.3f} s "
+                f"from {starts[i]:.3f}"
+            )
+    return result
+
+
 # -- 5. cron -----------------------------------------------------------------------------------
 
 
@@ -666,7 +709,9 @@ MARKERS = frozenset({"done", "sent"})
 #: Kinds that must be gone once the run is over and the lock TTL has passed: the locks, the
 #: dedup records, the in-flight hash (an entry per message out with a worker) and the
 #: suspects lists.
-MUST_BE_GONE = frozenset({"lock", "dedup", "inflight", "suspects"})
+MUST_BE_GONE = frozenset(
+    {"lock", "dedup", "inflight", "suspects", "capwait", "capwaiting", "capwaits"}
+)
 #: Documented persistent records.
 PERSISTENT = frozenset({"boot"})
 #: The soak's own records.
@@ -694,6 +739,7 @@ def check_leftovers(
     marker_ttls_ms: Mapping[str, int] | None = None,
     guarded: Collection[str] | None = None,
     queue_keys: Sequence[tuple[str, int]] = (),
+    caps_ttls_ms: Mapping[str, int] | None = None,
 ) -> CheckResult:
     """7. No lock, dedup record, in-flight entry or marker left behind but the documented
     TTL-bound ones.
@@ -712,6 +758,8 @@ def check_leftovers(
     every ``dramatiq:{queue}*`` key of the prefix's queues with its ``PTTL``: a doorbell
     (``...:bell``) must expire within :data:`BELL_TTL_MS`, dead letters (``.XQ``,
     ``.XQ.msgs``) may stay (maintenance expires them), any other queue key is a violation.
+    ``caps_ttls_ms``: the longest TTL of the capped jobs' records by kind (``slots``: two
+    leases; ``rate``: the window and a second); the lists of waiting messages must be gone.
     """
     result = CheckResult(
         7, "nothing left behind but TTL-bound records", len(keys) + len(queue_keys)
@@ -732,7 +780,9 @@ def check_leftovers(
             if pttl < 0:
                 result.violations.append(f"liveness entry without a TTL: {key}")
             continue
-        if history_ttl_ms is not None and kind in HISTORY:
+        if caps_ttls_ms is not None and kind in caps_ttls_ms:
+            _bound(result, key, pttl, caps_ttls_ms[kind])
+        elif history_ttl_ms is not None and kind in HISTORY:
             _bound(result, key, pttl, history_ttl_ms)
         elif kind in MUST_BE_GONE:
             result.violations.append(f"{kind} record left behind: {key} (pttl {pttl} ms)")

@@ -59,10 +59,15 @@ from . import check
 from .app import (
     BACKOFF_MS,
     BOOT,
+    CAPPED,
+    CAPPED_MAX_RUNNING,
     DEDUP,
     PARALLEL,
     PER_TENANT,
     POISON,
+    RATED,
+    RATED_COUNT,
+    RATED_PER_MS,
     RETRIES,
     SEQUENTIAL,
     TENANTS,
@@ -80,7 +85,14 @@ MAX_ATTEMPTS = RETRIES + 1
 SHORT_SECONDS = 40
 LONG_SECONDS = 15 * 60
 #: Dispatches per second, by kind (per-tenant: 50 children each).
-RATES = {"parallel": 12.0, "sequential": 1.5, "dedup": 3.0, "per_tenant": 1 / 3}
+RATES = {
+    "parallel": 12.0,
+    "sequential": 1.5,
+    "dedup": 3.0,
+    "per_tenant": 1 / 3,
+    "capped": 8.0,
+    "rated": 3.0,
+}
 DEDUP_KEYS = ("k0", "k1", "k2")
 #: One round of faults; each round is shuffled, so every kind shows up every round.
 FAULT_ROUND = (
@@ -480,6 +492,24 @@ class Load:
         if self._dispatch("sequential", SEQUENTIAL, payload) is not None:
             self.ledger.expected.append(
                 check.Expected(f"sequential n={n}", SEQUENTIAL, fail_first, MAX_ATTEMPTS, n=n)
+            )
+
+    def capped(self) -> None:
+        n = self.ledger.token()
+        fail_first = self.rng.choices([0, 1, 3], weights=[80, 15, 5])[0]
+        payload = {"n": n, "fail_first": fail_first, "sleep_ms": self.rng.randint(20, 150)}
+        if self._dispatch("capped", CAPPED, payload) is not None:
+            self.ledger.expected.append(
+                check.Expected(f"capped n={n}", CAPPED, fail_first, MAX_ATTEMPTS, n=n)
+            )
+
+    def rated(self) -> None:
+        n = self.ledger.token()
+        fail_first = self.rng.choices([0, 1], weights=[85, 15])[0]
+        payload = {"n": n, "fail_first": fail_first, "sleep_ms": self.rng.choice([0, 5, 20])}
+        if self._dispatch("rated", RATED, payload) is not None:
+            self.ledger.expected.append(
+                check.Expected(f"rated n={n}", RATED, fail_first, MAX_ATTEMPTS, n=n)
             )
 
     def dedup(self) -> None:
@@ -1218,6 +1248,8 @@ def verdicts(
     ]
     results.append(check.check_tenants(PER_TENANT, ledger.wrappers, TENANTS, index, explained))
     results.append(check.check_sequential([SEQUENTIAL], index, kills))
+    results.append(check.check_capped(CAPPED, CAPPED_MAX_RUNNING, index, kills))
+    results.append(check.check_rated(RATED, RATED_COUNT, RATED_PER_MS, index))
     results.append(
         check.check_cron(TICK, index, cron_window, explained, misfired_ranges(scheduler_logs, TICK))
     )
@@ -1232,6 +1264,7 @@ def verdicts(
         marker_ttls_ms=marker_ttls_ms,
         guarded=guarded_ids(prefix, ledger, index, scheduler_logs),
         queue_keys=scan_queue_keys(admin, prefix),
+        caps_ttls_ms={"slots": 2 * LOCK_TTL_MS, "rate": RATED_PER_MS + 1_000},
     )
     leftover.notes += inflight_entries(admin, prefix)
     results.append(leftover)

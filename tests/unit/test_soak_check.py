@@ -315,6 +315,51 @@ def test_a_run_starting_before_a_cut_run_was_killed_overlaps_it() -> None:
     assert check.check_sequential([SEQ], runs, KillLog([Kill(7, 1.5)])).passed
 
 
+CAPPED = "soak:job:capped"
+RATED = "soak:job:rated"
+
+
+def test_capped_runs_within_the_cap_pass_back_to_back_ones_included() -> None:
+    runs = index(
+        run("a", 1.0, end=2.0, job=CAPPED, mid="c1"),
+        run("b", 1.5, end=2.5, job=CAPPED, mid="c2"),
+        run("c", 2.0, end=3.0, job=CAPPED, mid="c3"),  # starts as "a" ends
+    )
+    assert check.check_capped(CAPPED, 2, runs, no_kills()).passed
+
+
+def test_more_capped_runs_at_once_than_the_cap_are_reported() -> None:
+    runs = index(
+        run("a", 1.0, end=2.0, job=CAPPED, mid="c1"),
+        run("b", 1.5, end=2.5, job=CAPPED, mid="c2"),
+        run("c", 1.9, end=3.0, job=CAPPED, mid="c3"),
+    )
+    result = check.check_capped(CAPPED, 2, runs, no_kills())
+    assert len(result.violations) == 1
+    assert result.violations[0].startswith(f"3 runs of {CAPPED} at once at 1.900")
+
+
+def test_a_cut_capped_run_holds_its_place_until_its_worker_was_killed() -> None:
+    runs = index(
+        run("a", 1.0, job=CAPPED, mid="c1", pgid=7),
+        run("b", 2.0, end=3.0, job=CAPPED, mid="c2", pgid=8),
+    )
+    assert not check.check_capped(CAPPED, 1, runs, KillLog([Kill(7, 2.5)])).passed
+    assert check.check_capped(CAPPED, 1, runs, KillLog([Kill(7, 1.5)])).passed
+
+
+def test_starts_within_the_rate_pass_and_one_too_many_is_reported() -> None:
+    calls = [
+        run(str(i), 1.0 + i * 0.2, end=1.1 + i * 0.2, job=RATED, mid=f"r{i}") for i in range(10)
+    ]
+    assert check.check_rated(RATED, 5, 1_000, index(*calls)).passed
+    crowded = [
+        run(str(i), 1.0 + i * 0.1, end=1.05 + i * 0.1, job=RATED, mid=f"r{i}") for i in range(6)
+    ]
+    result = check.check_rated(RATED, 5, 1_000, index(*crowded))
+    assert result.violations == [f"6 starts of {RATED} within 0.500 s from 1.000"]
+
+
 # -- 5. cron ---------------------------------------------------------------------------------------
 
 

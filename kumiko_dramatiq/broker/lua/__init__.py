@@ -88,6 +88,7 @@ class LuaScripts:
     lock_acquire: Script
     lock_renew: Script
     lock_release: Script
+    slot_release: Script
     run_put: Script
     # operating
     cancel: Script

@@ -20,9 +20,15 @@
 -- the max is dead-lettered, its run record "dead" ("worker died during N deliveries"). The
 -- queue's doorbell rings when a suspect is left waiting for an idle consumer, or a full batch
 -- (or a suspect claimed alone) left messages behind.
+-- ARGV[7] (lanes with capped jobs only) the lease TTL ms of a slot: a message whose job is at
+--         one of its caps (include/caps.lua) is not claimed but waits in its group's list;
+--         the groups due are looked at first (their oldest waiters claimed as room allows)
 -- Returns {{rid, body, ...}, {message ids acked as already completed},
---          {rid, deliveries, ...} dead-lettered, suspects waiting, 1 if a suspect was claimed}.
+--          {rid, deliveries, ...} dead-lettered, suspects waiting, 1 if a suspect was claimed,
+--          {rid, slots key, owner token, ...} slots taken, ms until a waiting group is due
+--          (-1: none; with ARGV[7] only)}.
 -- @include dispatch
+-- @include caps
 -- @include dead_letter
 -- @include history
 -- @include bell
@@ -37,6 +43,14 @@ local done_prefix, root, run_worker = ARGV[4], ARGV[5], ARGV[6]
 local fetched, dropped, buried = {}, {}, {}
 local alone = 0
 local any_paused = redis.call("scard", root .. "paused") > 0
+local caps_ttl = tonumber(ARGV[7] or "")
+local caps_t, parked_here = 0, 0
+-- a fetch sets at most this many messages waiting (then rings for the next fetch to go on)
+local CAPS_PARK_BOUND = 64
+-- the caps' functions (include/caps.lua) and this script's own, made only with ARGV[7];
+-- slot_of: rid -> {slots key, token} of the slots taken (a claim the "already completed"
+-- check drops gives its slot back at the end)
+local C, claim_capped, serve, slot_of = nil, nil, nil, {}
 
 -- the job of an encoded message, if it is one of a paused job's ("<job>" or nil)
 local function paused_job(body)
@@ -134,6 +148,96 @@ local function finish_claims()
     candidates = {}
 end
 
+if caps_ttl then
+    C = caps_module()
+    caps_t = C.caps_clock_ms()
+
+    local function take(rid, cap, token)
+        C.caps_take(root, cap, token, caps_t, caps_ttl)
+        if cap.n then
+            slot_of[rid] = {root .. "slots:" .. cap.job, token}
+        end
+    end
+
+    -- claim rid unless its job is at a cap: then it waits (at the end of its group's list)
+    claim_capped = function(rid, seen, body)
+        local cap = C.caps_of(body)
+        if not cap then
+            return claim(rid, seen, body)
+        end
+        local group, check_at, rated = C.caps_blocked(root, cap, caps_t)
+        if group then
+            if C.caps_park(root, group, rid, check_at) and rated then
+                ring(queue_list)  -- an idle consumer learns when the window opens
+            end
+            parked_here = parked_here + 1
+            return false
+        end
+        if claim(rid, seen, body) then
+            take(rid, cap, rid .. "#" .. (seen + 1))
+            return true
+        end
+        return false
+    end
+
+    local has_room = function()
+        return alone == 0 and (#fetched / 2 + #candidates) < wanted
+    end
+
+    -- the oldest waiters of group, claimed while their caps and this fetch have room
+    serve = function(group)
+        local list = root .. "capwait:" .. group
+        while true do
+            local rid = redis.call("lindex", list, 0)
+            if not rid then
+                redis.call("zrem", caps_waiting(root), group)
+                return
+            end
+            local body = redis.call("hget", queue_messages, rid)
+            local cap = C.caps_of(body)
+            local moved_to, check_at = nil, nil
+            if cap then
+                if not C.caps_slot_free(root, cap, caps_t) then
+                    moved_to, check_at = cap.job, C.caps_next_expiry(root, cap.job)
+                else
+                    local due = C.caps_rate_due(root, cap, caps_t)
+                    if due > 0 then
+                        moved_to, check_at = cap.group, due
+                    end
+                end
+            end
+            if moved_to == group then
+                redis.call("zadd", caps_waiting(root), check_at, group)
+                return
+            end
+            if not moved_to and not has_room() then
+                redis.call("zadd", caps_waiting(root), 0, group)
+                ring(queue_list)
+                return
+            end
+            redis.call("lpop", list)
+            C.caps_unwait(root, group)
+            if moved_to then
+                if C.caps_park(root, moved_to, rid, check_at) and moved_to == cap.group
+                    and moved_to ~= cap.job then
+                    ring(queue_list)  -- an idle consumer learns when the window opens
+                end
+            elseif not body then
+                if withdrawn(rid) then
+                    redis.call("hdel", inflight, rid)
+                end
+            else
+                local seen = inflight_count(redis.call("hget", inflight, rid))
+                if seen > 0 then
+                    redis.call("rpush", suspects, rid)
+                elseif claim(rid, 0, body) and cap then
+                    take(rid, cap, rid .. "#1")
+                end
+            end
+        end
+    end
+end
+
 -- a suspect: bury it, run it alone, or set it aside
 local function suspect(rid, seen)
     if seen >= max_deliveries then
@@ -153,7 +257,14 @@ local function suspect(rid, seen)
             }), "PX", dead_ttl)
         end
     elseif idle and #fetched == 0 and #candidates == 0 and alone == 0 then
-        if claim(rid, seen, redis.call("hget", queue_messages, rid)) then
+        local body = redis.call("hget", queue_messages, rid)
+        local claimed
+        if caps_ttl then
+            claimed = claim_capped(rid, seen, body)
+        else
+            claimed = claim(rid, seen, body)
+        end
+        if claimed then
             finish_claims()
             if #fetched > 0 then
                 alone = 1
@@ -173,9 +284,18 @@ if idle then
         suspect(rid, inflight_count(redis.call("hget", inflight, rid)))
     end
 end
+-- the waiters whose caps may have room now, before newer messages (after the suspects: a
+-- suspect is only claimed by a fetch that has claimed nothing else)
+if caps_ttl then
+    local due = redis.call("zrangebyscore", caps_waiting(root), "-inf", caps_t, "LIMIT", 0, 8)
+    for _, group in ipairs(due) do
+        serve(group)
+    end
+    finish_claims()
+end
 -- Pop what is wanted in one step, read the deliveries counts and bodies in one step each; a
 -- suspect that is claimed alone puts back what was popped after it (at the head, in order).
-while alone == 0 and #fetched / 2 < wanted do
+while alone == 0 and #fetched / 2 < wanted and parked_here < CAPS_PARK_BOUND do
     local popped = redis.call("lpop", queue_list, wanted - #fetched / 2)
     if not popped then
         break
@@ -194,6 +314,8 @@ while alone == 0 and #fetched / 2 < wanted do
         local seen = inflight_count(counts[i] or nil)
         if seen > 0 then
             suspect(rid, seen)
+        elseif caps_ttl then
+            claim_capped(rid, 0, bodies[i])
         else
             claim(rid, 0, bodies[i])
         end
@@ -202,8 +324,30 @@ while alone == 0 and #fetched / 2 < wanted do
 end
 flush_runs()
 local waiting = redis.call("llen", suspects)
-local full = #fetched / 2 >= wanted or alone == 1
+local full = #fetched / 2 >= wanted or alone == 1 or parked_here >= CAPS_PARK_BOUND
 if (waiting > 0 and not idle) or (full and redis.call("llen", queue_list) > 0) then
     ring(queue_list)
 end
-return {fetched, dropped, buried, waiting, alone}
+if not caps_ttl then
+    return {fetched, dropped, buried, waiting, alone}
+end
+-- the slots of the claims made; a claim dropped as already completed gives its slot back
+local slots = {}
+for i = 1, #fetched, 2 do
+    local slot = slot_of[fetched[i]]
+    if slot then
+        slots[#slots + 1] = fetched[i]
+        slots[#slots + 1] = slot[1]
+        slots[#slots + 1] = slot[2]
+        slot_of[fetched[i]] = nil
+    end
+end
+for _, slot in pairs(slot_of) do
+    caps_release(slot[1], slot[2], queue_list)
+end
+local next_due = redis.call("zrange", caps_waiting(root), 0, 0, "WITHSCORES")
+local due_in = -1
+if next_due[2] then
+    due_in = math.max(0, tonumber(next_due[2]) - caps_t)
+end
+return {fetched, dropped, buried, waiting, alone, slots, due_in}

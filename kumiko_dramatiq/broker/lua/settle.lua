@@ -7,7 +7,10 @@
 --         records beyond the cap to drop now (about every 32nd call, see trim_runs)
 -- Then 9 arguments per delivery, from ARGV[4]:
 --   +0 redis message id   +1 outcome: "ack" | "completed" | "retry" (a failed attempt's
---   retry, or a sequential hand-off) | "dead"   +2 its "already completed" marker key
+--   retry, or a sequential hand-off) | "dead", followed by " <slots key> <owner token>" for a
+--   run holding a capped job's slot (include/caps.lua): the slot is given back, whoever's
+--   delivery it is now (the token is this delivery's own), and the job's waiters are looked
+--   at at once   +2 its "already completed" marker key
 --   (outcome "completed")   +3 the run record's header, tab-separated, or "" for none: kumiko
 --   root "kumiko:<prefix>:", message id, attempt, job, status, tenant ("" = none), origin id,
 --   order score (the attempt's start, ms). Status "" writes no record (a sequential hand-off:
@@ -37,6 +40,7 @@
 -- @include dead_letter
 -- @include ttl
 -- @include history
+-- @include caps_release
 local count, marker_ttl, completed_ttl, failed_ttl, cap, trim =
     string.match(ARGV[3], "^(%d+) (%S+) (%S+) (%S+) (%d+) (%d+)$")
 if not count then
@@ -74,7 +78,7 @@ for i, rid in ipairs(rids) do
 end
 for i = 1, count do
     local base = 4 + (i - 1) * FIELDS
-    if (owned[i] or recovered[i]) and ARGV[base + 1] == "retry" then
+    if (owned[i] or recovered[i]) and string.match(ARGV[base + 1], "^%a+") == "retry" then
         local retry_list = namespace .. ":" .. ARGV[base + 6]
         enqueue_message(retry_list .. ".msgs", retry_list, ARGV[base + 7], ARGV[base + 8])
     end
@@ -86,6 +90,11 @@ local indexed_job = nil
 for i, rid in ipairs(rids) do
     local base = 4 + (i - 1) * FIELDS
     local outcome, header = ARGV[base + 1], ARGV[base + 3]
+    local slot_key, slot_token = nil, nil
+    if string.find(outcome, " ", 1, true) then
+        outcome, slot_key, slot_token = string.match(outcome, "^(%a+) (%S+) (%S+)$")
+        caps_release(slot_key, slot_token, queue_list)
+    end
     local mine = owned[i] or recovered[i] ~= nil
     local entry = nil
     if mine then
