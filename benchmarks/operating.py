@@ -43,6 +43,7 @@ from starlette.testclient import TestClient
 from examples.redis_server import private_redis
 from kumiko_dramatiq import JobRunner
 from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.broker.counts import backfill_counts
 from kumiko_dramatiq.broker.lua import source as lua_source
 from kumiko_dramatiq.dashboard import create_app
 
@@ -196,6 +197,22 @@ def commands(ids: dict[str, Any], samples: int) -> dict[str, list[list[str]]]:
     out["pause JOB"] = [["pause", PLAIN]] * samples
     out["resume JOB"] = [["resume", PLAIN]] * samples
     out["retry ID"] = [["retry", ids["dead"][n]] for n in range(samples)]
+    # issue 33: browsing, counts, single-message actions, then the bulk ones (destructive:
+    # last; the first purge removes them all, the later samples find none)
+    out["queued"] = [["queued"]] * samples
+    out["queued --job J --state delayed --payload"] = [
+        ["queued", "--job", PLAIN, "--state", "delayed", "--payload"]
+    ] * samples
+    out["busy"] = [["busy"]] * samples
+    out["stats"] = [["stats"]] * samples
+    out["stop ID (queued: not running)"] = [["stop", ids["queued"][n]] for n in range(samples)]
+    out["run-now ID (delayed)"] = [["run-now", ids["delayed"][n]] for n in range(samples)]
+    out["dead --delete ID"] = [["dead", "--delete", ids["dead"][-1 - n]] for n in range(samples)]
+    out["purge JOB --dry-run"] = [["purge", PLAIN, "--dry-run"]] * samples
+    out["purge JOB --state delayed --yes"] = [["purge", PLAIN, "--state", "delayed", "--yes"]] * (
+        samples
+    )
+    out["purge JOB --yes"] = [["purge", PLAIN, "--yes"]] * samples
     return out
 
 
@@ -268,6 +285,31 @@ def run_commands(
     return results
 
 
+def run_backfill(url: str, client: redis.Redis, own: str) -> dict[str, Any]:
+    """The per-job counts counted over data written before they were kept (issue 33): the
+    counts hash of the lane deleted, then the backfill of the whole lane, in bounded steps."""
+    runner = JobRunner(registry, redis_url=url, queue_prefix=PREFIX)
+    queue = f"{PREFIX}-worker"
+    try:
+        client.delete(keys.queue_counts(queue))
+        reset(client)
+        began = time.perf_counter()
+        steps = backfill_counts(runner.broker, queue)
+        spent = time.perf_counter() - began
+        worst = slowest(client, own)
+        result = {
+            "steps": steps,
+            "wall_s": round(spent, 2),
+            "slowest_ms": round(worst.command_us / 1000, 2),
+            "slowest_command": worst.command,
+            "counts_exact": runner.job_counts()[PLAIN],
+        }
+    finally:
+        runner.stop()
+    print(f"backfill: {result}", file=sys.stderr)
+    return result
+
+
 def run_pages(
     url: str, ids: dict[str, Any], client: redis.Redis, own: str, samples: int
 ) -> dict[str, dict[str, Any]]:
@@ -287,6 +329,9 @@ def run_pages(
         f"/dedup?job={KEYED}&key=customer-7",
         "/schedules",
         "/boot",
+        f"/jobs/{PLAIN}",
+        f"/jobs/{PLAIN}?state=delayed",
+        "/busy",
     ]
     results: dict[str, dict[str, Any]] = {}
     try:
@@ -363,9 +408,17 @@ def report(result: dict[str, Any]) -> str:
         lines.append(
             f"| `{path}` | {r['ms_median']} ms | {r['slowest_ms']} ms (`{r['slowest_command']}`) |"
         )
+    backfill = result["backfill"]
+    lines += [
+        "",
+        f"Counts backfill over the whole dataset (issue 33): {backfill['steps']} steps in "
+        f"{backfill['wall_s']} s, slowest Redis command {backfill['slowest_ms']} ms "
+        f"(`{backfill['slowest_command']}`); then {json.dumps(backfill['counts_exact'])}",
+    ]
     worst_command = max(
         [r["slowest_ms"] for r in result["commands"].values()]
         + [r["slowest_ms"] for r in result["pages"].values()]
+        + [backfill["slowest_ms"]]
     )
     commands = [r for name, r in result["commands"].items() if not name.startswith("(")]
     worst_wall = max(r["wall_s_median"] for r in commands)
@@ -413,8 +466,9 @@ def main(argv: list[str] | None = None) -> int:
                 ids[name] = (
                     ids[name][: -args.samples] if name != "dead" else ids[name][args.samples :]
                 )
-        result["commands"] = run_commands(url, ids, client, own, args.samples)
+        result["backfill"] = run_backfill(url, client, own)
         result["pages"] = run_pages(url, ids, client, own, args.samples)
+        result["commands"] = run_commands(url, ids, client, own, args.samples)
         client.close()
     text = report(result)
     print(text)

@@ -198,6 +198,13 @@ def main() -> int:
             waiting = producer.dispatch(
                 "billing:job:render_pdf", {"invoice": "INV-301"}, delay_ms=3_600_000
             )
+            for n, minutes in enumerate((5, 20, 45)):
+                producer.dispatch(
+                    "billing:job:render_pdf",
+                    {"invoice": f"INV-40{n}", "copies": n + 1},
+                    delay_ms=minutes * 60_000,
+                )
+            producer.dispatch("reports:job:nightly")  # a run now, outside its schedule
             # a lock whose worker was killed mid-run: held until its lease runs out
             producer.broker.lua.lock_acquire(
                 keys=[keys.sequential_lock(prefix, "billing:job:close_books", "acme-gmbh")],
@@ -221,6 +228,9 @@ def main() -> int:
                 shoot(driver, base + "/locks", "locks")
                 shoot(driver, base + "/dedup", "dedup")
                 shoot(driver, f"{base}/runs/{waiting}", "run-waiting")
+                shoot(driver, f"{base}/jobs/billing:job:render_pdf", "job")
+                shoot(driver, base + "/busy", "busy")
+                shoot(driver, base + "/schedules", "schedules")
             finally:
                 driver.quit()
                 server.should_exit = True

@@ -35,6 +35,7 @@ from kumiko_dramatiq.registry import Feature, JobDefinition, Registry
 if TYPE_CHECKING:
     from kumiko_dramatiq.ops.history import JobRun
     from kumiko_dramatiq.ops.stats import JobStats
+    from kumiko_dramatiq.ops.waiting import QueuedMessage
     from kumiko_dramatiq.runner import JobRunner
 
 #: Public names whose modules load redis-py: imported on first use.
@@ -42,6 +43,7 @@ _LAZY = {
     "JobRunner": "kumiko_dramatiq.runner",
     "JobRun": "kumiko_dramatiq.ops.history",
     "JobStats": "kumiko_dramatiq.ops.stats",
+    "QueuedMessage": "kumiko_dramatiq.ops.waiting",
 }
 
 
@@ -72,6 +74,7 @@ __all__ = [
     "Manual",
     "NotFoundError",
     "PayloadError",
+    "QueuedMessage",
     "RateLimit",
     "RedisAccessError",
     "RedisUnavailableError",

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
@@ -42,6 +43,15 @@ class JobContext:
     message_id: str
     meta: JobMeta
     app: Any
+    #: set when ``runner.stop_run`` asked this run to stop (read ``stop_requested``)
+    stop_event: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether ``runner.stop_run`` asked this attempt to stop: a long handler may check
+        it and return early (the attempt then ends ``cancelled``); the handler is interrupted
+        anyway (a sync one as by a timeout, an ``async def`` one's task cancelled)."""
+        return self.stop_event.is_set()
 
     @property
     def tenant_id(self) -> str | None:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 import redis
 from dramatiq.worker import Worker
@@ -49,10 +49,19 @@ from kumiko_dramatiq.middleware.dedup import (
 )
 from kumiko_dramatiq.middleware.presence import Presence
 from kumiko_dramatiq.middleware.retries import check_no_dramatiq_retries
-from kumiko_dramatiq.ops.admin import Admin, DeadLetter, DedupInfo, JobInfo, LockInfo, Status
+from kumiko_dramatiq.ops.admin import (
+    PURGE_WALKS,
+    Admin,
+    DeadLetter,
+    DedupInfo,
+    JobInfo,
+    LockInfo,
+    Status,
+)
 from kumiko_dramatiq.ops.draining import Drain
 from kumiko_dramatiq.ops.history import STATUSES, JobRun, RunHistory, RunStatus, run_ttls_ms
 from kumiko_dramatiq.ops.stats import MAX_HOURS, JobStats, read_stats
+from kumiko_dramatiq.ops.waiting import WAITING_STATES, QueuedMessage
 from kumiko_dramatiq.options import Retention, retry_window_ms
 from kumiko_dramatiq.payloads import event_payload, payload_to_enqueue
 from kumiko_dramatiq.registry import JobDefinition, Registry
@@ -452,16 +461,41 @@ class JobRunner:
         with self._redis("reading the dead letters"):
             return self.admin.dead_letters(job, limit=limit)
 
-    def retry_dead(self, message_id: str) -> str:
+    def retry_dead(self, message_id: str) -> str | Literal[False]:
         """Re-enqueue dead letter ``message_id`` with a fresh attempt budget (one atomic step
-        with its removal from the dead letters); return the id that will run. Raises
-        :class:`NotFoundError` when it is not a dead letter."""
+        with its removal from the dead letters); return the id that will run. ``False`` when
+        the message is known but not a dead letter (it waits, runs, or ended otherwise);
+        raises :class:`NotFoundError` when there is no trace of it."""
         _check_message_id(message_id)
         with self._redis("retrying a dead letter"):
             new_id = self.admin.retry_dead(message_id)
+            if new_id is None and self.admin.known(message_id):
+                return False
         if new_id is None:
             raise NotFoundError(f"message {message_id} is not a dead letter")
         return new_id
+
+    def delete_dead(self, message_id: str) -> bool:
+        """Discard dead letter ``message_id``: ``True``; ``False`` when the message is known
+        but not a dead letter; raises :class:`NotFoundError` when there is no trace of it."""
+        _check_message_id(message_id)
+        with self._redis("deleting a dead letter"):
+            if self.admin.delete_dead(message_id):
+                return True
+            if self.admin.known(message_id):
+                return False
+        raise NotFoundError(f"message {message_id} is not a dead letter")
+
+    def purge(self, job: str, *, state: str = "queued", dry_run: bool = False) -> int:
+        """Remove ``job``'s messages in ``state`` (``"queued"``, ``"delayed"``, ``"parked"``
+        or ``"dead"``) in bounded steps; return how many (with ``dry_run``: how many there
+        are, nothing removed). Dedup keys they hold are freed; one WARNING line with the
+        count; no run record per message. A running message is never removed."""
+        definition = self._job(job)
+        if state not in PURGE_WALKS:
+            raise ValueError(f"{job}: state must be one of {', '.join(PURGE_WALKS)}, got {state!r}")
+        with self._redis("purging messages"):
+            return self.admin.purge(definition, state, dry_run=dry_run)
 
     def cancel(self, message_id: str) -> bool:
         """Make sure ``message_id`` never starts if it has not: ``True`` if it was queued,
@@ -478,6 +512,72 @@ class JobRunner:
                 f"message {message_id} is not queued, delayed or running, and has no run record"
             )
         return cancelled
+
+    def queued(
+        self,
+        job: str | None = None,
+        *,
+        state: str | None = None,
+        limit: int = 50,
+        after: QueuedMessage | None = None,
+    ) -> list[QueuedMessage]:
+        """Waiting messages (``job``'s, in ``state``: ``"queued"``, ``"parked"`` or
+        ``"delayed"``; all of them when ``None``), at most ``limit``: queued and parked
+        oldest first, delayed soonest due first (off their schedule); ``after`` = the
+        last of the previous page. Each carries its payload. Costs the page, never a walk
+        of a queue."""
+        if job is not None:
+            self._job(job)
+        if state is not None and state not in WAITING_STATES:
+            raise ValueError(f"state must be one of {', '.join(WAITING_STATES)}, got {state!r}")
+        if not 0 < limit <= 1_000:
+            raise ValueError(f"limit must be from 1 to 1000, got {limit!r}")
+        with self._redis("reading the waiting messages"):
+            return self.admin.queued(job, state=state, limit=limit, after=after)
+
+    def run_now(self, message_id: str) -> bool:
+        """Queue a delayed or backing-off message now, same id and attempt: ``True``;
+        ``False`` when it is not delayed; raises :class:`NotFoundError` when no message of
+        that id waits, runs or left a run record."""
+        _check_message_id(message_id)
+        with self._redis("queueing a delayed message now"):
+            moved = self.admin.run_now(message_id)
+        if moved is None:
+            raise NotFoundError(
+                f"message {message_id} is not queued, delayed or running, and has no run record"
+            )
+        return moved
+
+    def job_counts(self) -> dict[str, dict[str, int]]:
+        """Every declared job -> ``{"queued", "delayed", "running", "parked", "dead"}``:
+        exact, kept by the scripts that move messages (filled in for older data at first
+        use, in bounded steps); messages waiting for a slot count as queued."""
+        with self._redis("reading the job counts"):
+            return self.admin.job_counts()
+
+    def running(self, job: str | None = None) -> list[JobRun]:
+        """The attempts running now (status ``running``, with ``worker`` and ``started_at``),
+        longest running first."""
+        if job is not None:
+            self._job(job)
+        with self._redis("reading the running attempts"):
+            return self.admin.running(job)
+
+    def stop_run(self, message_id: str) -> bool:
+        """Ask the running attempt of ``message_id`` to stop: within about a second
+        ``ctx.stop_requested`` is true and the handler is interrupted (a sync one as by a
+        timeout, an ``async def`` one's task cancelled); the attempt ends ``cancelled``, is
+        not retried and releases its lock and dedup key. ``False`` when it is not running;
+        raises :class:`NotFoundError` when no message of that id waits, runs or left a run
+        record. ``runner.stop()`` stays the graceful shutdown."""
+        _check_message_id(message_id)
+        with self._redis("stopping a run"):
+            asked = self.admin.stop_run(message_id)
+        if asked is None:
+            raise NotFoundError(
+                f"message {message_id} is not queued, delayed or running, and has no run record"
+            )
+        return asked
 
     def pause(self, job: str) -> None:
         """Hold ``job``'s messages back (kept, never run) on every worker until :meth:`resume`."""

@@ -646,7 +646,9 @@ def run_main_paths(redis_url: str, prefix: str, *, timeout_s: float = 30) -> Mai
         runner.pause(WORK)
         runner.resume(WORK)
         [dead] = _eventually(lambda: runner.dead_letters(), timeout_s)
-        seen.retried_dead_id = runner.retry_dead(dead.message_id)
+        retried = runner.retry_dead(dead.message_id)
+        assert retried, "the dead letter was retried"
+        seen.retried_dead_id = retried
         recorder.wait_until(lambda r: len(r.of("failed", DIES)) == 2, timeout_s, "retried dies")
         status = runner.status()
         seen.status = [(lane.lane, len(status.workers)) for lane in status.lanes]

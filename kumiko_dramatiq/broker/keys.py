@@ -118,6 +118,17 @@ def cancelled(queue_prefix: str, message_id: str) -> str:
     return f"{_root(queue_prefix)}:cancel:{message_id}"
 
 
+def stop_request(queue_prefix: str, message_id: str) -> str:
+    """Set by ``stop_run`` for a running message (TTL :data:`STOP_REQUEST_TTL_MS`): the
+    worker running it reads it within its stop poll (:mod:`kumiko_dramatiq.worker.stops`)
+    and deletes it once it has interrupted the run."""
+    return f"{_root(queue_prefix)}:stop:{message_id}"
+
+
+#: How long a stop request waits for the worker running its message (ms).
+STOP_REQUEST_TTL_MS = 60_000
+
+
 def paused(queue_prefix: str) -> str:
     """Set of the names of paused jobs."""
     return f"{_root(queue_prefix)}:paused"
@@ -297,6 +308,17 @@ def queue_bell(queue_name: str, namespace: str = NAMESPACE) -> str:
     """The doorbell of a queue (kumiko's, beside Dramatiq's layout): a list holding at most
     one token, pushed by every write onto the queue, that idle consumers wait on."""
     return f"{queue_list(queue_name, namespace)}:bell"
+
+
+def queue_counts(queue_name: str, namespace: str = NAMESPACE) -> str:
+    """Hash (kumiko's, beside Dramatiq's layout): how many message bodies of each actor the
+    queue's message hash, its delay queue's and its dead letters' hold (``q:<actor>``,
+    ``d:<actor>``, ``x:<actor>``), kept by every script that writes or deletes a body
+    (``lua/include/counts.lua``, which builds it from the message hash's key:
+    ``<namespace>:<queue>`` + ``":counts"``), and ``~mode`` (see there); filled in for data
+    written before by ``lua/counts_backfill.lua``. Beside it, while that runs,
+    ``:counts:fresh`` and ``:counts:seen`` (sets)."""
+    return f"{queue_list(queue_name, namespace)}:counts"
 
 
 def queue_schedule(queue_name: str, namespace: str = NAMESPACE) -> str:

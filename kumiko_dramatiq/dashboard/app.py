@@ -2,9 +2,13 @@
 
 Pages (GET, server-rendered, complete without JavaScript): ``/`` overview, ``/jobs``,
 ``/runs`` (and ``/runs/{message id}``), ``/dead``, ``/locks``, ``/dedup``, ``/schedules``,
-``/boot``. Actions (POST, each from a form carrying the session's CSRF token):
+``/boot``, ``/jobs/{job}`` (counts, waiting messages, hourly stats), ``/busy`` (what runs
+now). Actions (POST, each from a form carrying the session's CSRF token):
 ``/actions/retry``, ``/actions/retry-all``, ``/actions/cancel``, ``/actions/pause``,
-``/actions/resume``; each redirects back (303) with a one-line result shown once.
+``/actions/resume``, ``/actions/purge``, ``/actions/delete``, ``/actions/run-now``,
+``/actions/stop``, ``/actions/dispatch`` (a cron job run now, trigger manual); each
+redirects back (303) with a one-line result shown once. Waiting messages' payloads are shown
+only to a signed-in user (never on a read-only dashboard).
 
 Access (see :mod:`kumiko_dramatiq.dashboard.security`):
 
@@ -78,6 +82,7 @@ MAX_FORM_BYTES: Final = 16 * 1024
 NAV: Final = (
     ("/", "Overview"),
     ("/jobs", "Jobs"),
+    ("/busy", "Busy"),
     ("/runs", "Runs"),
     ("/dead", "Dead letters"),
     ("/locks", "Locks"),
@@ -172,7 +177,9 @@ class Dashboard:
             trim_blocks=True,
             lstrip_blocks=True,
         )
-        self.templates.filters.update(when=_when, ago=_ago, took=_took, short=_short, seg=_segment)
+        self.templates.filters.update(
+            when=_when, ago=_ago, took=_took, short=_short, seg=_segment, pretty=_pretty
+        )
         self.templates.globals.update(last_write=pages.last_write)
         folder = resources.files("kumiko_dramatiq.dashboard") / "static"
         self.assets = {name: (folder / name).read_bytes() for name in STATIC}
@@ -183,6 +190,14 @@ class Dashboard:
         return [
             Route("/", view("overview.html", lambda r: pages.overview(self.runner, _now()))),
             Route("/jobs", view("jobs.html", lambda r: pages.jobs(self.runner))),
+            Route(
+                "/jobs/{name}",
+                view(
+                    "job.html",
+                    lambda r: pages.job(self.runner, r.path_params["name"], _query(r), _now()),
+                ),
+            ),
+            Route("/busy", view("busy.html", lambda r: pages.busy(self.runner))),
             Route("/runs", view("runs.html", lambda r: pages.runs(self.runner, _query(r)))),
             Route(
                 "/runs/{message_id}",
@@ -370,7 +385,7 @@ class Dashboard:
         if self.token is None:
             return (
                 "This dashboard is read-only: start it with KUMIKO_DASHBOARD_TOKEN set "
-                "(or create_app(runner, token=...)) to retry, cancel, pause and resume."
+                "(or create_app(runner, token=...)) to act on messages and jobs."
             )
         if session is None:
             return "Sign in with the dashboard token first."
@@ -456,6 +471,8 @@ Flash = dict[str, str]
 def _retry(runner: JobRunner, form: Mapping[str, str]) -> Flash:
     message_id = pages.parse_message_id(form.get("message_id"))
     new_id = runner.retry_dead(message_id)
+    if new_id is False:
+        return {"kind": "error", "text": f"Message {message_id} is not a dead letter."}
     return {
         "kind": "ok",
         "text": f"Dead letter {message_id} re-enqueued: it runs again as {new_id}.",
@@ -505,7 +522,60 @@ def _resume(runner: JobRunner, form: Mapping[str, str]) -> Flash:
     }
 
 
+def _purge(runner: JobRunner, form: Mapping[str, str]) -> Flash:
+    job = pages.parse_job(runner, form)
+    if job is None:
+        raise BadInput("purge needs a job")
+    state = form.get("state", "queued")
+    if state not in ("queued", "delayed", "parked", "dead"):
+        raise BadInput(f"state must be one of queued, delayed, parked, dead, got {state!r}")
+    removed = runner.purge(job, state=state)
+    return {"kind": "ok", "text": f"{removed} {state} message(s) of {job} removed."}
+
+
+def _delete(runner: JobRunner, form: Mapping[str, str]) -> Flash:
+    message_id = pages.parse_message_id(form.get("message_id"))
+    if runner.delete_dead(message_id):
+        return {"kind": "ok", "text": f"Dead letter {message_id} deleted."}
+    return {"kind": "error", "text": f"Message {message_id} is not a dead letter, nothing changed."}
+
+
+def _run_now(runner: JobRunner, form: Mapping[str, str]) -> Flash:
+    message_id = pages.parse_message_id(form.get("message_id"))
+    if runner.run_now(message_id):
+        return {"kind": "ok", "text": f"Message {message_id} queued now."}
+    return {"kind": "error", "text": f"Message {message_id} is not delayed, nothing changed."}
+
+
+def _stop(runner: JobRunner, form: Mapping[str, str]) -> Flash:
+    message_id = pages.parse_message_id(form.get("message_id"))
+    if runner.stop_run(message_id):
+        return {
+            "kind": "ok",
+            "text": f"Stop requested for {message_id}: it ends cancelled within a second.",
+            "link": f"/runs/{message_id}",
+        }
+    return {"kind": "error", "text": f"Message {message_id} is not running, nothing changed."}
+
+
+def _dispatch_now(runner: JobRunner, form: Mapping[str, str]) -> Flash:
+    job = pages.parse_job(runner, form)
+    if job is None:
+        raise BadInput("run now needs a job")
+    message_id = runner.dispatch(job)
+    return {
+        "kind": "ok",
+        "text": f"{job} dispatched now (trigger manual) as {message_id}.",
+        "link": f"/runs/{message_id}",
+    }
+
+
 _ACTIONS: Final[dict[str, Callable[[JobRunner, Mapping[str, str]], Flash]]] = {
+    "purge": _purge,
+    "delete": _delete,
+    "run-now": _run_now,
+    "stop": _stop,
+    "dispatch": _dispatch_now,
     "retry": _retry,
     "retry-all": _retry_all,
     "cancel": _cancel,
@@ -606,6 +676,11 @@ def _took(ms: int | None) -> str:
     if ms < 60_000:
         return f"{ms / 1000:.1f} s"
     return f"{ms / 60_000:.1f} min"
+
+
+def _pretty(value: Any) -> str:
+    """A payload as indented JSON (autoescaped by the template)."""
+    return json.dumps(value, indent=2, sort_keys=True, default=str)
 
 
 def _segment(value: str) -> str:

@@ -31,6 +31,7 @@ from kumiko_dramatiq.dashboard.chart import bar_chart, minute_edges
 from kumiko_dramatiq.middleware.presence import live_processes
 from kumiko_dramatiq.ops.admin import DeadCursor, DedupCursor
 from kumiko_dramatiq.ops.history import STATUSES, JobRun
+from kumiko_dramatiq.ops.waiting import WAITING_STATES, QueuedMessage
 from kumiko_dramatiq.runner import JobRunner
 
 #: Message ids as the admin API accepts them.
@@ -45,6 +46,15 @@ DEDUP_PAGE: Final = 100
 LOCKS_PAGE: Final = 500
 #: Cron fire times shown per job on the schedules page.
 NEXT_FIRES: Final = 3
+#: Ticks (runs) shown per cron job on the schedules page.
+RECENT_TICKS: Final = 5
+#: Waiting messages per page on a job's page.
+WAITING_PAGE: Final = 50
+#: Hours of stats on a job's page.
+STATS_HOURS: Final = 24
+HOUR_MS: Final = 3_600_000
+#: A position in the waiting messages (``QueuedMessage.cursor``).
+WAITING_CURSOR: Final = re.compile(r"(queued|parked|delayed)\|[A-Za-z0-9._:-]{1,250}\|[0-9:]{1,40}")
 
 
 class BadInput(ValueError):
@@ -140,7 +150,74 @@ def overview(runner: JobRunner, now: datetime) -> dict[str, Any]:
 
 
 def jobs(runner: JobRunner) -> dict[str, Any]:
-    return {"jobs": runner.jobs()}
+    return {"jobs": runner.jobs(), "counts": runner.job_counts()}
+
+
+def parse_waiting_cursor(query: Query) -> QueuedMessage | None:
+    """The ``after`` of a waiting-messages page: a position as the last page's message
+    carried it (``QueuedMessage.cursor``)."""
+    text = _text(query, "after", 300)
+    if text is None:
+        return None
+    if not WAITING_CURSOR.fullmatch(text):
+        raise BadInput(f"after must be a position from the previous page, got {text!r}")
+    return QueuedMessage("", "", None, "", 0, datetime.now(UTC), None, None, text)
+
+
+def job(runner: JobRunner, name: str, query: Query, now: datetime) -> dict[str, Any]:
+    """One job: its options, counts, a page of its waiting messages (payloads only shown to
+    a signed-in user, by the template), hourly stats (``runner.stats``, when this version
+    records them) and its latest runs."""
+    if name not in runner.registry.jobs:
+        parse_job(runner, {"job": name})
+    state = _text(query, "state")
+    if state is not None and state not in WAITING_STATES:
+        raise BadInput(f"state must be one of {', '.join(WAITING_STATES)}, got {state!r}")
+    after = parse_waiting_cursor(query)
+    waiting = runner.queued(name, state=state, limit=WAITING_PAGE + 1, after=after)
+    more = len(waiting) > WAITING_PAGE
+    waiting = waiting[:WAITING_PAGE]
+    older = None
+    if more and waiting:
+        older = {"after": waiting[-1].cursor, **({"state": state} if state else {})}
+    info = next(each for each in runner.jobs() if each.name == name)
+    hourly, chart = hourly_stats(runner, name, now)
+    return {
+        "job": info,
+        "counts": runner.job_counts()[name],
+        "state": state,
+        "states": WAITING_STATES,
+        "purge_states": ("queued", "delayed", "parked", "dead"),
+        "waiting": waiting,
+        "older": older,
+        "first_page": after is None,
+        "hourly": hourly,
+        "chart": chart,
+        "latest": runner.runs(name, limit=10),
+    }
+
+
+def hourly_stats(runner: JobRunner, job: str, now: datetime) -> tuple[list[Any] | None, Any]:
+    """The job's last 24 hours from ``runner.stats`` (``None`` when this version records
+    none), and their chart: completed under failed + dead attempts, per hour."""
+    stats = getattr(runner, "stats", None)
+    if stats is None:
+        return None, None
+    rows = list(stats(job, hours=STATS_HOURS))
+    this_hour = int(now.timestamp() * 1000) // HOUR_MS * HOUR_MS
+    edges = [this_hour - (STATS_HOURS - 1 - i) * HOUR_MS for i in range(STATS_HOURS)]
+    by_hour = {int(row.hour.timestamp() * 1000): row for row in rows}
+    completed = [int(getattr(by_hour.get(e), "completed", 0) or 0) for e in edges]
+    failed = [
+        int(getattr(by_hour.get(e), "failed", 0) or 0)
+        + int(getattr(by_hour.get(e), "dead", 0) or 0)
+        for e in edges
+    ]
+    return rows, bar_chart([*edges, edges[-1] + HOUR_MS], completed, failed)
+
+
+def busy(runner: JobRunner) -> dict[str, Any]:
+    return {"running": runner.running()}
 
 
 @dataclass(frozen=True)
@@ -319,7 +396,10 @@ def schedules(runner: JobRunner, now: datetime) -> dict[str, Any]:
         for _ in range(NEXT_FIRES):
             after = trigger.next_fire_time(after)
             fires.append(after)
-        rows.append({"job": infos[job.qualified_name], "cron": trigger, "fires": fires})
+        ticks = runner.runs(job.qualified_name, limit=RECENT_TICKS)
+        rows.append(
+            {"job": infos[job.qualified_name], "cron": trigger, "fires": fires, "ticks": ticks}
+        )
     processes = live_processes(runner.broker.client, runner.queue_prefix)
     return {
         "rows": rows,

@@ -49,6 +49,7 @@ from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.acl import check_server
 from kumiko_dramatiq.broker.connection import client as redis_client
 from kumiko_dramatiq.broker.connection import describe
+from kumiko_dramatiq.broker.counts import backfill_counts
 from kumiko_dramatiq.context import JobContext, JobMeta
 from kumiko_dramatiq.errors import (
     BootGateError,
@@ -352,6 +353,18 @@ class Boot(Middleware):
 
         Raises ``BootGateError`` (gates) or ``RedisUnavailableError``.
         """
+        try:  # per-job counts over what was written before they were kept
+            backfill_counts(self.runtime.broker, self.runtime.queue_name)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise RedisUnavailableError(
+                describe_client(self.runtime.broker.client), "counting messages per job", exc
+            ) from exc
+        except redis.RedisError as exc:  # a refused write: the first read of the counts retries
+            logger.warning(
+                "per-job counts of %s not filled in yet (%s); the first read of them does it",
+                self.runtime.queue_name,
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )
         for gate in boot_gates(self.runtime.registry, self.runtime.lane):
             run_gate(self.runtime, gate)
         for job in boot_once_jobs(self.runtime.registry, self.runtime.lane):

@@ -165,7 +165,10 @@ class History(Middleware):
         if execution.fenced:
             return  # no attempt ended: the message goes back to its queue (Sequential)
         status: RunStatus = "completed"
-        if exception is not None:
+        if execution.stopped:  # runner.stop_run: ends cancelled, never runs again
+            status = "cancelled"
+            mark_completed(message.settlement)
+        elif exception is not None:
             status = "dead" if message.failed else "failed"
         else:
             mark_completed(message.settlement)

@@ -42,8 +42,8 @@ class Hooks(Middleware):
         exception: BaseException | None = None,
     ) -> None:
         execution = execution_of(message)
-        if execution is None or execution.handed_off or execution.fenced:
-            return
+        if execution is None or execution.handed_off or execution.fenced or execution.stopped:
+            return  # a stopped run neither completed nor failed
         name, message_id, meta = execution.job.qualified_name, execution.message_id, execution.meta
         if exception is None:
             self.runtime.call_hook("on_job_complete", name, message_id, meta)

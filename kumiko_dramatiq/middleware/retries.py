@@ -112,6 +112,8 @@ class Retries(Middleware):
         execution = execution_of(message)
         if exception is None or execution is None or execution.handed_off or execution.fenced:
             return
+        if execution.stopped:  # stopped on request: ends cancelled, neither retried nor dead
+            return
         meta, options = execution.meta, execution.options
         payload = f" payload={message.args[0]!r}" if self.log_payloads else ""
         if meta.final_attempt:

@@ -31,6 +31,7 @@ one call per :data:`RESUME_STEP` parked messages):
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -42,6 +43,7 @@ from dramatiq.message import Message, generate_unique_id
 
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.broker import KumikoBroker, moved_redis_id
+from kumiko_dramatiq.broker.counts import backfill_counts
 from kumiko_dramatiq.broker.keys import (
     consumer_acks,
     dead_letter_messages,
@@ -64,11 +66,14 @@ from kumiko_dramatiq.cron import Cron
 from kumiko_dramatiq.ids import redis_id_candidates
 from kumiko_dramatiq.middleware.presence import ProcessInfo, live_processes
 from kumiko_dramatiq.ops.health import problems, read_health
-from kumiko_dramatiq.ops.history import STATUSES, RunHistory, run_ttls_ms
+from kumiko_dramatiq.ops.history import STATUSES, JobRun, RunHistory, run_ttls_ms
+from kumiko_dramatiq.ops.waiting import QueuedMessage, Waiting
 from kumiko_dramatiq.options import LANES, lane_queue
 from kumiko_dramatiq.payloads import PayloadField, schema_fields
 from kumiko_dramatiq.registry import JobDefinition, Registry
 from kumiko_dramatiq.settings import Settings
+
+logger = logging.getLogger("kumiko_dramatiq")
 
 
 @dataclass(frozen=True)
@@ -227,6 +232,17 @@ DedupCursor = tuple[str, float, int]
 DEAD_LIST_PAGES = 20
 #: Parked ids resume moves back to their queue per Lua call (about a millisecond of Redis).
 RESUME_STEP = 1_000
+#: Entries one purge step reads at most (``lua/purge_step.lua``: about 2 ms of Redis).
+PURGE_STEP = 100
+#: The states ``purge`` takes, and what it walks for each (``lua/purge_step.lua``'s modes).
+PURGE_WALKS: dict[str, tuple[str, ...]] = {
+    "queued": ("queued", "suspects"),
+    "delayed": ("delayed",),
+    "parked": ("parked",),
+    "dead": ("dead",),
+}
+#: The states ``job_counts`` gives for each job.
+COUNT_STATES = ("queued", "delayed", "running", "parked", "dead")
 #: How many of the newest run records of each status, and of the newest dead letters of each
 #: lane, an id prefix is looked up among (:meth:`Admin.ids_starting_with`).
 PREFIX_WINDOW = 1_000
@@ -326,6 +342,58 @@ class Admin:
         """The dataset's problems (:mod:`kumiko_dramatiq.ops.health`), one line each."""
         reading = read_health(self.client, self.prefix)
         return problems(reading, self.registry, workers, schedulers, datetime.now(UTC))
+
+    def backfill_counts(self) -> None:
+        """Make the per-job counts of every lane queue exact over older data
+        (:func:`~kumiko_dramatiq.broker.counts.backfill_counts`)."""
+        for queue in self.lane_queues:
+            backfill_counts(self.broker, queue)
+
+    def job_counts(self) -> dict[str, dict[str, int]]:
+        """Every declared job -> its messages queued (waiting for a slot too), delayed,
+        running (claimed by a live worker), parked (held by a pause) and dead: the counts the
+        scripts keep (``keys.queue_counts``), the parked lists and the runs in flight. Costs
+        one hash per lane, two keys per job and the runs in flight, whatever the queues'
+        size."""
+        self.backfill_counts()
+        jobs = list(self.registry.jobs)
+        pipe = self.client.pipeline(transaction=False)
+        for queue in self.lane_queues:
+            pipe.hgetall(keys.queue_counts(queue))
+        for job in jobs:
+            pipe.llen(keys.parked(self.prefix, job))
+            pipe.scard(keys.parked_withdrawn(self.prefix, job))
+        replies = pipe.execute()
+        out = {job: dict.fromkeys(COUNT_STATES, 0) for job in jobs}
+        bodies = dict.fromkeys(jobs, 0)
+        for counts in replies[: len(self.lane_queues)]:
+            for name_field, value in counts.items():
+                kind, _, actor = text(name_field).partition(":")
+                found = self.registry.actor(actor)
+                if found is None or kind not in ("q", "d", "x"):
+                    continue
+                name = found[0].qualified_name
+                if kind == "q":
+                    bodies[name] += int(value)
+                else:
+                    out[name]["delayed" if kind == "d" else "dead"] += int(value)
+        parked = iter(replies[len(self.lane_queues) :])
+        for job in jobs:
+            out[job]["parked"] = max(0, int(next(parked)) - int(next(parked)))
+        alive = {
+            f"{process.host}:{process.pid}"
+            for process in live_processes(self.client, self.prefix)
+            if process.role == "worker"
+        }
+        for run in self.history.running():
+            if run.job_name in out and run.worker in alive:
+                out[run.job_name]["running"] += 1
+        for job in jobs:
+            counts = out[job]
+            counts["queued"] = max(0, bodies[job] - counts["running"] - counts["parked"])
+            counts["delayed"] = max(0, counts["delayed"])
+            counts["dead"] = max(0, counts["dead"])
+        return out
 
     def jobs(self, now: datetime | None = None) -> list[JobInfo]:
         now = datetime.now(UTC) if now is None else now
@@ -978,6 +1046,97 @@ class Admin:
         )
         return reply[0] == 1, text(reply[1])
 
+    def queued(
+        self,
+        job: str | None = None,
+        *,
+        state: str | None = None,
+        limit: int = 50,
+        after: QueuedMessage | None = None,
+    ) -> list[QueuedMessage]:
+        """A page of waiting messages (:mod:`kumiko_dramatiq.ops.waiting`)."""
+        waiting = Waiting(self.client, self.registry, self.prefix, self.lane_queues)
+        return waiting.page(job, state, limit=limit, after=after)
+
+    def running(self, job: str | None = None) -> list[JobRun]:
+        """The attempts running now (``job``'s only, when given), longest running first:
+        read off the in-flight hash (bounded by the workers' threads), whatever the queues'
+        size."""
+        runs = [run for run in self.history.running() if job is None or run.job_name == job]
+        return sorted(runs, key=_started_key)
+
+    def stop_run(self, message_id: str) -> bool | None:
+        """Ask the running attempt of ``message_id`` to stop (``keys.stop_request``; the
+        worker running it reads it within :data:`~kumiko_dramatiq.worker.stops.POLL_S`):
+        ``True``; ``False`` when it is not running but known (it waits, or ended); ``None``
+        when there is no trace of it. The in-flight hash, then one ``SET``."""
+        if any(run.message_id == message_id for run in self.history.running()):
+            self.client.set(
+                keys.stop_request(self.prefix, message_id),
+                int(datetime.now(UTC).timestamp() * 1000),
+                px=keys.STOP_REQUEST_TTL_MS,
+            )
+            return True
+        return False if self.known(message_id) else None
+
+    def purge(self, job: JobDefinition, state: str, *, dry_run: bool = False) -> int:
+        """Remove ``job``'s messages in ``state`` (:data:`PURGE_WALKS`), :data:`PURGE_STEP`
+        entries per Lua call (``lua/purge_step.lua``), so Redis is never blocked; the number
+        removed (with ``dry_run``: found, nothing changed). Dedup keys they hold are freed; no
+        run record is written; one WARNING line says how many went. A running message is
+        never removed; messages enqueued while it runs may or may not be."""
+        queue = job.queue_name(self.prefix)
+        hold_ms = self.settings.heartbeat_timeout_ms + 3_600_000
+        total = 0
+        for walk in PURGE_WALKS[state]:
+            cursor = "0"
+            while True:
+                removed, cursor = self.broker.lua.purge_step(
+                    keys=[self.broker.namespace],
+                    args=[
+                        keys.root(self.prefix),
+                        job.qualified_name,
+                        walk,
+                        queue,
+                        cursor,
+                        PURGE_STEP,
+                        int(datetime.now(UTC).timestamp() * 1000),
+                        hold_ms,
+                        "1" if dry_run else "0",
+                    ],
+                )
+                total += int(removed)
+                cursor = text(cursor)
+                if cursor == "0":
+                    break
+        if not dry_run:
+            logger.warning("purged %d %s message(s) of %s", total, state, job.qualified_name)
+        return total
+
+    def delete_dead(self, message_id: str) -> bool | None:
+        """Discard dead letter ``message_id`` (``lua/delete_dead.lua``): ``True``; ``None``
+        when it is not (or no longer) a dead letter. Found as :meth:`retry_dead` finds it."""
+        letter = self._noted_dead_letter(message_id) or self._found_dead_letter(message_id)
+        if letter is None:
+            return None
+        done = self.broker.lua.delete_dead(
+            keys=[
+                dead_letters(letter.queue),
+                dead_letter_messages(letter.queue),
+                keys.dead_note(self.prefix, message_id),
+            ],
+            args=[letter.redis_message_id],
+        )
+        return True if done == 1 else None
+
+    def known(self, message_id: str) -> bool:
+        """Whether ``message_id`` waits, runs, or left a run record or dead letter note."""
+        return self.waiting_state(message_id) is not None or bool(
+            self.client.exists(
+                keys.run_record(self.prefix, message_id), keys.dead_note(self.prefix, message_id)
+            )
+        )
+
     def move_delayed_now(self, message_id: str) -> bool:
         """Queue the delayed message ``message_id`` (or a sequential hand-off carrying it on)
         now, whatever its due time: same message id, same attempt, same redis id; ``False``
@@ -992,6 +1151,14 @@ class Admin:
                 places += [queue, rid]
         reply = self.broker.lua.move_now(keys=[self.broker.namespace], args=places)
         return bool(reply[0] == 1)
+
+    def run_now(self, message_id: str) -> bool | None:
+        """Queue delayed message ``message_id`` now (:meth:`move_delayed_now`): ``True``;
+        ``False`` when it is known but not delayed; ``None`` when there is no trace of it."""
+        if self.move_delayed_now(message_id):
+            logger.info("delayed message %s queued now (run-now)", message_id)
+            return True
+        return False if self.known(message_id) else None
 
     def pause(self, job: JobDefinition) -> bool:
         """Pause ``job``; ``False`` if it was paused already."""
@@ -1089,6 +1256,10 @@ def _carried_id(body: Any, message_id: str) -> str | None:
     if options.get(ORIGIN_ID) == message_id and options.get(TRIGGER) == "requeue":
         return own
     return None
+
+
+def _started_key(run: JobRun) -> datetime:
+    return run.started_at or datetime.max.replace(tzinfo=UTC)
 
 
 def _describe_trigger(job: JobDefinition) -> str:

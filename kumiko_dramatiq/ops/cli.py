@@ -14,8 +14,18 @@ kumiko_dramatiq.scheduler``).
                                  run records, newest first
     dead [--job J] [--limit N] [--no-tracebacks]
                                  dead letters with their last error and traceback
+    dead --delete MESSAGE_ID     discard one dead letter
+    purge JOB [--state queued|delayed|parked|dead] [--yes] [--dry-run]
+                                 remove a job's messages in that state (asks first)
     retry MESSAGE_ID | --all [--job J]                  re-enqueue dead letters
     cancel MESSAGE_ID            a message that has not started never starts
+    queued [--job J] [--state queued|parked|delayed] [--limit N] [--payload] [--cursor C]
+                                 waiting messages (payloads only with --payload)
+    run-now MESSAGE_ID           queue a delayed or backing-off message now
+    stats [--job J] [--hours H]  per job and hour: completed, failed, dead, cancelled,
+                                 duration p50 and p95 (kept 7 days)
+    busy [--job J]               attempts running now: worker, started, for how long
+    stop MESSAGE_ID              ask a running attempt to stop (it ends cancelled)
     pause JOB / resume JOB       hold a job's messages back / let them run
     locks [--limit N]            held sequential locks and capped jobs' slots, and the runs
                                  holding them
@@ -60,7 +70,7 @@ import sys
 import textwrap
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from types import FrameType
 from typing import Any, NoReturn
 
@@ -81,8 +91,10 @@ from kumiko_dramatiq.errors import (
 from kumiko_dramatiq.loader import load_runner
 from kumiko_dramatiq.middleware.boot import reset_boot_marker
 from kumiko_dramatiq.middleware.metrics import serving
+from kumiko_dramatiq.ops.admin import COUNT_STATES
 from kumiko_dramatiq.ops.history import STATUSES, JobRun
 from kumiko_dramatiq.ops.terminal import indented, parse_when, table, without_frames_of
+from kumiko_dramatiq.ops.waiting import WAITING_STATES, QueuedMessage
 from kumiko_dramatiq.runner import JobRunner
 from kumiko_dramatiq.scheduler import Scheduler
 
@@ -90,6 +102,8 @@ EXIT_OK = 0
 EXIT_REDIS = 1
 EXIT_NOTHING = 1
 EXIT_USAGE = 2
+#: The states ``kumiko purge --state`` takes.
+PURGE_STATES = ("queued", "delayed", "parked", "dead")
 #: A whole message id as kumiko makes them (a UUID); anything shorter that could begin one
 #: (at least 4 characters) is looked up as a prefix.
 FULL_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -125,6 +139,16 @@ def _limit(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
     if not 0 < value <= 1_000:
         raise argparse.ArgumentTypeError(f"must be from 1 to 1000, got {value}")
+    return value
+
+
+def _hours(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 0 < value <= 168:
+        raise argparse.ArgumentTypeError(f"must be from 1 to 168, got {value}")
     return value
 
 
@@ -175,12 +199,35 @@ def build_parser() -> argparse.ArgumentParser:
     dead.add_argument(
         "--no-tracebacks", action="store_true", help="the table alone, no traceback below it"
     )
+    dead.add_argument("--delete", metavar="MESSAGE_ID", help=f"discard this dead letter: {an_id}")
+    purge = command(
+        "purge", "remove a job's messages in one state (default queued), in bounded steps"
+    )
+    purge.add_argument("job", metavar="JOB", help="qualified job name")
+    purge.add_argument("--state", choices=PURGE_STATES, default="queued")
+    purge.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    purge.add_argument("--dry-run", action="store_true", help="print the count, remove nothing")
     retry = command("retry", "re-enqueue dead letters with a fresh attempt budget")
     retry.add_argument("message_id", nargs="?", metavar="MESSAGE_ID", help=an_id)
     retry.add_argument("--all", action="store_true", help="every dead letter (of --job)")
     retry.add_argument("--job", help="with --all: only this job's")
     cancel = command("cancel", "a queued, delayed or waiting message never starts")
     cancel.add_argument("message_id", metavar="MESSAGE_ID", help=an_id)
+    queued = command("queued", "waiting messages: queued and parked oldest first, delayed by due")
+    queued.add_argument("--job", help="qualified job name")
+    queued.add_argument("--state", choices=WAITING_STATES)
+    queued.add_argument("--limit", type=_limit, default=50, help="at most this many (1-1000)")
+    queued.add_argument("--payload", action="store_true", help="show each message's payload")
+    queued.add_argument("--cursor", help="start after this position (printed below a page)")
+    run_now = command("run-now", "queue a delayed or backing-off message now")
+    run_now.add_argument("message_id", metavar="MESSAGE_ID", help=an_id)
+    stats = command("stats", "per job and hour: completed, failed, dead, cancelled, p50, p95")
+    stats.add_argument("--job", help="qualified job name")
+    stats.add_argument("--hours", type=_hours, default=24, help="how far back (1-168)")
+    busy = command("busy", "attempts running now: which worker runs what, for how long")
+    busy.add_argument("--job", help="qualified job name")
+    stop = command("stop", "ask a running attempt to stop: it ends cancelled, is not retried")
+    stop.add_argument("message_id", metavar="MESSAGE_ID", help=an_id)
     pause = command("pause", "hold a job's messages back on every worker")
     pause.add_argument("job", metavar="JOB")
     resume = command("resume", "let a paused job's messages run again")
@@ -338,6 +385,7 @@ def _problems_text(problems: Sequence[str]) -> str:
 
 def _jobs(runner: JobRunner, args: argparse.Namespace) -> Result:
     jobs = runner.jobs()
+    counts = runner.job_counts()
     rows = [
         [
             j.name,
@@ -348,12 +396,23 @@ def _jobs(runner: JobRunner, args: argparse.Namespace) -> Result:
             _time(j.next_fire),
             _time(j.last_fire),
             "yes" if j.paused else "",
+            *(counts[j.name][state] for state in COUNT_STATES),
         ]
         for j in jobs
     ]
     # never cut: names, triggers and times are what an operator reads here
     text = table(
-        ["job", "lane", "trigger", "retries", "concurrency", "next fire", "last fire", "paused"],
+        [
+            "job",
+            "lane",
+            "trigger",
+            "retries",
+            "concurrency",
+            "next fire",
+            "last fire",
+            "paused",
+            *COUNT_STATES,
+        ],
         rows,
     )
     caps = [
@@ -391,7 +450,8 @@ def _jobs(runner: JobRunner, args: argparse.Namespace) -> Result:
     if fields:
         payloads = table(["typed job", "payload model", "field", "type", "required"], fields)
         text = f"{text}\n\n{payloads}"
-    return {"jobs": [j.to_json() for j in jobs]}, text, EXIT_OK
+    document = [{**j.to_json(), "counts": counts[j.name]} for j in jobs]
+    return {"jobs": document}, text, EXIT_OK
 
 
 def _runs(runner: JobRunner, args: argparse.Namespace) -> Result:
@@ -482,6 +542,8 @@ def _tracebacks(items: Iterable[tuple[str, str | None]]) -> str:
 
 
 def _dead(runner: JobRunner, args: argparse.Namespace) -> Result:
+    if args.delete is not None:
+        return _delete_dead(runner, args)
     letters = runner.dead_letters(args.job, limit=args.limit + 1)
     more = len(letters) > args.limit
     letters = letters[: args.limit]
@@ -510,6 +572,49 @@ def _dead(runner: JobRunner, args: argparse.Namespace) -> Result:
     return {"dead_letters": [d.to_json() for d in letters]}, text, EXIT_OK
 
 
+def _delete_dead(runner: JobRunner, args: argparse.Namespace) -> Result:
+    if args.job is not None:
+        raise ValueError("--delete takes no --job")
+    message_id = resolve_id(runner, args.delete)
+    deleted = runner.delete_dead(message_id)
+    document = {"message_id": message_id, "deleted": deleted}
+    if not deleted:
+        print(
+            f"kumiko dead: message {message_id} is not a dead letter, nothing changed",
+            file=sys.stderr,
+        )
+        return document, "", EXIT_NOTHING
+    return document, f"{message_id}: dead letter deleted", EXIT_OK
+
+
+def _purge(runner: JobRunner, args: argparse.Namespace) -> Result:
+    runner.job(args.job)
+    what = f"{args.state} message(s) of {args.job}"
+    if args.dry_run or not args.yes:
+        found = runner.purge(args.job, state=args.state, dry_run=True)
+        if args.dry_run:
+            return {"job": args.job, "state": args.state, "count": found}, str(found), EXIT_OK
+        if found == 0:
+            return _purged(args, 0)
+        if not _confirmed(f"Remove {found} {what}? [y/N] "):
+            print("kumiko purge: not confirmed, nothing removed", file=sys.stderr)
+            return {"job": args.job, "state": args.state, "purged": 0}, "", EXIT_NOTHING
+    return _purged(args, runner.purge(args.job, state=args.state))
+
+
+def _purged(args: argparse.Namespace, count: int) -> Result:
+    document = {"job": args.job, "state": args.state, "purged": count}
+    return document, f"{args.job}: {count} {args.state} message(s) removed", EXIT_OK
+
+
+def _confirmed(question: str) -> bool:
+    """Ask on stderr (stdout stays the command's output), read the answer from stdin."""
+    sys.stderr.write(question)
+    sys.stderr.flush()
+    answer = sys.stdin.readline()
+    return answer.strip().lower() in ("y", "yes")
+
+
 def _retry(runner: JobRunner, args: argparse.Namespace) -> Result:
     if (args.message_id is None) == (not args.all):
         raise ValueError("give either MESSAGE_ID or --all")
@@ -524,7 +629,14 @@ def _retry(runner: JobRunner, args: argparse.Namespace) -> Result:
         retried = [{"message_id": old, "new_message_id": new} for old, new in pairs]
     else:
         message_id = resolve_id(runner, args.message_id)
-        retried = [{"message_id": message_id, "new_message_id": runner.retry_dead(message_id)}]
+        new_id = runner.retry_dead(message_id)
+        if new_id is False:
+            print(
+                f"kumiko retry: message {message_id} is not a dead letter, nothing changed",
+                file=sys.stderr,
+            )
+            return {"message_id": message_id, "retried": False}, "", EXIT_NOTHING
+        retried = [{"message_id": message_id, "new_message_id": new_id}]
     text = "\n".join(
         f"{item['message_id']}: re-enqueued as {item['new_message_id']}" for item in retried
     )
@@ -541,6 +653,142 @@ def _cancel(runner: JobRunner, args: argparse.Namespace) -> Result:
         print(f"kumiko cancel: message {message_id} {why}, nothing changed", file=sys.stderr)
         return {**document, "state": "running" if running else "ended"}, "", EXIT_NOTHING
     return {**document, "state": "cancelled"}, f"{message_id}: cancelled", EXIT_OK
+
+
+def _queued(runner: JobRunner, args: argparse.Namespace) -> Result:
+    after = None
+    if args.cursor is not None:
+        after = QueuedMessage("", "", None, "", 0, datetime.now(UTC), None, None, args.cursor)
+    found = runner.queued(args.job, state=args.state, limit=args.limit + 1, after=after)
+    more = len(found) > args.limit
+    found = found[: args.limit]
+    rows = [
+        [
+            m.job_name,
+            m.message_id,
+            m.tenant_id or "",
+            m.state,
+            m.attempt,
+            _time(m.enqueued_at),
+            _time(m.due_at) if m.due_at is not None else "",
+        ]
+        for m in found
+    ]
+    text = table(
+        ["job", "message", "tenant", "state", "att.", "enqueued", "due"],
+        rows,
+        cuttable=("tenant",),
+    )
+    document: dict[str, Any] = {
+        "queued": [m.to_json(payload=args.payload) for m in found],
+        "cursor": found[-1].cursor if more and found else None,
+    }
+    if not text:
+        text = "nothing waits"
+    elif more:
+        text += "\n" + _more(len(found), "messages", f"--cursor {found[-1].cursor}")
+    if args.payload:  # below the table, whole: a payload is never cut
+        text += "".join(
+            f"\n\n--- {m.message_id} {m.job_name} ---\n"
+            + indented(json.dumps(m.payload, indent=2, sort_keys=True))
+            for m in found
+        )
+    return document, text, EXIT_OK
+
+
+def _stats(runner: JobRunner, args: argparse.Namespace) -> Result:
+    if args.job is not None:
+        runner.job(args.job)
+    rows = runner.stats(args.job, hours=args.hours)
+    text = table(
+        ["hour (UTC)", "job", "completed", "failed", "dead", "cancelled", "p50", "p95"],
+        [
+            [
+                _time(s.hour),
+                s.job_name,
+                s.completed,
+                s.failed,
+                s.dead,
+                s.cancelled,
+                _ms(s.p50_ms),
+                _ms(s.p95_ms),
+            ]
+            for s in rows
+        ],
+    )
+    document = {
+        "stats": [
+            {
+                "job_name": s.job_name,
+                "hour": s.hour.isoformat(),
+                **{
+                    name: getattr(s, name)
+                    for name in ("completed", "failed", "dead", "cancelled", "p50_ms", "p95_ms")
+                },
+            }
+            for s in rows
+        ]
+    }
+    return document, text or "no attempt in that time", EXIT_OK
+
+
+def _ms(value: int | None) -> str:
+    return "-" if value is None else f"{value} ms"
+
+
+def _run_now(runner: JobRunner, args: argparse.Namespace) -> Result:
+    message_id = resolve_id(runner, args.message_id)
+    moved = runner.run_now(message_id)
+    document = {"message_id": message_id, "queued_now": moved}
+    if not moved:
+        print(
+            f"kumiko run-now: message {message_id} is not delayed, nothing changed", file=sys.stderr
+        )
+        return document, "", EXIT_NOTHING
+    return document, f"{message_id}: queued now", EXIT_OK
+
+
+def _busy(runner: JobRunner, args: argparse.Namespace) -> Result:
+    runs = runner.running(args.job)
+    rows = [
+        [
+            r.job_name,
+            r.message_id,
+            r.tenant_id or "",
+            f"{r.attempt}/{r.max_attempts}",
+            r.worker or "-",
+            _time(r.started_at),
+            "" if r.started_at is None else _span(datetime.now(UTC) - r.started_at),
+        ]
+        for r in runs
+    ]
+    text = table(
+        ["job", "message", "tenant", "att.", "worker", "started", "running for"],
+        rows,
+        cuttable=("tenant",),
+    )
+    return {"running": [r.to_json() for r in runs]}, text or "nothing runs", EXIT_OK
+
+
+def _stop(runner: JobRunner, args: argparse.Namespace) -> Result:
+    message_id = resolve_id(runner, args.message_id)
+    asked = runner.stop_run(message_id)
+    document = {"message_id": message_id, "stop_requested": asked}
+    if not asked:
+        print(f"kumiko stop: message {message_id} is not running, nothing changed", file=sys.stderr)
+        return document, "", EXIT_NOTHING
+    return document, f"{message_id}: stop requested (the attempt ends cancelled)", EXIT_OK
+
+
+def _span(delta: timedelta) -> str:
+    seconds = max(0, int(delta.total_seconds()))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min"
 
 
 def _pause(runner: JobRunner, args: argparse.Namespace) -> Result:
@@ -683,6 +931,12 @@ _COMMANDS: dict[str, Callable[[JobRunner, argparse.Namespace], Result]] = {
     "dead": _dead,
     "retry": _retry,
     "cancel": _cancel,
+    "purge": _purge,
+    "queued": _queued,
+    "run-now": _run_now,
+    "stats": _stats,
+    "busy": _busy,
+    "stop": _stop,
     "pause": _pause,
     "resume": _resume,
     "locks": _locks,

@@ -36,6 +36,7 @@ from kumiko_dramatiq.worker.fanout import fan_out
 from kumiko_dramatiq.worker.fencing import LeaseLost
 from kumiko_dramatiq.worker.logs import hide_arguments
 from kumiko_dramatiq.worker.runtime import Runtime
+from kumiko_dramatiq.worker.stops import StopRequested
 
 
 def declare_actors(broker: KumikoBroker, runtime: Runtime) -> None:
@@ -49,8 +50,9 @@ def declare_actors(broker: KumikoBroker, runtime: Runtime) -> None:
             actor_name=job.qualified_name,
             queue_name=queue,
             priority=0,
-            # a fenced run (LeaseLost) is logged by the fence, not again as an unhandled error
-            options={"time_limit": time_limit, "throws": (LeaseLost,)},
+            # a fenced run (LeaseLost) is logged by the fence, a stopped one (StopRequested)
+            # by the stop watch, not again as an unhandled error
+            options={"time_limit": time_limit, "throws": (LeaseLost, StopRequested)},
         )
         if not runtime.settings.log_payloads:
             hide_arguments(actor.logger)
@@ -61,7 +63,7 @@ def declare_actors(broker: KumikoBroker, runtime: Runtime) -> None:
                 actor_name=job.wrapper_actor_name,
                 queue_name=queue,
                 priority=0,
-                options={"time_limit": float("inf")},
+                options={"time_limit": float("inf"), "throws": (StopRequested,)},
             )
             if not runtime.settings.log_payloads:
                 hide_arguments(wrapper.logger)
@@ -80,7 +82,8 @@ def _job_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]]
             with _refusing_stale(execution):
                 argument = load_payload(job, payload, note=STALE_NOTE, show_value=show_value)
         context = runtime.context_for(execution)
-        execution.interruptible.run(lambda: runtime.call_handler(job, argument, context))
+        with _stoppable(runtime, execution):
+            execution.interruptible.run(lambda: runtime.call_handler(job, argument, context))
         check_elapsed(job, started)
 
     run.__name__ = run.__qualname__ = job.qualified_name
@@ -102,7 +105,8 @@ def _wrapper_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, A
                     load_payload(job, payload, note=STALE_NOTE, show_value=show_value),
                     max_bytes=runtime.settings.max_payload_bytes,
                 )
-        execution.interruptible.run(lambda: fan_out(runtime, execution, payload))
+        with _stoppable(runtime, execution):
+            execution.interruptible.run(lambda: fan_out(runtime, execution, payload))
 
     wrapper.__name__ = wrapper.__qualname__ = job.wrapper_actor_name
     return wrapper
@@ -116,3 +120,16 @@ def _refusing_stale(execution: Execution) -> Iterator[None]:
     except PayloadError:
         execution.no_retry()
         raise
+
+
+@contextmanager
+def _stoppable(runtime: Runtime, execution: Execution) -> Iterator[None]:
+    """The handler call inside may be stopped by ``runner.stop_run``
+    (:mod:`kumiko_dramatiq.worker.stops`); a stopped attempt is its message's last."""
+    runtime.stops.watch(execution)
+    try:
+        yield
+    finally:
+        runtime.stops.forget(execution)
+        if execution.stopped:
+            execution.no_retry()

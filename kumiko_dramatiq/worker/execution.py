@@ -15,6 +15,7 @@ not declare pass untouched and have none. Nothing travels in untyped attributes.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from kumiko_dramatiq.errors import PayloadError
 from kumiko_dramatiq.limits import DEFAULT_MAX_PAYLOAD_BYTES, check_payload
 from kumiko_dramatiq.worker.fencing import LeaseLost
 from kumiko_dramatiq.worker.interrupts import Interruptible
+from kumiko_dramatiq.worker.stops import StopRequested
 
 if TYPE_CHECKING:
     from kumiko_dramatiq.registry import JobDefinition, Registry
@@ -60,6 +62,9 @@ class Execution:
     #: The handler call, which another thread may interrupt (a lease that could not be
     #: renewed, :mod:`kumiko_dramatiq.worker.fencing`).
     interruptible: Interruptible = field(default_factory=Interruptible)
+    #: Set once ``runner.stop_run`` asked this run to stop (``ctx.stop_requested``;
+    #: :mod:`kumiko_dramatiq.worker.stops`).
+    stop: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.meta = self.options.meta()
@@ -105,6 +110,12 @@ class Execution:
         (it is no longer the run's). A run that completed as the interruption came is not."""
         run = self.interruptible
         return run.raised and run.interrupted_by is LeaseLost
+
+    @property
+    def stopped(self) -> bool:
+        """Whether ``runner.stop_run`` interrupted the handler call (or stopped it before it
+        started): the attempt ends ``cancelled``, is not retried and frees its dedup key."""
+        return self.interruptible.interrupted_by is StopRequested
 
 
 def execution_of(message: MessageProxy | None) -> Execution | None:

@@ -22,6 +22,7 @@ from kumiko_dramatiq.settings import Settings
 from kumiko_dramatiq.worker.execution import Execution, execution_of
 from kumiko_dramatiq.worker.fencing import Fence
 from kumiko_dramatiq.worker.loop import EventLoopThread
+from kumiko_dramatiq.worker.stops import StopWatch
 from kumiko_dramatiq.worker.supervision import Deferred
 
 logger = logging.getLogger("kumiko_dramatiq")
@@ -64,10 +65,13 @@ class Runtime:
         #: starts on first use)
         self.deferred = Deferred(settings.queue_prefix)
         self.broker: KumikoBroker
+        #: brings ``stop_run`` requests to the runs (its thread starts on first use)
+        self.stops: StopWatch
 
     def attach(self, broker: KumikoBroker) -> None:
         """Bind the runtime to the broker it serves (once, at construction)."""
         self.broker = broker
+        self.stops = StopWatch(broker.client, self.settings.queue_prefix)
 
     @property
     def queue_prefix(self) -> str:
@@ -117,6 +121,7 @@ class Runtime:
             message_id=execution.message_id,
             meta=execution.meta,
             app=self.app,
+            stop_event=execution.stop,
         )
 
 

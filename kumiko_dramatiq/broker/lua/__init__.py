@@ -97,6 +97,9 @@ class LuaScripts:
     resume: Script
     count_attempt: Script
     runs_from: Script
+    purge_step: Script
+    delete_dead: Script
+    counts_backfill: Script
     # the start-up check of a user's permissions
     probe: Script
 

@@ -7,6 +7,7 @@
 -- @include dispatch
 local owned = redis.call("srem", queue_acks, ARGV[3])
 if owned == 1 then
+    uncount(queue_messages, ARGV[3])
     redis.call("hdel", queue_messages, ARGV[3])
 end
 return owned

@@ -26,6 +26,7 @@
 -- Returns {1, queue, redis id} (cancelled) or {0, reason}.
 -- @include history
 -- @include dedup_index
+-- @include counts
 local namespace, root, wanted = KEYS[1], ARGV[1], ARGV[2]
 local now = tonumber(ARGV[3])
 
@@ -70,6 +71,7 @@ for i = 7, #ARGV, 2 do
         local job = string.gsub(message.actor_name or "", ":fanout$", "")
         if delayed and redis.call("zrem", list .. ":schedule", rid) == 1 then
             -- on its queue's schedule: off it, with its body
+            uncount(list .. ".msgs", rid)
             redis.call("hdel", list .. ".msgs", rid)
         elseif claimed(queue, rid) then
             if not delayed then
@@ -83,6 +85,7 @@ for i = 7, #ARGV, 2 do
             local ttl = math.max(due - now, 0) + tonumber(ARGV[6])
             redis.call("set", root .. "cancel:" .. message.message_id, "1", "PX", ttl)
         else
+            uncount(list .. ".msgs", rid)
             redis.call("hdel", list .. ".msgs", rid)
             if not delayed then
                 redis.call("hdel", root .. "inflight", rid)

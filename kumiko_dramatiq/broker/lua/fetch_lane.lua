@@ -126,6 +126,7 @@ local function finish_claims()
     local acks, entries, gone = {}, {}, {}
     for i, c in ipairs(candidates) do
         if done[i] then
+            count_body(queue_messages, c[1], c[3], -1)
             gone[#gone + 1] = c[1]
             dropped[#dropped + 1] = c[4]
         else

@@ -27,8 +27,10 @@ if #due > 0 then
     for _, rid in ipairs(due) do
         local body = redis.call("hget", queue_messages, rid)
         if body then
+            count_body(queue_messages, rid, body, -1)
             redis.call("hdel", queue_messages, rid)
             redis.call("hset", target_messages, rid, body)
+            count_body(target_messages, rid, body, 1)
             redis.call("rpush", target, rid)
             moved = moved + 1
         end

@@ -10,6 +10,7 @@
 -- lua/schedule_legacy.lua) is not found.
 -- Returns {1, queue, redis id} (moved) or {0}.
 -- @include bell
+-- @include counts
 local namespace = KEYS[1]
 for i = 1, #ARGV, 2 do
     local queue, rid = ARGV[i], ARGV[i + 1]
@@ -18,8 +19,10 @@ for i = 1, #ARGV, 2 do
     if redis.call("zrem", schedule, rid) == 1 then
         local body = redis.call("hget", target .. ".DQ.msgs", rid)
         if body then
+            count_body(target .. ".DQ.msgs", rid, body, -1)
             redis.call("hdel", target .. ".DQ.msgs", rid)
             redis.call("hset", target .. ".msgs", rid, body)
+            count_body(target .. ".msgs", rid, body, 1)
             redis.call("rpush", target, rid)
             ring(target)
             return {1, queue, rid}

@@ -28,6 +28,7 @@ local specs = {
     zrange = {K, "0", "0"}, zrangebyscore = {K, "0", "0"}, zrem = {K, "m"},
     zremrangebyscore = {K, "0", "0"}, zrevrange = {K, "0", "0"},
     zrevrangebyscore = {K, "0", "0"}, zscore = {K, "m"},
+    hincrby = {K, "f", "0"}, unlink = {K},  -- per-job counts (include/counts.lua)
 }
 
 local function argv_of(command, spec, key)

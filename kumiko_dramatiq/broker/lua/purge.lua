@@ -5,5 +5,6 @@
 -- ARGV[1..2] dispatch head (see include/dispatch.lua)
 -- Returns nothing.
 -- @include dispatch
+uncount_all(queue_messages)
 redis.call("del", queue_list, queue_acks, queue_messages, dead_letters, dead_bodies,
     queue_list .. ":withdrawn", queue_list .. ":schedule")

@@ -16,6 +16,7 @@
 -- Returns {1 if the job was paused, requeued, dropped, parked ids left}.
 -- @include history
 -- @include bell
+-- @include counts
 local drop = {}
 for i = 7, #ARGV do
     drop[ARGV[i]] = true
@@ -35,6 +36,7 @@ for _, rid in ipairs(step) do
                 run.q or tonumber(ARGV[3]), cjson.encode(run), tonumber(ARGV[4]),
                 tonumber(ARGV[5]), tonumber(ARGV[3]))
         end
+        uncount(KEYS[4], rid)
         redis.call("hdel", KEYS[4], rid)
         dropped = dropped + 1
     else

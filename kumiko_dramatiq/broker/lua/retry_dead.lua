@@ -8,6 +8,7 @@
 if redis.call("zrem", KEYS[1], ARGV[1]) == 0 then
     return 0
 end
+uncount(KEYS[2], ARGV[1])
 redis.call("hdel", KEYS[2], ARGV[1])
 redis.call("del", KEYS[5])
 enqueue_message(KEYS[3], KEYS[4], ARGV[2], ARGV[3])

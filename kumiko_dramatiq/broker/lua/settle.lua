@@ -151,6 +151,7 @@ for i, rid in ipairs(rids) do
                 redis.call("set", root .. "dead:" .. mid, ARGV[base + 5], "PX", dead_ttl)
             end
         else
+            uncount(queue_messages, rid)
             forgotten[#forgotten + 1] = rid
         end
     else

@@ -14,11 +14,13 @@
 -- write_message(messages, list, rid, body): Dramatiq's write, whatever the queue (the
 --   "enqueue" command, Dramatiq's own, uses it).
 -- @include bell
+-- @include counts
 local function schedule_message(messages, list, rid, delay_ms, body)
     local time = redis.call("time")
     local due = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000) + delay_ms
     local schedule = list .. ":schedule"
     redis.call("hset", messages, rid, body)
+    count_body(messages, rid, body, 1)
     redis.call("zadd", schedule, due, rid)
     if redis.call("zrange", schedule, 0, 0)[1] == rid then
         ring(list)
@@ -27,6 +29,7 @@ end
 
 local function write_message(messages, list, rid, body)
     redis.call("hset", messages, rid, body)
+    count_body(messages, rid, body, 1)
     redis.call("rpush", list, rid)
     ring(list)
 end

@@ -9,6 +9,7 @@
 --   queue (<namespace>:<canonical queue>.XQ, ".DQ" stripped) older than dead_message_ttl_ms
 --   are deleted.
 -- @include bell
+-- @include counts
 local function maintain(namespace, queue, now, heartbeat_timeout, dead_ttl)
     local heartbeats = namespace .. ":__heartbeats__"
     local list = namespace .. ":" .. queue
@@ -36,6 +37,7 @@ local function maintain(namespace, queue, now, heartbeat_timeout, dead_ttl)
     local dead_bodies = dead_letters .. ".msgs"
     for _, rid in ipairs(redis.call("zrangebyscore", dead_letters, 0, now - dead_ttl)) do
         redis.call("zrem", dead_letters, rid)
+        uncount(dead_bodies, rid)
         redis.call("hdel", dead_bodies, rid)
     end
 end
