@@ -236,7 +236,8 @@ RESUME_STEP = 1_000
 PURGE_STEP = 100
 #: The states ``purge`` takes, and what it walks for each (``lua/purge_step.lua``'s modes).
 PURGE_WALKS: dict[str, tuple[str, ...]] = {
-    "queued": ("queued", "suspects"),
+    # queued: the queue's list and suspects, then the lists of those waiting for a cap
+    "queued": ("queued", "suspects", "capwait"),
     "delayed": ("delayed",),
     "parked": ("parked",),
     "dead": ("dead",),

@@ -3,8 +3,11 @@
 A page of waiting messages is read a batch at a time from where they wait, never by a walk of
 the whole queue:
 
-- **queued**: a lane queue's list, oldest first (from its head), skipping ids whose message
-  was cancelled or purged (no body) and ids claimed by a worker (running);
+- **queued**: first the messages waiting for a cap (``max_running``, ``rate_limit``: taken
+  off the queue already, they start first), from the lists of the lane's waiting groups
+  (``keys.cap_waiting``, by rank; each ``keys.cap_wait`` list oldest first); then a lane
+  queue's list, oldest first (from its head), skipping ids whose message was cancelled or
+  purged (no body) and ids claimed by a worker (running);
 - **parked**: a paused job's parked list (``keys.parked``), oldest first;
 - **delayed**: the lane's schedule of delayed messages (``keys.queue_schedule``, a sorted set
   by due time), soonest due first, their bodies from the delay queue's hash. A message an older
@@ -115,6 +118,8 @@ class Waiting:
             jobs = [job]
         places = []
         for each in states:
+            if each == "queued":
+                places += [f"capwait|{queue}" for queue in queues]
             if each == "parked":
                 places += [f"parked|{name}" for name in jobs]
             else:
@@ -125,6 +130,8 @@ class Waiting:
         self, place: str, position: str, job: str | None, limit: int, max_read: int
     ) -> list[QueuedMessage]:
         state, _, where = place.partition("|")
+        if state == "capwait":
+            return self._read_capwait(place, where, position, job, limit, max_read)
         if state == "delayed":
             return self._read_delayed(place, where, position, job, limit, max_read)
         if state == "parked":
@@ -152,6 +159,50 @@ class Waiting:
                     found.append(message)
                     if len(found) >= limit:
                         break
+            read += len(rids)
+            offset += len(rids)
+        return found
+
+    def _read_capwait(
+        self, place: str, queue: str, position: str, job: str | None, limit: int, max_read: int
+    ) -> list[QueuedMessage]:
+        """Off the lists of the queue's groups waiting for a cap (``keys.cap_waiting``, a group
+        at a time by rank; ``job``'s groups only, when given): position ``"<rank>.<offset>"``."""
+        rank_text, _, offset_text = position.partition(".")
+        rank = int(rank_text) if rank_text.isdigit() else 0
+        offset = int(offset_text) if offset_text.isdigit() else 0
+        waiting = keys.cap_waiting(self.prefix, queue)
+        found: list[QueuedMessage] = []
+        read = 0
+        while len(found) < limit and read < max_read:
+            groups = [text(g) for g in self.client.zrange(waiting, rank, rank)]
+            if not groups:
+                break
+            group = groups[0]
+            if job is not None and _job_of_group(group) != job:
+                rank, offset = rank + 1, 0
+                read += 1
+                continue
+            rids = [
+                text(r)
+                for r in self.client.lrange(
+                    keys.cap_wait(self.prefix, group), offset, offset + BATCH - 1
+                )
+            ]
+            if not rids:
+                rank, offset = rank + 1, 0
+                read += 1
+                continue
+            bodies = self.client.hmget(keys.queue_messages(queue), rids)
+            for n, body in enumerate(bodies):
+                if body is None:
+                    continue
+                cursor = f"{place}|{rank}.{offset + n + 1}"
+                message = self._message(body, "queued", job, cursor)
+                if message is not None:
+                    found.append(message)
+                    if len(found) >= limit:
+                        return found
             read += len(rids)
             offset += len(rids)
         return found
@@ -207,6 +258,12 @@ class Waiting:
             payload=message.args[0] if message.args else None,
             cursor=cursor,
         )
+
+
+def _job_of_group(group: str) -> str:
+    """The job a cap's group belongs to (``keys.cap_group``: the job, or its tenant's)."""
+    job, sep, _ = group.partition(":tenant:")
+    return job if sep else group
 
 
 def _instant(ms: Any) -> datetime:

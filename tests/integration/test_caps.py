@@ -771,3 +771,79 @@ def test_max_running_and_a_per_tenant_rate_limit_hold_together(
         assert times[2] - times[0] >= 0.45, (tenant, times)
     runner.drain(timeout_s=30)
     assert redis_client.hlen(keys.cap_waits(prefix)) == 0
+
+
+def _held(release: threading.Event, **options: Any) -> Registry:
+    """caps:job:work whose run of payload {"hold": true} waits for ``release``."""
+    feature = Feature("caps")
+
+    @feature.job("work", **options)
+    def work(payload: dict[str, Any], ctx: JobContext) -> None:
+        if payload.get("hold"):
+            release.wait(30)
+
+    return Registry([feature])
+
+
+def test_waiters_for_a_cap_are_listed_and_purged(
+    make_runner: RunnerFactory, recorder: Recorder, redis_client: redis.Redis, prefix: str
+) -> None:
+    release = threading.Event()
+    runner = make_runner(_held(release, max_running=1), worker_threads=3, **recorder.hooks())
+    holder = runner.dispatch(JOB, {"hold": True})
+    runner.start()
+    recorder.wait_until(lambda r: len(r.of("start", JOB)) == 1)
+    waiters = [runner.dispatch(JOB, {"n": n}, dedup_key=f"k{n}") for n in range(5)]
+    wait_for(lambda: redis_client.llen(keys.cap_wait(prefix, JOB)) == 5, what="five waiting")
+    assert runner.job_counts()[JOB]["queued"] == 5
+    # queued lists them, oldest first, a page at a time
+    page = runner.queued(JOB, state="queued", limit=3)
+    rest = runner.queued(JOB, state="queued", after=page[-1])
+    assert [m.message_id for m in page + rest] == waiters
+    assert {m.state for m in page + rest} == {"queued"}
+    assert runner.admin.purge(runner.registry.jobs[JOB], "queued", dry_run=True) == 5
+    assert runner.purge(JOB, state="queued") == 5
+    assert runner.queued(JOB, state="queued") == []
+    assert runner.job_counts()[JOB]["queued"] == 0
+    assert runner.admin.caps_fullness()[JOB]["cap_waiting"] == 0
+    assert not redis_client.exists(keys.cap_wait(prefix, JOB))
+    assert (
+        redis_client.zscore(
+            keys.cap_waiting(prefix, runner.registry.jobs[JOB].queue_name(prefix)), JOB
+        )
+        is None
+    )
+    assert not any(redis_client.exists(keys.dedup(prefix, JOB, f"k{n}")) for n in range(5))
+    # the holder ends: nothing else runs
+    release.set()
+    runner.drain(timeout_s=30)
+    assert [e.message_id for e in recorder.of("start", JOB)] == [holder]
+    assert runner.status().lanes[0].queued == 0
+    # a key the purge freed takes a new message, which runs
+    again = runner.dispatch(JOB, {"n": 9}, dedup_key="k0")
+    recorder.wait_until(lambda r: any(e.message_id == again for e in r.of("complete", JOB)))
+
+
+def test_a_waiter_for_a_cap_cancelled_leaves_no_count_behind(
+    make_runner: RunnerFactory, recorder: Recorder, redis_client: redis.Redis, prefix: str
+) -> None:
+    release = threading.Event()
+    runner = make_runner(_held(release, max_running=1), worker_threads=3, **recorder.hooks())
+    holder = runner.dispatch(JOB, {"hold": True})
+    runner.start()
+    recorder.wait_until(lambda r: len(r.of("start", JOB)) == 1)
+    waiters = [runner.dispatch(JOB, {"n": n}) for n in range(4)]
+    wait_for(lambda: redis_client.llen(keys.cap_wait(prefix, JOB)) == 4, what="four waiting")
+    assert runner.cancel(waiters[1]) is True
+    # off the waiting list and its count at once, not when the fetch meets it
+    assert redis_client.llen(keys.cap_wait(prefix, JOB)) == 3
+    assert runner.admin.caps_fullness()[JOB]["cap_waiting"] == 3
+    assert runner.job_counts()[JOB]["queued"] == 3
+    assert [m.message_id for m in runner.queued(JOB)] == [waiters[0], *waiters[2:]]
+    assert runner.cancel(waiters[1]) is False
+    release.set()
+    recorder.wait_until(lambda r: len(r.of("complete", JOB)) == 4, timeout_s=30)
+    runner.drain(timeout_s=30)
+    assert [e.message_id for e in recorder.of("start", JOB)] == [holder, waiters[0], *waiters[2:]]
+    assert redis_client.hget(keys.cap_waits(prefix), JOB) is None
+    assert runner.job_counts()[JOB]["queued"] == 0

@@ -14,7 +14,11 @@
 -- parked list): its body is deleted and its redis id noted as withdrawn (in
 -- "<queue list>:withdrawn", or "<root>parked-withdrawn:<job>" while its job is paused), so
 -- the fetch or resume that meets the id drops it and counts leave it out: no search of the
--- list. Delayed, on its queue's schedule ("<delay queue list>:schedule", keys.queue_schedule):
+-- list. Waiting for a cap (include/caps.lua: in "<root>capwait:<job>" or a per-tenant
+-- group's list, off the queue list): it leaves that list (LREM, O(waiters): about 3 ms at
+-- 100,000 waiting), its job's waiting count ("<root>capwaits") drops by one, a group left
+-- with no waiter leaves "<root>capwaiting:<queue>", and its body is deleted; nothing is noted
+-- as withdrawn. Delayed, on its queue's schedule ("<delay queue list>:schedule", keys.queue_schedule):
 -- it leaves the schedule and its body is deleted (O(log n); counts drop at once). Written by
 -- an older version, on Dramatiq's own delay queue list: its body is deleted (the step that
 -- schedules it, or the old worker that fetches the id, finds nothing to run). Held in an old
@@ -29,6 +33,32 @@
 -- @include counts
 local namespace, root, wanted = KEYS[1], ARGV[1], ARGV[2]
 local now = tonumber(ARGV[3])
+
+-- whether rid (a message of job with options, on lane queue) waited for a cap: then it is
+-- off its group's list and uncounted there
+local function unwait(queue, job, options, rid)
+    if type(options.kumiko_caps) ~= "table" then
+        return false
+    end
+    local groups = {job}
+    local tenant = options.kumiko_tenant_id
+    if type(tenant) == "string" then
+        groups[2] = job .. ":tenant:" .. #tenant .. ":" .. tenant
+    end
+    for _, group in ipairs(groups) do
+        local list = root .. "capwait:" .. group
+        if redis.call("lrem", list, 1, rid) == 1 then
+            if redis.call("hincrby", root .. "capwaits", job, -1) <= 0 then
+                redis.call("hdel", root .. "capwaits", job)
+            end
+            if redis.call("exists", list) == 0 then
+                redis.call("zrem", root .. "capwaiting:" .. queue, group)
+            end
+            return true
+        end
+    end
+    return false
+end
 
 -- the decoded message of body if it is the one wanted (or a hand-off carrying it on)
 local function wanted_in(body)
@@ -89,7 +119,9 @@ for i = 7, #ARGV, 2 do
             redis.call("hdel", list .. ".msgs", rid)
             if not delayed then
                 redis.call("hdel", root .. "inflight", rid)
-                if redis.call("sismember", root .. "paused", job) == 1 then
+                if message.actor_name == job and unwait(queue, job, message.options, rid) then
+                    -- it waited for a cap: off that list already
+                elseif redis.call("sismember", root .. "paused", job) == 1 then
                     redis.call("sadd", root .. "parked-withdrawn:" .. job, rid)
                 else
                     redis.call("sadd", list .. ":withdrawn", rid)
