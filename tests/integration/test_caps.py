@@ -847,3 +847,40 @@ def test_a_waiter_for_a_cap_cancelled_leaves_no_count_behind(
     assert [e.message_id for e in recorder.of("start", JOB)] == [holder, waiters[0], *waiters[2:]]
     assert redis_client.hget(keys.cap_waits(prefix), JOB) is None
     assert runner.job_counts()[JOB]["queued"] == 0
+
+
+def test_waiters_of_per_tenant_rate_limits_are_listed_cancelled_and_purged(
+    make_runner: RunnerFactory, recorder: Recorder, redis_client: redis.Redis, prefix: str
+) -> None:
+    tenants = ["a", "b", "c"]
+    registry = capped(
+        Ledger(), hold_s=0.0, per_tenant=True, rate_limit=RateLimit(1, 60_000, per_tenant=True)
+    )
+    runner = make_runner(
+        registry, worker_threads=4, get_active_tenant_ids=lambda: tenants, **recorder.hooks()
+    )
+    runner.dispatch(JOB, {})
+    runner.dispatch(JOB, {})
+    runner.start()
+    # one run per tenant, the second round waits a minute in each tenant's group
+    recorder.wait_until(
+        lambda r: len([e for e in r.of("complete", JOB) if e.meta.tenant_id]) == 3,
+        timeout_s=30,
+    )
+    wait_for(lambda: runner.job_counts()[JOB]["queued"] == 3, what="three waiting")
+    queue = runner.registry.jobs[JOB].queue_name(prefix)
+    waiting = runner.queued(JOB, state="queued")
+    assert sorted(m.tenant_id or "" for m in waiting) == tenants
+    # by the same pages without a job filter (every group of the lane)
+    assert {m.message_id for m in runner.queued(state="queued")} == {m.message_id for m in waiting}
+    cancelled = waiting[0]
+    assert runner.cancel(cancelled.message_id) is True
+    group = keys.cap_group(JOB, cancelled.tenant_id)
+    assert not redis_client.exists(keys.cap_wait(prefix, group))
+    assert redis_client.zscore(keys.cap_waiting(prefix, queue), group) is None
+    assert runner.admin.caps_fullness()[JOB]["cap_waiting"] == 2
+    assert runner.purge(JOB, state="queued") == 2
+    assert runner.queued(JOB) == []
+    assert runner.job_counts()[JOB]["queued"] == 0
+    assert redis_client.hget(keys.cap_waits(prefix), JOB) is None
+    assert redis_client.zcard(keys.cap_waiting(prefix, queue)) == 0
