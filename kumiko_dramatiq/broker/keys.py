@@ -234,6 +234,13 @@ def cap_group(job_name: str, tenant_id: str | None) -> str:
     return f"{job_name}:tenant:{len(tenant_id.encode())}:{tenant_id}"
 
 
+def cap_group_job(group: str) -> str:
+    """The job a waiting group (:func:`cap_group`) belongs to (``lua/include/caps.lua``'s
+    ``caps_job_of``)."""
+    job, sep, _ = group.partition(":tenant:")
+    return job if sep else group
+
+
 def cap_rate(queue_prefix: str, group: str) -> str:
     """Sorted set of the starts in a rate limit's window (:func:`cap_group`): member a start's
     owner token, scored by when it started (ms, Redis's clock)."""

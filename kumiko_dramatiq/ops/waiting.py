@@ -179,7 +179,7 @@ class Waiting:
             if not groups:
                 break
             group = groups[0]
-            if job is not None and _job_of_group(group) != job:
+            if job is not None and keys.cap_group_job(group) != job:
                 rank, offset = rank + 1, 0
                 read += 1
                 continue
@@ -258,12 +258,6 @@ class Waiting:
             payload=message.args[0] if message.args else None,
             cursor=cursor,
         )
-
-
-def _job_of_group(group: str) -> str:
-    """The job a cap's group belongs to (``keys.cap_group``: the job, or its tenant's)."""
-    job, sep, _ = group.partition(":tenant:")
-    return job if sep else group
 
 
 def _instant(ms: Any) -> datetime:
