@@ -31,6 +31,8 @@ HOLD = "mail:job:hold"
 DIGEST = "mail:job:digest"
 FAIL = "mail:job:fail"
 SECRET = '<b id="leak">card 4242</b>'
+#: an action's result (the problems banner, also a .flash, is role="alert")
+RESULT = '.flash[role="status"]'
 
 
 @pytest.fixture
@@ -83,7 +85,7 @@ def click(driver: webdriver.Chrome, action: str, message_id: str | None = None) 
         wait_for(lambda: _alert(driver), what="the confirmation")
         driver.switch_to.alert.accept()
     wait_for(lambda: _gone(button), what="the page after the action")
-    wait_for(lambda: bool(driver.find_elements(By.CSS_SELECTOR, ".flash")), what="the result")
+    wait_for(lambda: bool(driver.find_elements(By.CSS_SELECTOR, RESULT)), what="the result")
 
 
 def _gone(element: Any) -> bool:
@@ -126,13 +128,11 @@ def test_a_job_page_shows_waiting_payloads_runs_one_now_and_purges_the_rest(
         assert SECRET.replace('"', '\\"') in str(table.get_attribute("textContent"))
         assert browser.find_elements(By.ID, "leak") == []
         click(browser, "run-now", later)
-        assert (
-            f"Message {later} queued now." in browser.find_element(By.CSS_SELECTOR, ".flash").text
-        )
+        assert f"Message {later} queued now." in browser.find_element(By.CSS_SELECTOR, RESULT).text
         assert (count(browser, "queued"), count(browser, "delayed")) == ("4", "0")
         Select(browser.find_element(By.ID, "purge-state")).select_by_value("queued")
         click(browser, "purge")
-        assert "4 queued message(s)" in browser.find_element(By.CSS_SELECTOR, ".flash").text
+        assert "4 queued message(s)" in browser.find_element(By.CSS_SELECTOR, RESULT).text
         assert count(browser, "queued") == "0"
         assert no_alert(browser)
     assert runner.job_counts()[SEND]["queued"] == 0
@@ -152,7 +152,7 @@ def test_the_busy_page_stops_a_running_attempt(
         busy = browser.find_element(By.CSS_SELECTOR, "table.busy")
         assert held in str(busy.get_attribute("innerHTML"))
         click(browser, "stop", held)
-        assert f"Stop requested for {held}" in browser.find_element(By.CSS_SELECTOR, ".flash").text
+        assert f"Stop requested for {held}" in browser.find_element(By.CSS_SELECTOR, RESULT).text
         wait_for(lambda: [r.status for r in runner.run_record(held)] == ["cancelled"])
         browser.get(base + "/busy")
         assert "Nothing runs now." in browser.find_element(By.CSS_SELECTOR, "table.busy").text
@@ -169,7 +169,7 @@ def test_schedules_run_a_cron_job_now_and_show_its_tick(
     with served(create_app(runner, token=TOKEN)) as base:
         sign_in(browser, base, "/schedules")
         click(browser, "dispatch")
-        assert f"{DIGEST} dispatched now" in browser.find_element(By.CSS_SELECTOR, ".flash").text
+        assert f"{DIGEST} dispatched now" in browser.find_element(By.CSS_SELECTOR, RESULT).text
         recorder.wait_until(lambda r: bool(r.of("complete", DIGEST)), what="the run")
         wait_for(lambda: [r.status for r in runner.runs(DIGEST)] == ["completed"])
         browser.get(base + "/schedules")
@@ -191,9 +191,9 @@ def test_dead_letters_are_deleted_from_the_dead_letters_page(
         sign_in(browser, base, "/dead")
         click(browser, "delete", ids[0])
         assert (
-            f"Dead letter {ids[0]} deleted." in browser.find_element(By.CSS_SELECTOR, ".flash").text
+            f"Dead letter {ids[0]} deleted." in browser.find_element(By.CSS_SELECTOR, RESULT).text
         )
         browser.get(f"{base}/dead?job={FAIL}")
         click(browser, "purge")
-        assert "2 dead message(s)" in browser.find_element(By.CSS_SELECTOR, ".flash").text
+        assert "2 dead message(s)" in browser.find_element(By.CSS_SELECTOR, RESULT).text
     assert runner.dead_letters() == []
