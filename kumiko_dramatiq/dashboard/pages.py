@@ -54,7 +54,9 @@ WAITING_PAGE: Final = 50
 STATS_HOURS: Final = 24
 HOUR_MS: Final = 3_600_000
 #: A position in the waiting messages (``QueuedMessage.cursor``).
-WAITING_CURSOR: Final = re.compile(r"(queued|parked|delayed)\|[A-Za-z0-9._:-]{1,250}\|[0-9:]{1,40}")
+WAITING_CURSOR: Final = re.compile(
+    r"(queued|parked|delayed|capwait)\|[A-Za-z0-9._:-]{1,250}\|[0-9:.]{1,40}"
+)
 
 
 class BadInput(ValueError):

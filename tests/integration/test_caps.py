@@ -32,6 +32,7 @@ from kumiko_dramatiq import (
 )
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.replies import text
+from kumiko_dramatiq.dashboard.pages import parse_waiting_cursor
 from kumiko_dramatiq.messages import build_message
 from tests.apps import caps_app
 from tests.conftest import Recorder, RunnerFactory, wait_for
@@ -800,6 +801,9 @@ def test_waiters_for_a_cap_are_listed_and_purged(
     page = runner.queued(JOB, state="queued", limit=3)
     rest = runner.queued(JOB, state="queued", after=page[-1])
     assert [m.message_id for m in page + rest] == waiters
+    # the position a page carries is one the dashboard takes back
+    after = parse_waiting_cursor({"after": page[-1].cursor})
+    assert runner.queued(JOB, state="queued", after=after) == rest
     assert {m.state for m in page + rest} == {"queued"}
     assert runner.admin.purge(runner.registry.jobs[JOB], "queued", dry_run=True) == 5
     assert runner.purge(JOB, state="queued") == 5
