@@ -175,36 +175,36 @@ class Waiting:
         found: list[QueuedMessage] = []
         read = 0
         while len(found) < limit and read < max_read:
-            groups = [text(g) for g in self.client.zrange(waiting, rank, rank)]
+            groups = [text(g) for g in self.client.zrange(waiting, rank, rank + BATCH - 1)]
             if not groups:
                 break
-            group = groups[0]
-            if job is not None and keys.cap_group_job(group) != job:
-                rank, offset = rank + 1, 0
-                read += 1
-                continue
-            rids = [
-                text(r)
-                for r in self.client.lrange(
-                    keys.cap_wait(self.prefix, group), offset, offset + BATCH - 1
-                )
-            ]
-            if not rids:
-                rank, offset = rank + 1, 0
-                read += 1
-                continue
-            bodies = self.client.hmget(keys.queue_messages(queue), rids)
-            for n, body in enumerate(bodies):
-                if body is None:
-                    continue
-                cursor = f"{place}|{rank}.{offset + n + 1}"
-                message = self._message(body, "queued", job, cursor)
-                if message is not None:
-                    found.append(message)
-                    if len(found) >= limit:
+            read += len(groups)
+            for group in groups:
+                if job is None or keys.cap_group_job(group) == job:
+                    while len(found) < limit and read < max_read:
+                        rids = [
+                            text(r)
+                            for r in self.client.lrange(
+                                keys.cap_wait(self.prefix, group), offset, offset + BATCH - 1
+                            )
+                        ]
+                        if not rids:
+                            break
+                        bodies = self.client.hmget(keys.queue_messages(queue), rids)
+                        for n, body in enumerate(bodies):
+                            if body is None:
+                                continue
+                            cursor = f"{place}|{rank}.{offset + n + 1}"
+                            message = self._message(body, "queued", job, cursor)
+                            if message is not None:
+                                found.append(message)
+                                if len(found) >= limit:
+                                    return found
+                        read += len(rids)
+                        offset += len(rids)
+                    if len(found) >= limit or read >= max_read:
                         return found
-            read += len(rids)
-            offset += len(rids)
+                rank, offset = rank + 1, 0
         return found
 
     def _read_delayed(

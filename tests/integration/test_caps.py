@@ -877,6 +877,13 @@ def test_waiters_of_per_tenant_rate_limits_are_listed_cancelled_and_purged(
     assert sorted(m.tenant_id or "" for m in waiting) == tenants
     # by the same pages without a job filter (every group of the lane)
     assert {m.message_id for m in runner.queued(state="queued")} == {m.message_id for m in waiting}
+    # one at a time, each page resuming where the last one stopped, across the groups
+    paged: list[str] = []
+    after = None
+    while page := runner.queued(JOB, state="queued", limit=1, after=after):
+        paged += [m.message_id for m in page]
+        after = page[-1]
+    assert paged == [m.message_id for m in waiting]
     cancelled = waiting[0]
     assert runner.cancel(cancelled.message_id) is True
     group = keys.cap_group(JOB, cancelled.tenant_id)
