@@ -712,8 +712,13 @@ MARKERS = frozenset({"done", "sent"})
 MUST_BE_GONE = frozenset(
     {"lock", "dedup", "inflight", "suspects", "capwait", "capwaiting", "capwaits"}
 )
-#: Documented persistent records.
-PERSISTENT = frozenset({"boot"})
+#: Documented persistent records: boot markers, and the dataset marker (``dataset``: a token
+#: kept as long as the dataset, whose disappearance reads as a dataset reset).
+PERSISTENT = frozenset({"boot", "dataset"})
+#: The per-job hourly stats (``stats:{job}:{hour}``, :mod:`kumiko_dramatiq.ops.stats`): each
+#: hash's TTL refreshed to 8 days by every write.
+STATS = frozenset({"stats"})
+STATS_TTL_MS = 8 * 86_400_000
 #: The soak's own records.
 OWN = frozenset({"soak"})
 #: The run history's records (``run:{id}``, ``dead:{id}``: :mod:`kumiko_dramatiq.ops.history`),
@@ -788,6 +793,8 @@ def check_leftovers(
             result.violations.append(f"{kind} record left behind: {key} (pttl {pttl} ms)")
         elif kind in MARKERS:
             _bound(result, key, pttl, marker_ttls.get(kind, ttl_bound_ms))
+        elif kind in STATS:
+            _bound(result, key, pttl, STATS_TTL_MS)
         elif kind in TTL_BOUND:
             message_id = key[len(root) + len(kind) + 1 :]
             if kind == "enqueued" and guarded is not None and message_id not in guarded:
@@ -808,6 +815,10 @@ def check_leftovers(
             _bound(result, key, pttl, BELL_TTL_MS)
         elif key.endswith((".XQ", ".XQ.msgs")):
             counts["(queue) dead letters"] += 1
+        elif key.endswith(":counts"):
+            # the per-job message counts (``keys.queue_counts``): a few fields per job, kept
+            # as long as the queue (docs/operations.md)
+            counts["(queue) counts"] += 1
         else:
             counts["(queue) other"] += 1
             result.violations.append(f"queue key left behind: {key} (pttl {pttl} ms)")
