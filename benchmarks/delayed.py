@@ -23,7 +23,6 @@ memory flat in the backlog; 100,000 due at once all queued within 2 s.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from dramatiq.broker import Broker
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.message import Message
 
+from benchmarks.harness import cli_environment
 from kumiko_dramatiq import JobRunner, Registry
 from kumiko_dramatiq.testing import private_redis_server
 
@@ -70,19 +70,6 @@ class Lateness:
         return f"{ordered[min(len(ordered) - 1, int(q * len(ordered)))]:.0f}"
 
 
-def environment(kind: str, url: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KUMIKO_")}
-    env.update(
-        PYTHONPATH=str(ROOT),
-        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-        BENCH_BROKER=kind,
-        BENCH_REDIS_URL=url,
-    )
-    if kind == "kumiko":
-        env["KUMIKO_APP"] = "benchmarks.delayed_app:runner"
-    return env
-
-
 @contextmanager
 def worker(kind: str, url: str, client: redis.Redis) -> Iterator[subprocess.Popen[bytes]]:
     """A ``dramatiq`` CLI worker of ``kind`` (one process, four threads), consuming."""
@@ -90,7 +77,7 @@ def worker(kind: str, url: str, client: redis.Redis) -> Iterator[subprocess.Pope
     child = subprocess.Popen(
         [sys.executable, "-m", "dramatiq", module, "-p", "1", "-t", str(THREADS)],
         cwd=ROOT,
-        env=environment(kind, url),
+        env=cli_environment(kind, url, "benchmarks.delayed_app"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

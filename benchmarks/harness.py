@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -135,3 +138,20 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
+
+
+def cli_environment(kind: str, url: str, app_module: str) -> dict[str, str]:
+    """The environment of a benchmark's ``dramatiq`` CLI worker or producer of ``kind``
+    (``"kumiko"`` or ``"plain"``) on ``url``: no inherited ``KUMIKO_*``, the repository on
+    ``PYTHONPATH``, this venv first on ``PATH``, and for kumiko ``KUMIKO_APP`` =
+    ``<app_module>:runner``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUMIKO_")}
+    env.update(
+        PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        BENCH_BROKER=kind,
+        BENCH_REDIS_URL=url,
+    )
+    if kind == "kumiko":
+        env["KUMIKO_APP"] = f"{app_module}:runner"
+    return env

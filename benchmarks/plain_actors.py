@@ -23,7 +23,6 @@ seconds and the time ratio kumiko/plain (target: at most 1.10).
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import statistics
 import subprocess
@@ -39,6 +38,7 @@ from dramatiq.broker import Broker
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.message import Message
 
+from benchmarks.harness import cli_environment
 from examples.redis_server import private_redis
 from kumiko_dramatiq import JobRunner, Registry
 
@@ -81,19 +81,6 @@ def scenarios() -> list[Scenario]:
     ]
 
 
-def environment(kind: str, url: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KUMIKO_")}
-    env.update(
-        PYTHONPATH=str(ROOT),
-        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-        BENCH_BROKER=kind,
-        BENCH_REDIS_URL=url,
-    )
-    if kind == "kumiko":
-        env["KUMIKO_APP"] = "benchmarks.plain_app:runner"
-    return env
-
-
 @contextmanager
 def worker(kind: str, url: str, processes: int, client: redis.Redis) -> Iterator[None]:
     """``dramatiq`` CLI workers of ``kind``, consuming once this yields."""
@@ -101,7 +88,7 @@ def worker(kind: str, url: str, processes: int, client: redis.Redis) -> Iterator
     child = subprocess.Popen(
         [sys.executable, "-m", "dramatiq", module, "-p", str(processes), "-t", str(THREADS)],
         cwd=ROOT,
-        env=environment(kind, url),
+        env=cli_environment(kind, url, "benchmarks.plain_app"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
