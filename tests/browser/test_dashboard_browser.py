@@ -85,6 +85,13 @@ def shop() -> tuple[Registry, threading.Event]:
     return Registry([feature]), fixed
 
 
+def shown(browser: webdriver.Chrome, css: str) -> Any:
+    """The element ``css`` selects once the page shows it (a click's navigation, or a page
+    whose URL changed before its body was parsed, may still be under way)."""
+    wait_for(lambda: bool(browser.find_elements(By.CSS_SELECTOR, css)), what=css)
+    return browser.find_element(By.CSS_SELECTOR, css)
+
+
 def dead_letter(runner: JobRunner) -> str:
     """Dispatch a run that fails for good; wait until it is a dead letter."""
     message_id = runner.dispatch(JOB)
@@ -124,7 +131,7 @@ def test_an_operator_retries_a_dead_letter_and_sees_it_complete(
         wait_for(lambda: browser.current_url == f"{base}/dead", what="the dead letters page")
 
         # Then the error, HTML and all, is shown as text, never run
-        error = browser.find_element(By.CSS_SELECTOR, "table.dead .error")
+        error = shown(browser, "table.dead .error")
         assert PAYLOAD in error.text
         assert browser.find_elements(By.CSS_SELECTOR, "main script, main img") == []
         assert no_alert(browser)
@@ -137,7 +144,7 @@ def test_an_operator_retries_a_dead_letter_and_sees_it_complete(
         row_form.find_element(By.CSS_SELECTOR, "button[data-action='retry']").click()
 
         # Then the page says it was re-enqueued, as which message
-        flash = browser.find_element(By.CSS_SELECTOR, ".flash.ok").text
+        flash = shown(browser, ".flash.ok").text
         assert f"Dead letter {dead_id} re-enqueued" in flash
         new_id = flash.rsplit(" as ", 1)[1].split(".")[0]
         recorder.wait_until(
