@@ -34,7 +34,19 @@
 -- this worker's any more). Settling again (a reply lost) changes nothing.
 -- The writes common to the batch are one command each (ack set, message hash, in-flight
 -- hash, each run index, each stats counter).
--- Returns one 1 or 0 per delivery: 1 if it was (or became again) this worker's.
+-- After the deliveries, optionally, the claim of the settling consumer's next messages (a
+-- steadily draining consumer then sends no fetch of its own): ARGV[4 + 9 * deliveries ..] as
+-- fetch_lane's ARGV[3..7] (claim head "<N> <messages the consumer holds once these are
+-- settled> <max deliveries> <completed TTL> <failed TTL>", "already completed" marker
+-- prefix, kumiko root, "host:pid", the slots' lease TTL ms on a lane with capped jobs).
+-- Claimed after every delivery is settled, exactly as fetch_lane claims (its rules for
+-- suspects, paused jobs, cancelled ids, caps and the doorbell); a slot given back here
+-- whose job has waiters is offered to this claim first (the doorbell rings for them only if
+-- the claim could not take them), so a freed slot's oldest waiter goes to the consumer that
+-- has just freed a worker thread.
+-- Returns one 1 or 0 per delivery: 1 if it was (or became again) this worker's; with a
+-- claim, {those, fetch_lane's reply}.
+-- @include lane_claim
 -- @include dispatch
 -- @include enqueue
 -- @include dead_letter
@@ -51,6 +63,9 @@ ttl_ms(marker_ttl, "completed marker")
 completed_ttl = ttl_ms(completed_ttl, "completed run record")
 failed_ttl = ttl_ms(failed_ttl, "failed run record")
 local FIELDS = 9
+local claim_at = 4 + count * FIELDS
+local claiming = ARGV[claim_at] ~= nil
+local released = {}
 
 -- Whose deliveries are they? Read first: nothing is written before the follow-ups, the one
 -- write that can fail on a key it does not own.
@@ -93,7 +108,11 @@ for i, rid in ipairs(rids) do
     local slot_key, slot_token = nil, nil
     if string.find(outcome, " ", 1, true) then
         outcome, slot_key, slot_token = string.match(outcome, "^(%a+) (%S+) (%S+)$")
-        caps_release(slot_key, slot_token, queue_list)
+        if claiming then
+            released[#released + 1] = caps_release(slot_key, slot_token, nil)
+        else
+            caps_release(slot_key, slot_token, queue_list)
+        end
     end
     local mine = owned[i] or recovered[i] ~= nil
     local entry = nil
@@ -176,4 +195,8 @@ if tonumber(trim) > 0 then
             indexed_job)
     end
 end
-return results
+if not claiming then
+    return results
+end
+return {results, claim_lane(ARGV[claim_at], ARGV[claim_at + 1], ARGV[claim_at + 2],
+    ARGV[claim_at + 3], ARGV[claim_at + 4], released)}

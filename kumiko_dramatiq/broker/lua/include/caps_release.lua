@@ -12,15 +12,20 @@ local function caps_waiting(root)
 end
 
 -- give back the slot token holds in slots_key; waiters of its job are looked at now and the
--- queue's doorbell (list) rings for them
+-- queue's doorbell (list) rings for them (list nil: the caller claims for them itself and
+-- rings if it could not, see include/lane_claim.lua). Returns the job if it has waiters.
 local function caps_release(slots_key, token, list)
     local root, job = string.match(slots_key, "^([^:]*:[^:]*:)slots:(.+)$")
     if not root or redis.call("zrem", slots_key, token) == 0 then
-        return
+        return nil
     end
     local waiting = caps_waiting(root)
     if redis.call("zscore", waiting, job) then
         redis.call("zadd", waiting, 0, job)
-        ring(list)
+        if list then
+            ring(list)
+        end
+        return job
     end
+    return nil
 end

@@ -1,0 +1,346 @@
+-- include "lane_claim": claiming messages of a kumiko lane queue for this worker, the work of
+-- fetch_lane.lua, also done by settle.lua for the consumer whose deliveries it settles (so a
+-- steadily draining consumer sends one call per batch, not a settle and a fetch).
+-- claim_lane(spec, done_prefix, root, run_worker, caps_arg, released) -> the reply of
+-- fetch_lane (see there), with KEYS[1..3] and ARGV[1..2] as fetch_lane's:
+--   spec "<N> <messages the consumer holds> <max deliveries> <TTL ms of completed and
+--   cancelled run records> <TTL ms of failed ones>"; done_prefix the "already completed"
+--   marker prefix ("" = no check); root "kumiko:<prefix>:"; run_worker "host:pid"; caps_arg
+--   the slots' lease TTL ms (lanes with capped jobs only, else nil); released: the jobs whose
+--   slot the caller gave back without ringing (caps_release with no list): each one's waiters
+--   that this claim could not look at (no room, or not among the groups due first) get the
+--   doorbell rung for them here, as caps_release would have.
+-- @include dispatch
+-- @include caps
+-- @include dead_letter
+-- @include history
+-- @include bell
+
+local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, released)
+    local inflight = KEYS[2]
+    local suspects = KEYS[3]
+    local wanted, held, max_deliveries, completed_ttl, failed_ttl =
+        string.match(spec, "^(%d+) (%d+) (%d+) (%d+) (%d+)$")
+    if not wanted then
+        error("kumiko: malformed claim head " .. tostring(spec))
+    end
+    wanted, max_deliveries = tonumber(wanted), tonumber(max_deliveries)
+    completed_ttl, failed_ttl = tonumber(completed_ttl), tonumber(failed_ttl)
+    local idle = held == "0"
+    local fetched, dropped, buried = {}, {}, {}
+    local alone = 0
+    local any_paused = redis.call("scard", root .. "paused") > 0
+    local caps_ttl = tonumber(caps_arg or "")
+    local caps_t, parked_here = 0, 0
+    -- a fetch sets at most this many messages waiting (then rings for the next fetch to go on)
+    local CAPS_PARK_BOUND = 64
+    -- the caps' functions (include/caps.lua) and this script's own, made only with caps_arg;
+    -- slot_of: rid -> {slots key, token} of the slots taken (a claim the "already completed"
+    -- check drops gives its slot back at the end)
+    local C, claim_capped, serve, slot_of = nil, nil, nil, {}
+
+    -- the job of an encoded message, if it is one of a paused job's ("<job>" or nil)
+    local function paused_job(body)
+        local actor = body and string.match(body, '"actor_name":"([^"]*)"')
+        if not actor then
+            return nil
+        end
+        local job = string.gsub(actor, ":fanout$", "")
+        if redis.call("sismember", root .. "paused", job) == 1 then
+            return job
+        end
+        return nil
+    end
+
+    -- whether rid is one that cancel withdrew (its body deleted while it waited): forget it
+    local function withdrawn(rid)
+        if redis.call("srem", queue_list .. ":withdrawn", rid) == 1 then
+            return true
+        end
+        if any_paused then
+            for _, job in ipairs(redis.call("smembers", root .. "paused")) do
+                if redis.call("srem", root .. "parked-withdrawn:" .. job, rid) == 1 then
+                    return true
+                end
+            end
+        end
+        return false
+    end
+
+    -- claim(rid, seen, body): take rid for this consumer unless it was withdrawn or its job is
+    -- paused; its "already completed" check and its writes are done for all claims at once
+    -- (finish_claims)
+    local candidates = {}
+    local function claim(rid, seen, body)
+        if not body and withdrawn(rid) then
+            redis.call("hdel", inflight, rid)
+            return false
+        end
+        if any_paused then
+            local job = paused_job(body)
+            if job then
+                redis.call("rpush", root .. "parked:" .. job, rid)
+                return false
+            end
+        end
+        candidates[#candidates + 1] = {rid, seen, body}
+        return true
+    end
+
+    local function finish_claims()
+        if #candidates == 0 then
+            return
+        end
+        local done = {}
+        if done_prefix ~= "" then
+            local markers, at = {}, {}
+            for i, c in ipairs(candidates) do
+                local message_id = c[3] and message_id_of(c[3])
+                if message_id then
+                    markers[#markers + 1] = done_prefix .. message_id
+                    at[#markers] = i
+                    c[4] = message_id
+                end
+            end
+            if #markers > 0 then
+                for j, value in ipairs(redis.call("mget", unpack(markers))) do
+                    if value then
+                        done[at[j]] = true
+                    end
+                end
+            end
+        end
+        local acks, entries, gone = {}, {}, {}
+        for i, c in ipairs(candidates) do
+            if done[i] then
+                count_body(queue_messages, c[1], c[3], -1)
+                gone[#gone + 1] = c[1]
+                dropped[#dropped + 1] = c[4]
+            else
+                acks[#acks + 1] = c[1]
+                entries[#entries + 1] = c[1]
+                entries[#entries + 1] = (c[2] + 1) .. "|" .. now .. "|" .. run_worker
+                fetched[#fetched + 1] = c[1]
+                fetched[#fetched + 1] = c[3]
+            end
+        end
+        if #gone > 0 then
+            redis.call("hdel", queue_messages, unpack(gone))
+            redis.call("hdel", inflight, unpack(gone))
+        end
+        if #acks > 0 then
+            redis.call("sadd", queue_acks, unpack(acks))
+            redis.call("hset", inflight, unpack(entries))
+        end
+        candidates = {}
+    end
+
+    if caps_ttl then
+        C = caps_module()
+        caps_t = C.caps_clock_ms()
+
+        local function take(rid, cap, token)
+            C.caps_take(root, cap, token, caps_t, caps_ttl)
+            if cap.n then
+                slot_of[rid] = {root .. "slots:" .. cap.job, token}
+            end
+        end
+
+        -- claim rid unless its job is at a cap: then it waits (at the end of its group's list)
+        claim_capped = function(rid, seen, body)
+            local cap = C.caps_of(body)
+            if not cap then
+                return claim(rid, seen, body)
+            end
+            local group, check_at, rated = C.caps_blocked(root, cap, caps_t)
+            if group then
+                if C.caps_park(root, group, rid, check_at) and rated then
+                    ring(queue_list)  -- an idle consumer learns when the window opens
+                end
+                parked_here = parked_here + 1
+                return false
+            end
+            if claim(rid, seen, body) then
+                take(rid, cap, rid .. "#" .. (seen + 1))
+                return true
+            end
+            return false
+        end
+
+        local has_room = function()
+            return alone == 0 and (#fetched / 2 + #candidates) < wanted
+        end
+
+        -- the oldest waiters of group, claimed while their caps and this fetch have room
+        serve = function(group)
+            local list = root .. "capwait:" .. group
+            while true do
+                local rid = redis.call("lindex", list, 0)
+                if not rid then
+                    redis.call("zrem", caps_waiting(root), group)
+                    return
+                end
+                local body = redis.call("hget", queue_messages, rid)
+                local cap = C.caps_of(body)
+                local moved_to, check_at = nil, nil
+                if cap then
+                    if not C.caps_slot_free(root, cap, caps_t) then
+                        moved_to, check_at = cap.job, C.caps_next_expiry(root, cap.job)
+                    else
+                        local due = C.caps_rate_due(root, cap, caps_t)
+                        if due > 0 then
+                            moved_to, check_at = cap.group, due
+                        end
+                    end
+                end
+                if moved_to == group then
+                    redis.call("zadd", caps_waiting(root), check_at, group)
+                    return
+                end
+                if not moved_to and not has_room() then
+                    redis.call("zadd", caps_waiting(root), 0, group)
+                    ring(queue_list)
+                    return
+                end
+                redis.call("lpop", list)
+                C.caps_unwait(root, group)
+                if moved_to then
+                    if C.caps_park(root, moved_to, rid, check_at) and moved_to == cap.group
+                        and moved_to ~= cap.job then
+                        ring(queue_list)  -- an idle consumer learns when the window opens
+                    end
+                elseif not body then
+                    if withdrawn(rid) then
+                        redis.call("hdel", inflight, rid)
+                    end
+                else
+                    local seen = inflight_count(redis.call("hget", inflight, rid))
+                    if seen > 0 then
+                        redis.call("rpush", suspects, rid)
+                    elseif claim(rid, 0, body) and cap then
+                        take(rid, cap, rid .. "#1")
+                    end
+                end
+            end
+        end
+    end
+
+    -- a suspect: bury it, run it alone, or set it aside
+    local function suspect(rid, seen)
+        if seen >= max_deliveries then
+            local run = run_of(root, redis.call("hget", queue_messages, rid), run_worker)
+            dead_letter(rid)
+            redis.call("hdel", inflight, rid)
+            buried[#buried + 1] = rid
+            buried[#buried + 1] = seen
+            if run then
+                local reason = "worker died during " .. seen .. " deliveries"
+                run.s, run.en, run.et, run.em, run.n = "dead", now, "WorkerDied", reason, seen
+                put_run(root, run.m, run.a, run.j, "dead", run.t or "", run.o, run.q or now,
+                    cjson.encode(run), completed_ttl, failed_ttl, now)
+                redis.call("set", root .. "dead:" .. run.m, cjson.encode({
+                    r = rid, q = queue, j = run.j, m = run.m, o = run.o, t = run.t, a = run.a,
+                    ma = run.ma, et = "WorkerDied", em = reason, at = now,
+                }), "PX", dead_ttl)
+            end
+        elseif idle and #fetched == 0 and #candidates == 0 and alone == 0 then
+            local body = redis.call("hget", queue_messages, rid)
+            local claimed
+            if caps_ttl then
+                claimed = claim_capped(rid, seen, body)
+            else
+                claimed = claim(rid, seen, body)
+            end
+            if claimed then
+                finish_claims()
+                if #fetched > 0 then
+                    alone = 1
+                end
+            end
+        else
+            redis.call("rpush", suspects, rid)
+        end
+    end
+
+    if idle then
+        while alone == 0 do
+            local rid = redis.call("lpop", suspects)
+            if not rid then
+                break
+            end
+            suspect(rid, inflight_count(redis.call("hget", inflight, rid)))
+        end
+    end
+    -- the waiters whose caps may have room now, before newer messages (after the suspects: a
+    -- suspect is only claimed by a fetch that has claimed nothing else)
+    if caps_ttl then
+        local due = redis.call("zrangebyscore", caps_waiting(root), "-inf", caps_t, "LIMIT", 0, 8)
+        for _, group in ipairs(due) do
+            serve(group)
+        end
+        finish_claims()
+    end
+    -- Pop what is wanted in one step, read the deliveries counts and bodies in one step each; a
+    -- suspect that is claimed alone puts back what was popped after it (at the head, in order).
+    while alone == 0 and #fetched / 2 < wanted and parked_here < CAPS_PARK_BOUND do
+        local popped = redis.call("lpop", queue_list, wanted - #fetched / 2)
+        if not popped then
+            break
+        end
+        local counts = redis.call("hmget", inflight, unpack(popped))
+        local bodies = redis.call("hmget", queue_messages, unpack(popped))
+        for i, rid in ipairs(popped) do
+            if alone == 1 then
+                local back = {}
+                for j = #popped, i, -1 do
+                    back[#back + 1] = popped[j]
+                end
+                redis.call("lpush", queue_list, unpack(back))
+                break
+            end
+            local seen = inflight_count(counts[i] or nil)
+            if seen > 0 then
+                suspect(rid, seen)
+            elseif caps_ttl then
+                claim_capped(rid, 0, bodies[i])
+            else
+                claim(rid, 0, bodies[i])
+            end
+        end
+        finish_claims()
+    end
+    flush_runs()
+    local waiting = redis.call("llen", suspects)
+    for _, job in ipairs(released or {}) do
+        if tonumber(redis.call("zscore", caps_waiting(root), job) or "1") == 0 then
+            ring(queue_list)
+        end
+    end
+    local full = #fetched / 2 >= wanted or alone == 1 or parked_here >= CAPS_PARK_BOUND
+    if (waiting > 0 and not idle) or (full and redis.call("llen", queue_list) > 0) then
+        ring(queue_list)
+    end
+    if not caps_ttl then
+        return {fetched, dropped, buried, waiting, alone}
+    end
+    -- the slots of the claims made; a claim dropped as already completed gives its slot back
+    local slots = {}
+    for i = 1, #fetched, 2 do
+        local slot = slot_of[fetched[i]]
+        if slot then
+            slots[#slots + 1] = fetched[i]
+            slots[#slots + 1] = slot[1]
+            slots[#slots + 1] = slot[2]
+            slot_of[fetched[i]] = nil
+        end
+    end
+    for _, slot in pairs(slot_of) do
+        caps_release(slot[1], slot[2], queue_list)
+    end
+    local next_due = redis.call("zrange", caps_waiting(root), 0, 0, "WITHSCORES")
+    local due_in = -1
+    if next_due[2] then
+        due_in = math.max(0, tonumber(next_due[2]) - caps_t)
+    end
+    return {fetched, dropped, buried, waiting, alone, slots, due_in}
+end
