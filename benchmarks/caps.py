@@ -69,10 +69,17 @@ def capped_registry(ledger: Ledger, hold_s: float, **caps: Any) -> Registry:
     return Registry([feature])
 
 
+#: the parts of the benchmark, in the order they run (``--parts``)
+PARTS = ("throughput", "rate", "uncapped")
+
+
 class CapsBench:
-    def __init__(self, bench: Bench, rate_seconds: float = 15.0) -> None:
+    def __init__(
+        self, bench: Bench, rate_seconds: float = 15.0, parts: tuple[str, ...] = PARTS
+    ) -> None:
         self.bench = bench
         self.rate_seconds = rate_seconds
+        self.parts = parts
 
     def runner(self, registry: Registry, prefix: str) -> JobRunner:
         return JobRunner(
@@ -83,9 +90,12 @@ class CapsBench:
         )
 
     def __call__(self) -> None:
-        self.capped_throughput()
-        self.rate_limit()
-        self.uncapped()
+        if "throughput" in self.parts:
+            self.capped_throughput()
+        if "rate" in self.parts:
+            self.rate_limit()
+        if "uncapped" in self.parts:
+            self.uncapped()
 
     # -- 1 --------------------------------------------------------------------------------
     def capped_throughput(self) -> None:
@@ -270,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rate-seconds", type=float, default=60.0, help="how long the rate limit is measured"
     )
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="which parts to run, comma-separated: throughput (1), rate (2), uncapped (3)",
+    )
     args = parser.parse_args(argv)
 
     from examples.demo import demo_redis
@@ -278,7 +293,11 @@ def main(argv: list[str] | None = None) -> int:
 
     with demo_redis() as url:
         bench = Bench(url, args.messages, max(3, args.rounds))
-        CapsBench(bench, args.rate_seconds)()
+        parts = tuple(part for part in args.parts.split(",") if part)
+        unknown = set(parts) - set(PARTS)
+        if unknown:
+            parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
+        CapsBench(bench, args.rate_seconds, parts)()
         report(bench)
     return 0
 

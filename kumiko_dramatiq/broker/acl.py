@@ -67,7 +67,8 @@ CLIENT_COMMANDS: Final[dict[str, str]] = {
     "blpop": "an idle consumer waits on its queue's doorbell",
     "client|id": "names the doorbell connection, so that shutdown can wake it",
     "client|setname": "names the doorbell connection (kumiko-bell:<queue>) for CLIENT LIST",
-    "client|unblock": "wakes consumers waiting on a doorbell at shutdown",
+    "client|unblock": "wakes consumers waiting on a doorbell at shutdown, or when a settle "
+    "claimed messages for them",
     # reads and writes outside scripts: status, listings, presence, run history
     "del": "presence records, reset-boot, stop requests a worker acted on",
     "exists": "stop_run: whether a message that does not run left a trace",

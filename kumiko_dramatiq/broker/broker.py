@@ -369,8 +369,6 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
     ) -> LaneFetch:
         """Claim up to ``count`` messages of a lane queue (``lua/fetch_lane.lua``), on
         ``client`` (the calling thread's :meth:`thread_client`) or the broker's pool."""
-        completed_ttl, failed_ttl = self.run_ttls_ms
-        capped = queue_name in self.capped_queues
         reply = self._call(
             self.lua.fetch_lane,
             client,
@@ -379,15 +377,25 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
                 keys.inflight(self.queue_prefix),
                 keys.suspects(self.queue_prefix, queue_name),
             ],
-            args=[
-                *self._head(queue_name),
-                f"{count} {outstanding} {self.max_deliveries} {completed_ttl} {failed_ttl}",
-                keys.completed(self.queue_prefix, ""),
-                keys.root(self.queue_prefix),
-                self.worker_identity(),
-                *((self.slot_ttl_ms,) if capped else ()),
-            ],
+            args=[*self._head(queue_name), *self._claim_args(queue_name, count, outstanding)],
         )
+        return self._lane_fetch(queue_name, reply)
+
+    def _claim_args(self, queue_name: str, count: int, outstanding: int) -> list[Any]:
+        """``fetch_lane``'s ARGV[3..7] (also the claim at the end of a ``settle``)."""
+        completed_ttl, failed_ttl = self.run_ttls_ms
+        capped = queue_name in self.capped_queues
+        return [
+            f"{count} {outstanding} {self.max_deliveries} {completed_ttl} {failed_ttl}",
+            keys.completed(self.queue_prefix, ""),
+            keys.root(self.queue_prefix),
+            self.worker_identity(),
+            *((self.slot_ttl_ms,) if capped else ()),
+        ]
+
+    def _lane_fetch(self, queue_name: str, reply: Any) -> LaneFetch:
+        """``fetch_lane``'s reply, decoded."""
+        capped = queue_name in self.capped_queues
         fetched, completed, buried, waiting, alone = reply[:5]
         slots: dict[str, tuple[str, str]] = {}
         caps_due_in_ms = None
@@ -448,6 +456,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         run: RunWrite | None = None,
         client: redis.Redis | None = None,
         slot: tuple[str, str] | None = None,
+        claimer: KumikoConsumer | None = None,
     ) -> bool:
         """The outcome of one delivery from a lane queue (``lua/settle.lua``), sent together
         with the settles of the other deliveries of ``queue_name`` that end at about the same
@@ -457,7 +466,9 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         was taken by another worker already (then nothing but its in-flight entry, marker and
         run record was written). ``slot``: the (slots key, owner token) of the capped job's
         slot the delivery holds, given back in the same call (also when it is not this
-        worker's any more: the token is this delivery's own)."""
+        worker's any more: the token is this delivery's own); such a settle is sent without
+        waiting to gather others. ``claimer``: the consumer the delivery came from, whose next
+        messages the call may claim too (:meth:`settle_batch`)."""
         header, record, note = "", "", ""
         if run is not None:
             header = "\t".join(
@@ -490,36 +501,70 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             ]
         else:
             entry += ["", "", ""]
-        done = self.settler.settle(queue_name, entry, client)
+        done = self.settler.settle(
+            queue_name, entry, client, claimer=claimer, urgent=slot is not None
+        )
         if done == 1 and retry is not None:
             self.emit_after("enqueue", *retry)
         return bool(done == 1)
 
     def settle_batch(
-        self, queue_name: str, entries: Sequence[Sequence[Any]], client: redis.Redis | None
+        self,
+        queue_name: str,
+        entries: Sequence[Sequence[Any]],
+        client: redis.Redis | None,
+        claimers: Sequence[object | None] = (),
     ) -> list[int]:
         """One call of ``lua/settle.lua`` for ``entries`` (each the 9 arguments of one
-        delivery); one reply per entry."""
-        trim = TRIM_BUDGET if random.random() < len(entries) / TRIM_BUDGET else 0
-        completed_ttl, failed_ttl = self.run_ttls_ms
-        args: list[Any] = [
-            *self._head(queue_name, maintenance=False),
-            f"{len(entries)} {self.completed_ttl_ms} {completed_ttl} {failed_ttl} "
-            f"{self.history_cap} {trim}",
-        ]
-        for entry in entries:
-            args.extend(entry)
-        replies = self._call(
-            self.lua.settle,
-            client,
-            keys=[
-                self.namespace,
-                keys.inflight(self.queue_prefix),
-                keys.suspects(self.queue_prefix, queue_name),
-            ],
-            args=args,
-        )
-        return [int(reply) for reply in replies]
+        delivery); one reply per entry. When the first of ``claimers`` (the consumers the
+        deliveries came from) has room once they are settled, the same call claims its next
+        messages (:meth:`KumikoConsumer.begin_claim`), as its own fetch would: a steadily
+        draining consumer sends no fetch of its own, and a capped job's slot given back here
+        goes to the waiter that this consumer can start at once. That call also runs
+        maintenance when due (the consumer's fetches, which did, become rare)."""
+        consumer = next((each for each in claimers if isinstance(each, KumikoConsumer)), None)
+        claim = None
+        if consumer is not None:
+            claim = consumer.begin_claim(
+                [
+                    entry[0]
+                    for entry, each in zip(entries, claimers, strict=False)
+                    if each is consumer
+                ]
+            )
+        try:
+            trim = TRIM_BUDGET if random.random() < len(entries) / TRIM_BUDGET else 0
+            completed_ttl, failed_ttl = self.run_ttls_ms
+            args: list[Any] = [
+                *self._head(queue_name, maintenance=claim is not None),
+                f"{len(entries)} {self.completed_ttl_ms} {completed_ttl} {failed_ttl} "
+                f"{self.history_cap} {trim}",
+            ]
+            for entry in entries:
+                args.extend(entry)
+            if claim is not None:
+                args.extend(self._claim_args(queue_name, *claim))
+            sent_at = time.monotonic()
+            reply = self._call(
+                self.lua.settle,
+                client,
+                keys=[
+                    self.namespace,
+                    keys.inflight(self.queue_prefix),
+                    keys.suspects(self.queue_prefix, queue_name),
+                ],
+                args=args,
+            )
+            replies = reply
+            if claim is not None and consumer is not None:
+                replies = reply[0]
+                fetch = self._lane_fetch(queue_name, reply[1])
+                room, claim = claim[0], None
+                consumer.claimed(fetch, sent_at, room)  # ends the claim
+        finally:
+            if consumer is not None and claim is not None:
+                consumer.end_claim(lost=True)
+        return [int(each) for each in replies]
 
     def settle_expected(self, queue_name: str) -> int:
         """How many settles of ``queue_name`` a batch may wait for (0: send at once): every

@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -16,7 +16,7 @@ from dramatiq.common import current_millis
 from dramatiq.errors import ConnectionClosed
 from dramatiq.message import Message
 
-from kumiko_dramatiq.broker.delivery import Delivery, Outcome, RunWrite
+from kumiko_dramatiq.broker.delivery import Delivery, LaneFetch, Outcome, RunWrite
 from kumiko_dramatiq.broker.keys import consumer_acks, is_delay_queue, queue_bell
 from kumiko_dramatiq.broker.outage import Outage
 from kumiko_dramatiq.broker.replies import text
@@ -53,6 +53,20 @@ class KumikoConsumer(Consumer):
     sends two commands per bound, fewer than Dramatiq's polling). A worker shutting down
     unblocks its consumers (:meth:`KumikoBroker.wake_consumers`). Once it holds ``prefetch``
     messages (on a lane, see below), it waits for one of them to be settled, not for a poll.
+
+    **Claims by settles.** On a lane, the settle of this consumer's deliveries (their ack or
+    nack, :meth:`KumikoBroker.settle_batch`, in the worker thread that ran one of them) also
+    claims the consumer's next messages in the same Lua call, for the room the consumer has
+    once they are settled, exactly as its own fetch would (``lua/settle.lua`` runs
+    ``include/lane_claim.lua``): they land in this consumer's cache, and its thread hands them
+    out (woken from a wait on the doorbell by a ``CLIENT UNBLOCK`` if it waits there). So a
+    steadily draining consumer sends one call per batch of deliveries, not a settle and a
+    fetch; and a capped job's slot given back by a settle goes, with its oldest waiter, to
+    this consumer, which has the worker thread that has just finished (no doorbell, no
+    fetch). One claim at a time per consumer (a lock its fetch holds too; a settle that finds
+    it held claims nothing), none once the consumer is closed or its worker is stopping, none
+    while a suspect runs alone or waits for the consumer to drain; what a claim took counts
+    as held for the prefetch bound and for the lost claims (below) like a fetch's.
 
     **Delay queues** (``<queue>.DQ``, for which Dramatiq's worker runs a consumer of its own)
     hold nothing in memory: the consumer never hands a message to Dramatiq's worker. It moves
@@ -98,7 +112,8 @@ class KumikoConsumer(Consumer):
     the consumer had given up on it), the claims stay with a worker that is alive, so no
     maintenance recovers them, and their messages would count as running until this process
     stops. So once per ``maintenance_interval_ms`` (and first thing after the consumer is
-    made, which Dramatiq does again after a connection error) the consumer puts back on the
+    made, which Dramatiq does again after a connection error, and after a settle whose claim
+    got no reply) the consumer puts back on the
     queue every id of its ack set that this process does not hold (``requeue``: a lane
     message's delivery is undone, it never ran). Held means fetched and not settled yet, by
     any consumer of this queue in this process (a failed ack keeps its claim held until
@@ -143,6 +158,23 @@ class KumikoConsumer(Consumer):
         #: the fetch was sent); and when waiting capped messages are due a look (local ms)
         self._cap_leases: dict[str, tuple[str, str, float]] = {}
         self._caps_due: int | None = None
+        #: held while a fetch or a settle claims for this consumer (one claim at a time, so
+        #: the room each one computes is true); set once the consumer is closed (it claims
+        #: nothing more)
+        self._claim_lock = threading.Lock()
+        self._closed = False
+        #: the last claim (a fetch's or a settle's) took less than its room: nothing more is
+        #: there to claim until the doorbell rings (every write that makes a message
+        #: claimable rings it) or a waiting capped message is due; so the next fetch waits for
+        #: the next idle wait to end
+        self._drained = False
+        #: how many times something may have made messages claimable since the consumer was
+        #: made (:meth:`_undrain`), and that count when the claim under way was sent: a
+        #: claim's "drained" holds only if nothing happened in between (a slot given back by
+        #: another settle after this claim ran rings the doorbell, and the wait that takes
+        #: that ring may end before this claim's reply lands)
+        self._wakes = 0
+        self._claim_wakes = 0
         #: the doorbell, the connection that waits on it and that connection's client id
         self._bell_key = queue_bell(queue_name, broker.namespace)
         self._bell: redis.Redis | None = None
@@ -180,10 +212,16 @@ class KumikoConsumer(Consumer):
                     continue
                 self._outage.succeeded()
                 with self._settled:
-                    if self.outstanding_message_count > self._slots - self._batch:
+                    if self._cache:
+                        continue  # a settle claimed for this consumer since the check above
+                    # while capped messages wait, any room is worth a fetch (see _fill): then
+                    # the consumer waits on the doorbell, which a slot given back rings
+                    need = 1 if self._caps_due is not None else self._batch
+                    if self._slots - self.outstanding_message_count < need:
                         # Busy: wait for an ack to free room (bounded, so Dramatiq's loop goes
                         # round to notice a shutdown). Checked under the condition's lock, which
-                        # a settling thread takes to notify, so no settle slips in between.
+                        # a settling thread takes to notify (after a claim of its settle filled
+                        # the cache), so no settle or claim slips in between.
                         self._settled.wait(self.timeout / 1000)
                         return None
                 self._idle(self._caps_due_in())
@@ -199,6 +237,7 @@ class KumikoConsumer(Consumer):
         fetch whose reply was lost given back first thing once Redis answers ("lost
         claims"). Waits in short steps, so that a worker stopping is noticed."""
         self._claims_checked_ms = 0
+        self._undrain()
         self._close_bell()
         end = time.monotonic() + self._outage.failed(exc)
         while not self.broker._stopping and (left := end - time.monotonic()) > 0:
@@ -227,12 +266,17 @@ class KumikoConsumer(Consumer):
 
     def _idle(self, due_in_ms: int | None = None) -> None:
         """Wait until a message may be there: the doorbell rings, ``due_in_ms`` pass (a delay
-        queue's next due time), or ``2 * timeout`` ms pass."""
+        queue's next due time), ``2 * timeout`` ms pass, or a settle claims messages for this
+        consumer (no wait then, or the wait ends: :meth:`claimed`). A wait that ends any other
+        way (the doorbell, its time) ends :attr:`_drained`: the next turn fetches."""
+        if self._cache:  # a settle claimed messages for this consumer meanwhile
+            return
         wait_ms = 2 * self.timeout
         if due_in_ms is not None:
             wait_ms = min(wait_ms, due_in_ms)
             if wait_ms <= REDIS_TICK_MS:
                 time.sleep(max(wait_ms, 0) / 1000)
+                self._undrain()
                 return
             wait_ms -= REDIS_TICK_MS
         limit_s = self.broker.client.connection_pool.connection_kwargs.get("socket_timeout")
@@ -242,11 +286,20 @@ class KumikoConsumer(Consumer):
         try:
             bell = self._bell_client()
             with broker._lock:
+                # a settle that claimed for this consumer fills the cache, then unblocks a
+                # wait it finds here (:meth:`claimed`): checked under the same lock
+                if self._cache:
+                    return
                 blocking = not broker._stopping and wait_ms > 0
                 if blocking:
                     broker._blocked[id(self)] = self._bell_id
             if blocking:
-                bell.blpop([self._bell_key], timeout=wait_ms / 1000)
+                began = time.monotonic()
+                rang = bell.blpop([self._bell_key], timeout=wait_ms / 1000)
+                # not rung and cut short: unblocked by a claim (which said whether anything is
+                # left to claim) or by a stopping worker
+                if rang is not None or time.monotonic() - began >= wait_ms / 1000 - 0.01:
+                    self._undrain()
                 return
         except redis.RedisError as exc:
             logger.debug("waiting on the doorbell of %s failed (%s)", self.queue_name, exc)
@@ -256,6 +309,13 @@ class KumikoConsumer(Consumer):
                 broker._blocked.pop(id(self), None)
         # shutting down (or the wait failed): poll briefly, so Dramatiq's loop sees the stop
         time.sleep(min(max(wait_ms, 0), self.timeout, REDIS_TICK_MS) / 1000)
+        self._undrain()
+
+    def _undrain(self) -> None:
+        """Something may have made messages claimable (the doorbell rang, a wait's time ran
+        out): the next turn fetches, and a claim under way does not say "drained"."""
+        self._drained = False
+        self._wakes += 1
 
     def _bell_client(self) -> redis.Redis:
         if self._bell is None:
@@ -274,7 +334,10 @@ class KumikoConsumer(Consumer):
                 bell.close()
 
     def close(self) -> None:
-        """Give the doorbell's connection back to the pool."""
+        """Give the doorbell's connection back to the pool; no settle claims for this
+        consumer any more."""
+        with self._claim_lock:
+            self._closed = True
         self._close_bell()
 
     def _give_back_lost_claims(self) -> None:
@@ -282,6 +345,10 @@ class KumikoConsumer(Consumer):
         "Lost claims" above). What is held is read before the ack set, and only this thread
         claims for this queue, so an id read as not held is not held; an id settled since is
         no longer in the ack set, and ``requeue`` moves only ids that still are."""
+        with self._claim_lock:  # no settle claims for this consumer meanwhile
+            self._give_back_unheld_claims()
+
+    def _give_back_unheld_claims(self) -> None:
         self._claims_checked_ms = current_millis()
         held = self._held.copy()  # one C call: a worker thread's discard cannot interleave
         held.update(rid for rid, _ in self._cache)
@@ -299,21 +366,104 @@ class KumikoConsumer(Consumer):
 
     def _fill(self) -> bool:
         """Fetch what there is room for; ``False`` if nothing was (or could be) fetched."""
-        outstanding = self.outstanding_message_count
-        room = self._slots - outstanding
-        # while capped messages wait (a slot frees one at a time), any room is worth a fetch
-        batching = self._caps_due is None
-        if room <= 0 or (outstanding and room < self._batch and batching):
-            return False
         if not self._lane:
+            room = self._slots - self.outstanding_message_count
+            if room <= 0 or (self.outstanding_message_count and room < self._batch):
+                return False
             fetched = self.broker.fetch(self.queue_name, room)
             self._cache.extend(fetched)
             return bool(fetched)
-        if self._alone is not None or (self._suspects_waiting and outstanding):
-            return False  # a suspect runs alone, or waits for this consumer to drain
-        sent_at = time.monotonic()
-        result = self.broker.fetch_lane(
-            self.queue_name, room, outstanding=outstanding, client=self.broker.thread_client()
+        with self._claim_lock:
+            outstanding = self.outstanding_message_count
+            room = self._slots - outstanding
+            # while capped messages wait (a slot frees one at a time), any room is worth a fetch
+            batching = self._caps_due is None
+            if room <= 0 or (outstanding and room < self._batch and batching):
+                return False
+            if self._alone is not None or (self._suspects_waiting and outstanding):
+                return False  # a suspect runs alone, or waits for this consumer to drain
+            if self._drained:
+                return False  # nothing more to claim: wait on the doorbell first
+            self._claim_wakes = self._wakes
+            sent_at = time.monotonic()
+            result = self.broker.fetch_lane(
+                self.queue_name, room, outstanding=outstanding, client=self.broker.thread_client()
+            )
+            self._take(result, sent_at, room)
+            return bool(result.fetched)
+
+    def begin_claim(self, settling: Sequence[str]) -> tuple[int, int] | None:
+        """Called by the settle of deliveries of this consumer (their redis ids
+        ``settling``, :meth:`KumikoBroker.settle_batch`): ``(room, held)`` if that settle is
+        to claim this consumer's next messages too (up to ``room``; ``held``: what the
+        consumer holds once they are settled), then it ends with :meth:`claimed` or
+        :meth:`end_claim`; ``None`` if it is not to: the consumer is closed or its worker
+        stopping (it claims nothing), the consumer is fetching (or another settle claims for
+        it), a suspect runs alone or waits for the consumer to drain, or there is no room."""
+        if self._closed or self.broker._stopping or not self._lane:
+            return None
+        if not self._claim_lock.acquire(blocking=False):
+            return None
+        ending = sum(1 for rid in settling if rid in self._outstanding)
+        held = self.outstanding_message_count - ending
+        room = self._slots - held
+        if (
+            self._closed
+            or self.broker._stopping
+            or room <= 0
+            or (self._alone is not None and self._alone not in settling)
+            or (self._suspects_waiting and held)
+        ):
+            self._claim_lock.release()
+            return None
+        self._claim_wakes = self._wakes
+        return room, held
+
+    def claimed(self, result: LaneFetch, sent_at: float, room: int) -> None:
+        """What the settle that :meth:`begin_claim` allowed claimed: taken like a fetch's
+        (its messages go to Dramatiq's worker from this consumer's thread, woken now if it
+        waits on the doorbell); the claim ends."""
+        try:
+            self._take(result, sent_at, room)
+        finally:
+            self._claim_lock.release()
+        if result.fetched:
+            with self._settled:  # a consumer waiting for room: there is work now
+                self._settled.notify()
+            self._wake()
+
+    def end_claim(self, *, lost: bool) -> None:
+        """End a claim that :meth:`begin_claim` allowed and whose reply never came
+        (``lost``): what it may have claimed is given back on this consumer's next turn
+        ("lost claims")."""
+        if lost:
+            self._claims_checked_ms = 0
+        self._claim_lock.release()
+
+    def _wake(self) -> None:
+        """End this consumer's wait on the doorbell, if it waits there (it registers under
+        the broker's lock before it sends its ``BLPOP``: an unblock that comes before the
+        ``BLPOP`` reaches Redis finds nothing to unblock, and is sent again)."""
+        broker = self.broker
+        deadline = time.monotonic() + 2 * self.timeout / 1000
+        while time.monotonic() < deadline:
+            with broker._lock:
+                client_id = broker._blocked.get(id(self))
+            if client_id is None:
+                return
+            try:
+                if broker.client.client_unblock(client_id):
+                    return
+            except redis.RedisError as exc:
+                logger.debug("could not unblock a consumer's wait (%s)", exc)
+                return
+            time.sleep(0.001)
+
+    def _take(self, result: LaneFetch, sent_at: float, room: int) -> None:
+        """Take in what a fetch (or a settle's claim) for ``room`` messages, sent at
+        ``sent_at``, claimed and decided; called with :attr:`_claim_lock` held."""
+        self._drained = (
+            len(result.fetched) < room and not result.alone and self._wakes == self._claim_wakes
         )
         self._suspects_waiting = result.suspects_waiting
         for rid, (slots_key, token) in result.slots.items():
@@ -342,7 +492,6 @@ class KumikoConsumer(Consumer):
                 self.queue_name,
             )
         self._cache.extend(result.fetched)
-        return bool(result.fetched)
 
     def _deliver(self, rid: str, body: bytes | None) -> Delivery | None:
         if body is None:
@@ -421,9 +570,11 @@ class KumikoConsumer(Consumer):
             self._cap_leases.pop(rid, None)
         if rid == self._alone:
             self._alone = None
-        if self._suspects_waiting and not self._outstanding and self._bell is not None:
+        if self._suspects_waiting and not self._outstanding:
             # a suspect waits for this consumer to hold nothing: end its wait now
-            self.broker.unblock(self._bell_id)
+            self._undrain()
+            if self._bell is not None:
+                self.broker.unblock(self._bell_id)
         with self._settled:
             self._settled.notify()
 
@@ -455,6 +606,7 @@ class KumikoConsumer(Consumer):
                 run=settlement.run,
                 client=self.broker.thread_client(),
                 slot=message.slot,
+                claimer=self,
             )
             if not owned:
                 logger.warning(
@@ -485,6 +637,7 @@ class KumikoConsumer(Consumer):
                     message_id=str(message.message_id),
                     run=None if delivery is None else delivery.settlement.run,
                     slot=None if delivery is None else delivery.slot,
+                    claimer=self,
                 )
             else:
                 self.broker.do_nack(self.queue_name, rid)
@@ -504,8 +657,10 @@ class KumikoConsumer(Consumer):
         consumer thread survives (a raw Redis error raised while it closes a consumer would
         end the thread)."""
         rids = [_redis_id(message) for message in messages]
-        rids += [rid for rid, _ in self._cache]
-        self._cache.clear()
+        with self._claim_lock:  # closing: no settle claims for this consumer from now on
+            self._closed = True
+            rids += [rid for rid, _ in self._cache]
+            self._cache.clear()
         if not rids:
             return
         try:

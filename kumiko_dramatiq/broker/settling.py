@@ -7,7 +7,12 @@ first thread to settle becomes the batch's leader, waits for the other deliverie
 same queue this process holds to be settled too (at most one per worker thread, at most
 :data:`LINGER_S`, and only while deliveries take less than that to process: slow jobs are
 settled one by one, as before), and sends every gathered delivery in one call; each thread
-returns when that call answered, with its own delivery's reply. A thread blocks on its own
+returns when that call answered, with its own delivery's reply. A delivery that holds a
+capped job's slot is *urgent*: its batch is sent at once (a waiter may be due that slot,
+and another run of the capped job is what the slot's holder waits for), with what has
+gathered so far. Each settle may name the consumer that fetched its delivery (its
+*claimer*): the flush is handed every entry's claimer, so the call can also claim that
+consumer's next messages (``lua/settle.lua``). A thread blocks on its own
 ack as before, so a ``kill -9`` can re-run exactly what it could before (a delivery whose
 handler returned and whose ack had not been answered: at most one per worker thread); the
 batch adds no state that a crash could lose.
@@ -27,14 +32,18 @@ LINGER_S: Final = 0.002
 #: The most deliveries one call settles.
 MAX_BATCH: Final = 64
 
-Flush = Callable[[str, Sequence[Sequence[Any]], "redis.Redis | None"], list[int]]
+Flush = Callable[
+    [str, Sequence[Sequence[Any]], "redis.Redis | None", Sequence[object | None]], list[int]
+]
 
 
 class _Batch:
-    __slots__ = ("closed", "done", "entries", "error", "results")
+    __slots__ = ("claimers", "closed", "done", "entries", "error", "results", "urgent")
 
     def __init__(self) -> None:
         self.entries: list[Sequence[Any]] = []
+        self.claimers: list[object | None] = []
+        self.urgent = False
         self.closed = False
         self.done = threading.Event()
         self.results: list[int] = []
@@ -44,8 +53,8 @@ class _Batch:
 class SettleBatcher:
     """Gathers the settles of each queue into batches (see the module's doc).
 
-    ``flush(queue, entries, client)`` sends one batch and returns one reply per entry;
-    ``expected(queue)`` says how many settles of ``queue`` a batch may wait for."""
+    ``flush(queue, entries, client, claimers)`` sends one batch and returns one reply per
+    entry; ``expected(queue)`` says how many settles of ``queue`` a batch may wait for."""
 
     def __init__(
         self, flush: Flush, expected: Callable[[str], int], *, linger_s: float = LINGER_S
@@ -56,8 +65,18 @@ class SettleBatcher:
         self._cond = threading.Condition()
         self._open: dict[str, _Batch] = {}
 
-    def settle(self, queue: str, entry: Sequence[Any], client: redis.Redis | None) -> int:
-        """Settle one delivery of ``queue`` (its settle arguments ``entry``); its reply."""
+    def settle(
+        self,
+        queue: str,
+        entry: Sequence[Any],
+        client: redis.Redis | None,
+        *,
+        claimer: object | None = None,
+        urgent: bool = False,
+    ) -> int:
+        """Settle one delivery of ``queue`` (its settle arguments ``entry``); its reply.
+        ``claimer``: the consumer the delivery came from (handed to the flush); ``urgent``:
+        send the batch without waiting for more."""
         with self._cond:
             batch = self._open.get(queue)
             leader = batch is None
@@ -65,6 +84,8 @@ class SettleBatcher:
                 batch = self._open[queue] = _Batch()
             index = len(batch.entries)
             batch.entries.append(entry)
+            batch.claimers.append(claimer)
+            batch.urgent = batch.urgent or urgent
             if len(batch.entries) >= MAX_BATCH:
                 batch.closed = True
                 del self._open[queue]
@@ -81,7 +102,7 @@ class SettleBatcher:
         except BaseException as exc:  # an interruption while gathering: send what there is
             interrupted = exc
         try:
-            batch.results = self._flush(queue, batch.entries, client)
+            batch.results = self._flush(queue, batch.entries, client, batch.claimers)
         except BaseException as exc:
             batch.error = exc
             raise
@@ -98,7 +119,9 @@ class SettleBatcher:
     def _gather(self, queue: str, batch: _Batch) -> None:
         deadline = time.monotonic() + self.linger_s
         with self._cond:
-            while not batch.closed and len(batch.entries) < self._expected(queue):
+            while (
+                not batch.closed and not batch.urgent and len(batch.entries) < self._expected(queue)
+            ):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break

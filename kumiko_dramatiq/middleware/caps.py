@@ -7,7 +7,8 @@ token ``"<redis id>#<delivery>"`` with a TTL of ``lock_ttl_ms`` in the job's
 :func:`~kumiko_dramatiq.broker.keys.cap_slots`) in the same call; a message that finds its job
 at a cap is not claimed at all but waits, in arrival order, in its group's list (no worker
 thread, no prefetch room, no attempt spent) until a slot is given back (the settle of the
-holder looks at the waiters at once and rings the queue's doorbell) or the window opens (the
+holder looks at the waiters at once: it claims the oldest for its own consumer, whose worker
+thread has just finished, or rings the queue's doorbell for them) or the window opens (the
 fetch tells the consumer when, and the consumer's idle wait ends then). The slot is given back
 by the delivery's settle on every outcome (completed, failed and retried, dead, handed off,
 cancelled by ``stop_run``), by ``lua/slot_release.lua`` when a delivery goes back to its queue

@@ -17,7 +17,9 @@ class Flushes:
         self.batches: list[list[Any]] = []
         self.error = error
 
-    def __call__(self, queue: str, entries: Sequence[Sequence[Any]], client: Any) -> list[int]:
+    def __call__(
+        self, queue: str, entries: Sequence[Sequence[Any]], client: Any, claimers: Any
+    ) -> list[int]:
         self.batches.append([entry[0] for entry in entries])
         if self.error is not None:
             raise self.error
@@ -71,3 +73,27 @@ def test_a_failed_flush_fails_every_settle_of_its_batch_as_a_connection_error(
     assert all(isinstance(result, Exception) for result in results)
     followers = [r for r in results if r is not error]
     assert all(isinstance(r, redis.ConnectionError) for r in followers)
+
+
+def test_an_urgent_settle_sends_its_batch_without_waiting_for_more() -> None:
+    # a capped run's settle gives its slot back: it waits for no other settle
+    flushes = Flushes()
+    batcher = SettleBatcher(flushes, lambda queue: 6, linger_s=30)
+    assert batcher.settle("q", ["5"], None, urgent=True) == 50
+    assert flushes.batches == [["5"]]
+
+
+def test_the_flush_is_handed_each_entrys_claimer() -> None:
+    seen: list[list[object | None]] = []
+
+    def flush(
+        queue: str, entries: Sequence[Sequence[Any]], client: Any, claimers: Any
+    ) -> list[int]:
+        seen.append(list(claimers))
+        return [1 for _ in entries]
+
+    batcher = SettleBatcher(flush, lambda queue: 0)
+    consumer = object()
+    assert batcher.settle("q", ["1"], None, claimer=consumer) == 1
+    assert batcher.settle("q", ["2"], None) == 1
+    assert seen == [[consumer], [None]]

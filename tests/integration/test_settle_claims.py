@@ -1,0 +1,204 @@
+"""The settle that claims: a consumer's ack also claims its next messages (``lua/settle.lua``
+with ``include/lane_claim.lua``), so a steadily draining consumer sends no fetch of its own.
+
+Real Redis, a runner's broker and consumer driven by hand (no worker threads): each test
+takes deliveries from the consumer as Dramatiq's worker would, acks them, and reads what
+the ack claimed in Redis (the worker's ack set, the in-flight hash) and in the consumer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from kumiko_dramatiq import Feature, JobContext, Registry
+from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.broker.consumer import KumikoConsumer
+from kumiko_dramatiq.broker.delivery import Delivery, LaneFetch
+from kumiko_dramatiq.broker.replies import text
+from kumiko_dramatiq.runner import JobRunner
+from tests.conftest import RunnerFactory
+
+JOB = "claims:job:work"
+
+
+def _registry(**options: Any) -> Registry:
+    feature = Feature("claims")
+
+    @feature.job("work", **options)
+    def work(payload: dict[str, Any], ctx: JobContext) -> None:
+        pass
+
+    return Registry([feature])
+
+
+def _counted_fetches(runner: JobRunner, monkeypatch: pytest.MonkeyPatch) -> list[LaneFetch]:
+    """Every ``fetch_lane`` call the consumer makes from now on, recorded."""
+    fetches: list[LaneFetch] = []
+    fetch_lane: Callable[..., LaneFetch] = runner.broker.fetch_lane
+
+    def counting(*args: Any, **kwargs: Any) -> LaneFetch:
+        result = fetch_lane(*args, **kwargs)
+        fetches.append(result)
+        return result
+
+    monkeypatch.setattr(runner.broker, "fetch_lane", counting)
+    return fetches
+
+
+def _take(consumer: KumikoConsumer) -> Delivery:
+    """The next delivery, as Dramatiq's consumer thread takes it."""
+    for _ in range(50):
+        delivery = next(consumer)
+        if delivery is not None:
+            assert isinstance(delivery, Delivery)
+            return delivery
+    raise AssertionError("no delivery")
+
+
+def _acks(client: redis.Redis, runner: JobRunner, queue: str) -> set[str]:
+    broker = runner.broker
+    return {text(rid) for rid in client.smembers(keys.consumer_acks(broker.broker_id, queue))}
+
+
+def _setup(
+    make_runner: RunnerFactory, registry: Registry, prefix: str, messages: int, prefetch: int
+) -> tuple[JobRunner, str, KumikoConsumer]:
+    runner = make_runner(registry)
+    for n in range(messages):
+        runner.dispatch(JOB, {"n": n})
+    queue = registry.jobs[JOB].queue_name(prefix)
+    consumer = runner.broker.consume(queue, prefetch=prefetch, timeout=200)
+    return runner, queue, consumer
+
+
+def test_a_settle_claims_the_consumers_next_messages_and_they_are_in_flight(
+    make_runner: RunnerFactory,
+    redis_client: redis.Redis,
+    prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a consumer that holds one message at a time (prefetch 2: one thread), 4 queued
+    runner, queue, consumer = _setup(make_runner, _registry(), prefix, 4, prefetch=2)
+    fetches = _counted_fetches(runner, monkeypatch)
+    first = _take(consumer)
+    assert len(fetches) == 1
+    # When it is settled
+    consumer.ack(first)
+    # Then that settle claimed the next one for this worker, in flight like a fetched one
+    acks = _acks(redis_client, runner, queue)
+    assert len(acks) == 1
+    (claimed,) = acks
+    assert claimed != first.redis_message_id
+    entry = text(redis_client.hget(keys.inflight(prefix), claimed))
+    assert entry.startswith("1|")
+    assert entry.endswith(runner.broker.worker_identity())
+    assert redis_client.hget(keys.inflight(prefix), first.redis_message_id) is None
+    assert redis_client.llen(keys.queue_list(queue)) == 2
+    # and the consumer hands it out without a fetch of its own, and so on to the last
+    taken = [first.redis_message_id]
+    for _ in range(3):
+        delivery = _take(consumer)
+        taken.append(delivery.redis_message_id)
+        consumer.ack(delivery)
+    assert len(fetches) == 1
+    assert taken[1] == claimed
+    assert len(set(taken)) == 4
+    assert _acks(redis_client, runner, queue) == set()
+    assert redis_client.hlen(keys.inflight(prefix)) == 0
+
+
+def test_a_stopping_or_closed_consumer_claims_nothing(
+    make_runner: RunnerFactory, redis_client: redis.Redis, prefix: str
+) -> None:
+    runner, queue, consumer = _setup(make_runner, _registry(), prefix, 4, prefetch=2)
+    first = _take(consumer)
+    # a worker shutting down: its consumers are woken and claim nothing more
+    runner.broker.wake_consumers()
+    consumer.ack(first)
+    assert _acks(redis_client, runner, queue) == set()
+    assert redis_client.llen(keys.queue_list(queue)) == 3
+    # a consumer closed by Dramatiq (it gave back what it held) claims nothing either
+    runner.broker._stopping = False
+    second = runner.broker.consume(queue, prefetch=2, timeout=200)
+    held = _take(second)
+    second.requeue([])
+    second.ack(held)
+    assert _acks(redis_client, runner, queue) == set()
+    assert redis_client.llen(keys.queue_list(queue)) == 2
+
+
+def test_a_settle_claims_nothing_while_its_consumer_fetches(
+    make_runner: RunnerFactory, redis_client: redis.Redis, prefix: str
+) -> None:
+    # one claim at a time per consumer: the room each computes is then true
+    runner, queue, consumer = _setup(make_runner, _registry(), prefix, 4, prefetch=2)
+    first = _take(consumer)
+    with consumer._claim_lock:  # the consumer's own fetch is under way
+        consumer.ack(first)
+    assert _acks(redis_client, runner, queue) == set()
+    assert redis_client.llen(keys.queue_list(queue)) == 3
+
+
+def test_a_freed_slot_goes_to_its_oldest_waiter_claimed_by_the_settling_consumer(
+    make_runner: RunnerFactory, redis_client: redis.Redis, prefix: str
+) -> None:
+    # Given a job capped at one run, one running and two waiting for its slot
+    runner, queue, consumer = _setup(make_runner, _registry(max_running=1), prefix, 3, prefetch=8)
+    first = _take(consumer)
+    assert first.slot is not None
+    waiters = [text(rid) for rid in redis_client.lrange(keys.cap_wait(prefix, JOB), 0, -1)]
+    assert len(waiters) == 2
+    redis_client.delete(keys.queue_bell(queue))
+    # When the run ends
+    consumer.ack(first)
+    # Then its settle gave the slot to the oldest waiter, claimed for this consumer (no
+    # doorbell rung for another consumer to fetch it)
+    assert _acks(redis_client, runner, queue) == {waiters[0]}
+    assert redis_client.exists(keys.queue_bell(queue)) == 0
+    slots = redis_client.zrange(keys.cap_slots(prefix, JOB), 0, -1)
+    assert [text(token) for token in slots] == [f"{waiters[0]}#1"]
+    second = _take(consumer)
+    assert second.redis_message_id == waiters[0]
+    assert second.slot == (keys.cap_slots(prefix, JOB), f"{waiters[0]}#1")
+    consumer.ack(second)
+    third = _take(consumer)
+    assert third.redis_message_id == waiters[1]
+    consumer.ack(third)
+    assert redis_client.zcard(keys.cap_slots(prefix, JOB)) == 0
+    assert _acks(redis_client, runner, queue) == set()
+
+
+def test_a_claim_wakes_its_consumer_waiting_on_the_doorbell(
+    make_runner: RunnerFactory, redis_client: redis.Redis, prefix: str
+) -> None:
+    # Given a consumer holding one run of a capped job, its other message waiting for the
+    # slot, and the consumer idle on the doorbell (a long wait)
+    runner, queue, consumer = _setup(make_runner, _registry(max_running=1), prefix, 2, prefetch=8)
+    consumer.timeout = 30_000
+    first = _take(consumer)
+    redis_client.delete(keys.queue_bell(queue))
+    waited = threading.Event()
+
+    def idle() -> None:
+        assert next(consumer) is None  # nothing to fetch: waits on the doorbell
+        waited.set()
+
+    thread = threading.Thread(target=idle, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while id(consumer) not in runner.broker._blocked and time.monotonic() < deadline:
+        time.sleep(0.001)
+    # When the run ends, its settle claims the waiter
+    consumer.ack(first)
+    # Then the wait ends at once (not after its 60 s), and the waiter is handed out
+    assert waited.wait(10)
+    thread.join(10)
+    second = _take(consumer)
+    assert second.slot is not None
+    consumer.ack(second)
