@@ -202,3 +202,42 @@ def test_a_claim_wakes_its_consumer_waiting_on_the_doorbell(
     second = _take(consumer)
     assert second.slot is not None
     consumer.ack(second)
+
+
+def test_a_consumer_that_took_all_there_was_waits_for_the_doorbell_not_a_fetch(
+    make_runner: RunnerFactory,
+    redis_client: redis.Redis,
+    prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a consumer whose fetch took the one message there was (less than its room), the
+    # doorbell's token of that message's enqueue taken too
+    runner, queue, consumer = _setup(make_runner, _registry(), prefix, 1, prefetch=8)
+    fetches = _counted_fetches(runner, monkeypatch)
+    consumer.timeout = 30_000
+    first = _take(consumer)
+    assert len(fetches) == 1
+    redis_client.delete(keys.queue_bell(queue))
+    turned = threading.Event()
+
+    def turn() -> None:
+        assert next(consumer) is None
+        turned.set()
+
+    thread = threading.Thread(target=turn, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while id(consumer) not in runner.broker._blocked and time.monotonic() < deadline:
+        time.sleep(0.001)
+    # Then its next turn sent no fetch: it waits on the doorbell
+    assert id(consumer) in runner.broker._blocked
+    assert len(fetches) == 1
+    # When a dispatch rings the doorbell, the wait ends and the next turn fetches again
+    second_id = runner.dispatch(JOB, {"n": 1})
+    assert turned.wait(10)
+    thread.join(10)
+    second = _take(consumer)
+    assert second.message_id == second_id
+    assert len(fetches) == 2
+    consumer.ack(first)
+    consumer.ack(second)
