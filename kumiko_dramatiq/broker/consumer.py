@@ -20,6 +20,7 @@ from kumiko_dramatiq.broker.delivery import Delivery, LaneFetch, Outcome, RunWri
 from kumiko_dramatiq.broker.keys import consumer_acks, is_delay_queue, queue_bell
 from kumiko_dramatiq.broker.outage import Outage
 from kumiko_dramatiq.broker.replies import text
+from kumiko_dramatiq.broker.seam import work_handoff
 
 if TYPE_CHECKING:
     from kumiko_dramatiq.broker.broker import KumikoBroker
@@ -142,6 +143,11 @@ class KumikoConsumer(Consumer):
         self._slots = max(1, prefetch // 2) if self._lane else prefetch
         self._batch = max(1, self._slots // 2) if self._lane else 1
         self._cache: deque[tuple[str, bytes | None]] = deque()
+        #: how a settle's claim hands its messages straight to the worker threads (built in
+        #: the Dramatiq consumer thread that made this consumer; ``None`` elsewhere), and the
+        #: deliveries it could not hand over (left to this consumer's thread)
+        self._handoff = work_handoff() if self._lane else None
+        self._ready: deque[Delivery] = deque()
         self._outstanding: set[str] = set()
         #: what this process holds of the queue (shared by its consumers of the queue), and
         #: when this consumer last gave back lost claims (ms; 0: never)
@@ -201,6 +207,9 @@ class KumikoConsumer(Consumer):
             if current_millis() - self._claims_checked_ms >= self.broker.maintenance_interval_ms:
                 self._give_back_lost_claims()
             while True:
+                if self._ready:
+                    self.misses = 0
+                    return self._ready.popleft()
                 if self._cache:
                     delivery = self._deliver(*self._cache.popleft())
                     if delivery is not None:
@@ -212,7 +221,7 @@ class KumikoConsumer(Consumer):
                     continue
                 self._outage.succeeded()
                 with self._settled:
-                    if self._cache:
+                    if self._cache or self._ready:
                         continue  # a settle claimed for this consumer since the check above
                     # while capped messages wait, any room is worth a fetch (see _fill): then
                     # the consumer waits on the doorbell, which a slot given back rings
@@ -269,7 +278,7 @@ class KumikoConsumer(Consumer):
         queue's next due time), ``2 * timeout`` ms pass, or a settle claims messages for this
         consumer (no wait then, or the wait ends: :meth:`claimed`). A wait that ends any other
         way (the doorbell, its time) ends :attr:`_drained`: the next turn fetches."""
-        if self._cache:  # a settle claimed messages for this consumer meanwhile
+        if self._cache or self._ready:  # a settle claimed messages for this consumer meanwhile
             return
         wait_ms = 2 * self.timeout
         if due_in_ms is not None:
@@ -288,7 +297,7 @@ class KumikoConsumer(Consumer):
             with broker._lock:
                 # a settle that claimed for this consumer fills the cache, then unblocks a
                 # wait it finds here (:meth:`claimed`): checked under the same lock
-                if self._cache:
+                if self._cache or self._ready:
                     return
                 blocking = not broker._stopping and wait_ms > 0
                 if blocking:
@@ -425,12 +434,29 @@ class KumikoConsumer(Consumer):
         waits on the doorbell); the claim ends."""
         try:
             self._take(result, sent_at, room)
+            self._hand_over()
         finally:
             self._claim_lock.release()
-        if result.fetched:
+        if self._cache or self._ready:
             with self._settled:  # a consumer waiting for room: there is work now
                 self._settled.notify()
             self._wake()
+
+    def _hand_over(self) -> None:
+        """Hand what this consumer holds in its cache straight to the worker threads, as its
+        own thread would (decoded and checked by :meth:`_deliver`), from the thread that
+        settled: no wait for this consumer's thread to wake (a stopping or closed consumer
+        hands over nothing: what its cache holds is requeued when it closes)."""
+        if self._handoff is None or self._closed or self.broker._stopping:
+            return
+        while True:
+            try:
+                rid, body = self._cache.popleft()
+            except IndexError:  # empty (this consumer's thread may have taken the last)
+                return
+            delivery = self._deliver(rid, body)
+            if delivery is not None and not self._handoff(self.broker, delivery):
+                self._ready.append(delivery)
 
     def end_claim(self, *, lost: bool) -> None:
         """End a claim that :meth:`begin_claim` allowed and whose reply never came
@@ -660,7 +686,9 @@ class KumikoConsumer(Consumer):
         with self._claim_lock:  # closing: no settle claims for this consumer from now on
             self._closed = True
             rids += [rid for rid, _ in self._cache]
+            rids += [delivery.redis_message_id for delivery in self._ready]
             self._cache.clear()
+            self._ready.clear()
         if not rids:
             return
         try:

@@ -43,6 +43,13 @@ that breaks when the host library changes what it relies on; see docs/upgrading.
     (``Worker.pause()``: it sleeps without iterating), and built from the
     worker's ``queue_prefetch``/``delay_prefetch``, ``work_queue`` and ``worker_timeout``. A
     thread that ended (an exception its loop does not catch) is not restarted by Dramatiq.
+11. **A consumer thread's hand-off to the worker threads** (:func:`work_handoff`): Dramatiq's
+    ``ConsumerThread`` builds its consumer (``broker.consume``) in its own thread and puts
+    each message it takes onto the worker's ``work_queue``, a ``PriorityQueue`` of
+    ``_WorkQueueItem(actor priority, message)`` that the worker threads take from (and that
+    ``Worker.stop`` requeues what is left of, once the worker threads have stopped), except
+    a message with an ``eta`` (held in the thread's own delay queue) or of an unknown actor
+    (failed at once).
 
 Guests: the middleware added to a kumiko broker after it was built, and what they see.
 
@@ -90,10 +97,11 @@ import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from dramatiq.broker import Broker
+from dramatiq.broker import Broker, MessageProxy
 from dramatiq.common import q_name
+from dramatiq.errors import ActorNotFound
 from dramatiq.middleware import Middleware, MiddlewareError, TimeLimit
-from dramatiq.worker import ConsumerThread, Worker
+from dramatiq.worker import ConsumerThread, Worker, _WorkQueueItem
 from redis._parsers.encoders import Encoder
 
 #: A bound hook, with whether it is skipped for a handed-off delivery.
@@ -312,3 +320,27 @@ def restart_consumer(worker: Worker, queue_name: str) -> None:
             old.consumer.close()
     worker.consumers[queue_name] = thread
     thread.start()
+
+
+def work_handoff() -> Callable[[Broker, MessageProxy], bool] | None:
+    """Called in ``broker.consume``: when a Dramatiq consumer thread is building its consumer
+    (the calling thread), ``put(broker, message)``, which hands ``message`` to that worker's
+    threads as the consumer thread would (``True``), or does nothing (``False``) for a
+    message the consumer thread treats otherwise (an ``eta``, an unknown actor); ``None``
+    when the caller is not a consumer thread."""
+    thread = threading.current_thread()
+    if not isinstance(thread, ConsumerThread):
+        return None
+    work_queue = thread.work_queue
+
+    def put(broker: Broker, message: MessageProxy) -> bool:
+        if "eta" in message.options:
+            return False
+        try:
+            actor = broker.get_actor(message.actor_name)
+        except ActorNotFound:
+            return False
+        work_queue.put(_WorkQueueItem(actor.priority, message))
+        return True
+
+    return put

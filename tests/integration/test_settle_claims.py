@@ -22,7 +22,7 @@ from kumiko_dramatiq.broker.consumer import KumikoConsumer
 from kumiko_dramatiq.broker.delivery import Delivery, LaneFetch
 from kumiko_dramatiq.broker.replies import text
 from kumiko_dramatiq.runner import JobRunner
-from tests.conftest import RunnerFactory
+from tests.conftest import Recorder, RunnerFactory
 
 JOB = "claims:job:work"
 
@@ -241,3 +241,19 @@ def test_a_consumer_that_took_all_there_was_waits_for_the_doorbell_not_a_fetch(
     assert len(fetches) == 2
     consumer.ack(first)
     consumer.ack(second)
+
+
+def test_a_running_worker_hands_a_freed_slot_on_without_fetching(
+    make_runner: RunnerFactory, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a job capped at one run at a time, 12 of its messages queued, a started worker
+    runner = make_runner(_registry(max_running=1), **recorder.hooks())
+    ids = [runner.dispatch(JOB, {"n": n}) for n in range(12)]
+    fetches = _counted_fetches(runner, monkeypatch)
+    runner.start()
+    # When they all run
+    recorder.wait_until(lambda r: len(r.of("complete")) == 12, timeout_s=30)
+    # Then one after another, in arrival order, each taken by the settle of the run before
+    # it (handed to a worker thread at once), not by a fetch of its own
+    assert [event.message_id for event in recorder.of("start")] == ids
+    assert len(fetches) < 6

@@ -14,7 +14,7 @@ from unittest import mock
 import dramatiq
 import pytest
 import redis
-from dramatiq.broker import Broker
+from dramatiq.broker import Broker, MessageProxy
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import Middleware, MiddlewareError, TimeLimit
@@ -39,6 +39,7 @@ from kumiko_dramatiq.broker.seam import (
     raise_in_thread,
     restart_consumer,
     set_consumed_queues,
+    work_handoff,
 )
 
 
@@ -291,3 +292,45 @@ def test_a_readonly_reply_on_a_sentinel_connection_is_a_connection_error_from_it
     ):
         connection.read_response()
     assert isinstance(caught.value.__context__, ReadOnlyError)
+
+
+def test_a_consumer_thread_hands_messages_to_its_worker_threads_through_the_work_queue() -> None:
+    handoffs: list[Any] = []
+
+    class Recording(StubBroker):
+        def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 100) -> Any:
+            handoffs.append(work_handoff())  # built in the consumer thread
+            consumer = super().consume(queue_name, prefetch, timeout)
+            # the handed message never was on the queue: its ack has nothing to count down
+            consumer.ack = lambda message: None  # type: ignore[method-assign]
+            return consumer
+
+    broker = Recording()
+    ran = threading.Event()
+
+    @dramatiq.actor(broker=broker)
+    def job() -> None:
+        ran.set()
+
+    worker = Worker(broker, worker_timeout=50, worker_threads=1)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not handoffs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (put,) = handoffs[:1]
+        assert put is not None
+        # a message with an eta, or of an unknown actor, is left to the consumer thread
+        delayed = job.message_with_options(eta=1)
+        assert not put(broker, MessageProxy(delayed))
+        unknown: dramatiq.Message[Any] = dramatiq.Message(
+            queue_name="default", actor_name="nobody", args=(), kwargs={}, options={}
+        )
+        assert not put(broker, MessageProxy(unknown))
+        # any other is run by a worker thread
+        assert put(broker, MessageProxy(job.message()))
+        assert ran.wait(10)
+    finally:
+        worker.stop(timeout=5_000)
+    # and a thread that is not a consumer thread has no hand-off
+    assert work_handoff() is None
