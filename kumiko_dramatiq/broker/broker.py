@@ -381,17 +381,24 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         )
         return self._lane_fetch(queue_name, reply)
 
-    def _claim_args(self, queue_name: str, count: int, outstanding: int) -> list[Any]:
-        """``fetch_lane``'s ARGV[3..7] (also the claim at the end of a ``settle``)."""
+    def _claim_args(
+        self, queue_name: str, count: int, outstanding: int, left: Sequence[str] | None = None
+    ) -> list[Any]:
+        """``fetch_lane``'s ARGV[3..7] (also the claim at the end of a ``settle``, which on
+        a lane with capped jobs adds the jobs ``left`` to the doorbell)."""
         completed_ttl, failed_ttl = self.run_ttls_ms
         capped = queue_name in self.capped_queues
-        return [
+        args: list[Any] = [
             f"{count} {outstanding} {self.max_deliveries} {completed_ttl} {failed_ttl}",
             keys.completed(self.queue_prefix, ""),
             keys.root(self.queue_prefix),
             self.worker_identity(),
-            *((self.slot_ttl_ms,) if capped else ()),
         ]
+        if capped:
+            args.append(self.slot_ttl_ms)
+            if left is not None:
+                args.append(" ".join(left))
+        return args
 
     def _lane_fetch(self, queue_name: str, reply: Any) -> LaneFetch:
         """``fetch_lane``'s reply, decoded."""
@@ -543,7 +550,8 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             for entry in entries:
                 args.extend(entry)
             if claim is not None:
-                args.extend(self._claim_args(queue_name, *claim))
+                room, held, left = claim
+                args.extend(self._claim_args(queue_name, room, held, left))
             sent_at = time.monotonic()
             reply = self._call(
                 self.lua.settle,
@@ -559,7 +567,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             if claim is not None and consumer is not None:
                 replies = reply[0]
                 fetch = self._lane_fetch(queue_name, reply[1])
-                room, claim = claim[0], None
+                claim = None
                 consumer.claimed(fetch, sent_at, room)  # ends the claim
         finally:
             if consumer is not None and claim is not None:

@@ -257,3 +257,28 @@ def test_a_running_worker_hands_a_freed_slot_on_without_fetching(
     # it (handed to a worker thread at once), not by a fetch of its own
     assert [event.message_id for event in recorder.of("start")] == ids
     assert len(fetches) < 6
+
+
+def test_a_slot_freed_by_a_worker_still_running_the_job_goes_to_the_doorbell(
+    make_runner: RunnerFactory, redis_client: redis.Redis, prefix: str
+) -> None:
+    # Given a job capped at two runs, both run by this consumer, one message waiting
+    runner, queue, consumer = _setup(make_runner, _registry(max_running=2), prefix, 3, prefetch=8)
+    first, second = _take(consumer), _take(consumer)
+    waiting = [text(rid) for rid in redis_client.lrange(keys.cap_wait(prefix, JOB), 0, -1)]
+    assert len(waiting) == 1
+    redis_client.delete(keys.queue_bell(queue))
+    # When one run ends while the other goes on
+    consumer.ack(first)
+    # Then its slot is left to the doorbell (the worker that waited longest takes it: a
+    # capped job's runs spread over the workers), not claimed by this consumer
+    assert _acks(redis_client, runner, queue) == {second.redis_message_id}
+    assert redis_client.llen(keys.queue_bell(queue)) == 1
+    # and the last run it holds hands its slot on to it at once (the waiter, still due)
+    redis_client.delete(keys.queue_bell(queue))
+    consumer.ack(second)
+    assert _acks(redis_client, runner, queue) == set(waiting)
+    assert redis_client.exists(keys.queue_bell(queue)) == 0
+    third = _take(consumer)
+    assert third.redis_message_id == waiting[0]
+    consumer.ack(third)
