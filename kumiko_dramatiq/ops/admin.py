@@ -232,10 +232,10 @@ DedupCursor = tuple[str, float, int]
 DEAD_LIST_PAGES = 20
 #: Parked ids resume moves back to their queue per Lua call (about a millisecond of Redis).
 RESUME_STEP = 1_000
-#: Entries one purge step reads at most (``lua/purge_step.lua``), and bytes of message bodies:
-#: a step of small messages takes about 1 ms of Redis, one of large ones stops at the bytes
-#: (``benchmarks/purge.py``).
-PURGE_STEP = 50
+#: Entries one purge step reads at most (``lua/purge_step.lua``), and bytes of message bodies
+#: (it stops once the bodies it read reach them): 0.2 to 0.7 ms of Redis per step, median,
+#: whatever the messages' size (``benchmarks/purge.py``).
+PURGE_STEP = 25
 PURGE_STEP_BYTES = 65_536
 #: The states ``purge`` takes, and what it walks for each (``lua/purge_step.lua``'s modes).
 PURGE_WALKS: dict[str, tuple[str, ...]] = {
@@ -1096,8 +1096,9 @@ class Admin:
         return False if self.known(message_id) else None
 
     def purge(self, job: JobDefinition, state: str, *, dry_run: bool = False) -> int:
-        """Remove ``job``'s messages in ``state`` (:data:`PURGE_WALKS`), :data:`PURGE_STEP`
-        entries per Lua call (``lua/purge_step.lua``), so Redis is never blocked; the number
+        """Remove ``job``'s messages in ``state`` (:data:`PURGE_WALKS`), at most
+        :data:`PURGE_STEP` entries and about :data:`PURGE_STEP_BYTES` of their bodies per Lua
+        call (``lua/purge_step.lua``), so Redis is never blocked; the number
         removed (with ``dry_run``: found, nothing changed). Dedup keys they hold are freed; no
         run record is written; one WARNING line says how many went. A running message is
         never removed; messages enqueued while it runs may or may not be."""
