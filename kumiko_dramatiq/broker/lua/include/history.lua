@@ -280,17 +280,33 @@ local function inflight_count(entry)
 end
 
 -- message_id_of(body): the message id of a message Dramatiq encoded (its last field but one),
--- without decoding it; nil if the body does not end that way. The match starts near the end
--- first (an id of up to about 100 bytes), so a long body costs no scan of its whole length.
-local MESSAGE_ID_TAIL = '"message_id":"([^"]*)","message_timestamp":[%d.]+}$'
+-- without decoding it; nil if the body does not end that way. Only the places where the
+-- field's name occurs are tried (a plain search; a pattern search tries every position), near
+-- the end first (an id of up to about 100 bytes), so a long body costs no scan of its whole
+-- length.
+local MESSAGE_ID_FIELD = '"message_id":"'
+local MESSAGE_ID_REST = '^([^"]*)","message_timestamp":[%d.]+}$'
+local function message_id_from(body, from)
+    while true do
+        local at = string.find(body, MESSAGE_ID_FIELD, from, true)
+        if not at then
+            return nil
+        end
+        local id = string.match(body, MESSAGE_ID_REST, at + 14)
+        if id then
+            return id
+        end
+        from = at + 1
+    end
+end
 local function message_id_of(body)
     if #body > 160 then
-        local id = string.match(body, MESSAGE_ID_TAIL, #body - 160)
+        local id = message_id_from(body, #body - 160)
         if id then
             return id
         end
     end
-    return string.match(body, MESSAGE_ID_TAIL)
+    return message_id_from(body, 1)
 end
 
 -- run_of(root, body, worker): the run record fields of an encoded message kumiko wrote (its
