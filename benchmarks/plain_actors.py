@@ -153,6 +153,9 @@ def run_round(kind: str, url: str, chosen: list[Scenario]) -> None:
 
 def run(url: str, rounds: int, only: str = "") -> list[Scenario]:
     chosen = [s for s in scenarios() if not only or s.name.split()[0] in only.split(",")]
+    if not chosen:
+        names = ", ".join(dict.fromkeys(s.name.split()[0] for s in scenarios()))
+        raise SystemExit(f"plain_actors: no scenario matches --only {only!r} (there are: {names})")
     for index in range(rounds):
         order = ("kumiko", "plain") if index % 2 == 0 else ("plain", "kumiko")
         print(f"round {index + 1} of {rounds}", file=sys.stderr)
