@@ -7,7 +7,7 @@ machine, more than most single changes to a script save. This counts instead: a 
 ``redis-server`` runs under valgrind's callgrind, instrumentation on only while the measured
 calls run, and the instructions the server executed (user space: request parsing, the Lua
 scripts, the commands, the replies; not the kernel's socket work) are divided by the jobs.
-Repeatable to a fraction of a percent whatever the load.
+Repeatable to 1-2% whatever the load.
 
 The calls are the ones each broker makes per job, replayed from one client:
 
