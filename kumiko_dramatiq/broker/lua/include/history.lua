@@ -40,6 +40,23 @@ local pending_index, pending_index_keys = {}, {}
 local pending_stats, pending_stats_keys = {}, {}
 local pending_index_ttl = 0
 
+-- Numbers handed to redis.call are formatted by Redis 7.0 with printf("%.17g"), and Lua's own
+-- concatenation of a number uses printf too: both cost more than the command they feed. So
+-- the integers these writes pass (scores, TTLs, counts, hours) go as text, each distinct one
+-- formatted once per script call ("%d": no floating-point formatting).
+local int_texts = {}
+local function int_text(n)
+    if type(n) ~= "number" or n % 1 ~= 0 then
+        return n
+    end
+    local text = int_texts[n]
+    if not text then
+        text = string.format("%d", n)
+        int_texts[n] = text
+    end
+    return text
+end
+
 local function index_add(index, score, member, ttl)
     local entries = pending_index[index]
     if not entries then
@@ -47,7 +64,7 @@ local function index_add(index, score, member, ttl)
         pending_index[index] = entries
         pending_index_keys[#pending_index_keys + 1] = index
     end
-    entries[#entries + 1] = score
+    entries[#entries + 1] = int_text(score)
     entries[#entries + 1] = member
     if ttl > pending_index_ttl then
         pending_index_ttl = ttl
@@ -58,7 +75,7 @@ end
 -- (hours since the epoch, by the attempt's end), fields "completed", "failed", "dead",
 -- "cancelled" (attempts) and "b<bucket>" (completed attempts by duration: bucket d for d <
 -- 64 ms, else 64 + floor(log(d / 64) / log(1.1)), so a bucket spans 10%); kept 8 days.
-local STATS_TTL_MS = 8 * 86400000
+local STATS_TTL_MS = "691200000" -- 8 days
 local STATS_BUCKETS_EXACT = 64
 local LOG_STEP = math.log(1.1)
 
@@ -67,6 +84,38 @@ local function duration_bucket(d)
         return d
     end
     return STATS_BUCKETS_EXACT + math.floor(math.log(d / STATS_BUCKETS_EXACT) / LOG_STEP)
+end
+
+-- duration_field(record): the stats field of a completed record's duration ("b<bucket>"), or
+-- nil if it has none: its first "d" field with digits, found by plain search (a pattern search
+-- over the whole record costs more than all of the record's writes)
+local function duration_field(record)
+    local from = 1
+    while true do
+        local at = string.find(record, '"d":', from, true)
+        if not at then
+            return nil
+        end
+        local digits = string.match(record, "^%d+", at + 4)
+        if digits then
+            if #digits == 1 or (#digits == 2 and digits < "64" and string.sub(digits, 1, 1) ~= "0") then
+                return "b" .. digits
+            end
+            return "b" .. int_text(duration_bucket(tonumber(digits)))
+        end
+        from = at + 1
+    end
+end
+
+-- stats_hash(root, job, now): the stats hash of job's hour of `now` (ms)
+local stats_hours = {}
+local function stats_hash(root, job, now)
+    local hour = stats_hours[now]
+    if not hour then
+        hour = int_text(math.floor(now / 3600000))
+        stats_hours[now] = hour
+    end
+    return root .. "stats:" .. job .. ":" .. hour
 end
 
 local function stat_add(hash, field)
@@ -123,7 +172,7 @@ local function put_run(root, mid, attempt, job, status, tenant, origin, score, r
     if tostring(attempt) ~= "1" then
         ttl = math.max(ttl, failed_ttl)
     end
-    redis.call("pexpire", hash, ttl)
+    redis.call("pexpire", hash, int_text(ttl))
     local long_ttl = math.max(completed_ttl, failed_ttl)
     index_add(run_job_index(root, job, status), score, member, long_ttl)
     index_add(run_status_index(root, status), score, member, long_ttl)
@@ -134,29 +183,35 @@ local function put_run(root, mid, attempt, job, status, tenant, origin, score, r
         index_add(root .. "runs:origin:" .. origin, score, member, long_ttl)
     end
     if fresh and status ~= "running" then
-        local stats = root .. "stats:" .. job .. ":" .. math.floor(now / 3600000)
+        local stats = stats_hash(root, job, now)
         stat_add(stats, status)
         if status == "completed" then
-            local d = tonumber(string.match(record, '"d":(%d+)'))
-            if d then
-                stat_add(stats, "b" .. duration_bucket(d))
+            local field = duration_field(record)
+            if field then
+                stat_add(stats, field)
             end
         end
     end
 end
 
 -- flush_runs(): write what put_run gathered (index entries, with the indexes' TTL refreshed
--- to the longest record age; stats counters, TTL 8 days).
+-- to the longest record age; stats counters, TTL 8 days from the hour's first count: set when
+-- a count creates its field, which the count that creates the hash always does).
 local function flush_runs()
     for _, index in ipairs(pending_index_keys) do
         redis.call("zadd", index, unpack(pending_index[index]))
-        redis.call("pexpire", index, pending_index_ttl)
+        redis.call("pexpire", index, int_text(pending_index_ttl))
     end
     for _, hash in ipairs(pending_stats_keys) do
+        local created = false
         for field, n in pairs(pending_stats[hash]) do
-            redis.call("hincrby", hash, field, n)
+            if redis.call("hincrby", hash, field, int_text(n)) == n then
+                created = true
+            end
         end
-        redis.call("pexpire", hash, STATS_TTL_MS)
+        if created then
+            redis.call("pexpire", hash, STATS_TTL_MS)
+        end
     end
     pending_index, pending_index_keys = {}, {}
     pending_stats, pending_stats_keys = {}, {}
@@ -225,17 +280,33 @@ local function inflight_count(entry)
 end
 
 -- message_id_of(body): the message id of a message Dramatiq encoded (its last field but one),
--- without decoding it; nil if the body does not end that way. The match starts near the end
--- first (an id of up to about 100 bytes), so a long body costs no scan of its whole length.
-local MESSAGE_ID_TAIL = '"message_id":"([^"]*)","message_timestamp":[%d.]+}$'
+-- without decoding it; nil if the body does not end that way. Only the places where the
+-- field's name occurs are tried (a plain search; a pattern search tries every position), near
+-- the end first (an id of up to about 100 bytes), so a long body costs no scan of its whole
+-- length.
+local MESSAGE_ID_FIELD = '"message_id":"'
+local MESSAGE_ID_REST = '^([^"]*)","message_timestamp":[%d.]+}$'
+local function message_id_from(body, from)
+    while true do
+        local at = string.find(body, MESSAGE_ID_FIELD, from, true)
+        if not at then
+            return nil
+        end
+        local id = string.match(body, MESSAGE_ID_REST, at + 14)
+        if id then
+            return id
+        end
+        from = at + 1
+    end
+end
 local function message_id_of(body)
     if #body > 160 then
-        local id = string.match(body, MESSAGE_ID_TAIL, #body - 160)
+        local id = message_id_from(body, #body - 160)
         if id then
             return id
         end
     end
-    return string.match(body, MESSAGE_ID_TAIL)
+    return message_id_from(body, 1)
 end
 
 -- run_of(root, body, worker): the run record fields of an encoded message kumiko wrote (its
