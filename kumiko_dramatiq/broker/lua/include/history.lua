@@ -217,38 +217,54 @@ local function flush_runs()
     pending_stats, pending_stats_keys = {}, {}
 end
 
--- drop_run(root, member, status): forget one record and its index entries.
-local function drop_run(root, member, status)
-    local mid, attempt = string.match(member, "^(.*):(%d+)$")
-    redis.call("zrem", run_status_index(root, status), member)
-    if not mid then
+-- drop_runs(root, status, members): forget these records of `status` (run ids) and their
+-- index entries: one ZREM per index for them all, one HGET and one HDEL per record (its job,
+-- tenant and origin indexes are read off the record).
+local function drop_runs(root, status, members)
+    if #members == 0 then
         return
     end
-    local hash = root .. "run:" .. mid
-    local record = redis.call("hget", hash, attempt)
-    redis.call("hdel", hash, attempt)
-    if not record then
-        return
+    redis.call("zrem", run_status_index(root, status), unpack(members))
+    local unindex, unindex_keys = {}, {}
+    local function drop_from(index, member)
+        local list = unindex[index]
+        if not list then
+            list = {}
+            unindex[index] = list
+            unindex_keys[#unindex_keys + 1] = index
+        end
+        list[#list + 1] = member
     end
-    local ok, run = pcall(cjson.decode, record)
-    if not ok or type(run) ~= "table" then
-        return
+    for _, member in ipairs(members) do
+        local mid, attempt = string.match(member, "^(.*):(%d+)$")
+        local hash = mid and root .. "run:" .. mid
+        local record = hash and redis.call("hget", hash, attempt)
+        if record then
+            redis.call("hdel", hash, attempt)
+            local ok, run = pcall(cjson.decode, record)
+            if ok and type(run) == "table" then
+                if type(run.j) == "string" then
+                    drop_from(run_job_index(root, run.j, status), member)
+                end
+                if type(run.t) == "string" then
+                    drop_from(root .. "runs:tenant:" .. run.t, member)
+                end
+                if type(run.o) == "string" then
+                    drop_from(root .. "runs:origin:" .. run.o, member)
+                end
+            end
+        end
     end
-    if type(run.j) == "string" then
-        redis.call("zrem", run_job_index(root, run.j, status), member)
-    end
-    if type(run.t) == "string" then
-        redis.call("zrem", root .. "runs:tenant:" .. run.t, member)
-    end
-    if type(run.o) == "string" then
-        redis.call("zrem", root .. "runs:origin:" .. run.o, member)
+    for _, index in ipairs(unindex_keys) do
+        redis.call("zrem", index, unpack(unindex[index]))
     end
 end
 
 -- trim_runs(root, cap, budget, completed TTL, failed TTL, at): drop index entries older than
 -- their status age from the status and job indexes of `job` (if given), then, while more than
 -- `cap` records are indexed, the oldest records, completed first, then cancelled, failed and
--- dead; at most `budget` of them (so a lowered cap is reached over the next writes).
+-- dead; at most `budget` of them (so a lowered cap is reached over the next writes), each
+-- status's at once (drop_runs).
 local function trim_runs(root, cap, budget, completed_ttl, failed_ttl, at, job)
     local total = 0
     for _, status in ipairs(RUN_STATUSES) do
@@ -263,14 +279,12 @@ local function trim_runs(root, cap, budget, completed_ttl, failed_ttl, at, job)
     end
     budget = math.min(total - cap, budget)
     for _, status in ipairs({"completed", "cancelled", "failed", "dead"}) do
-        while budget > 0 do
-            local oldest = redis.call("zrange", run_status_index(root, status), 0, 0)[1]
-            if not oldest then
-                break
-            end
-            drop_run(root, oldest, status)
-            budget = budget - 1
+        if budget <= 0 then
+            break
         end
+        local oldest = redis.call("zrange", run_status_index(root, status), 0, budget - 1)
+        drop_runs(root, status, oldest)
+        budget = budget - #oldest
     end
 end
 
