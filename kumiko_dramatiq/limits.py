@@ -52,6 +52,15 @@ def unicode_problem(text: str) -> str | None:
     return None
 
 
+#: Where a value sits in a payload: ``None`` (the payload itself) or (its parent's where,
+#: its key or index).
+_Where = tuple[Any, str | int] | None
+#: The most characters ``json.dumps`` writes for an ``int`` within +-(2**63-1) and for a
+#: finite ``float`` (``repr``: ``-2.2250738585072014e-308``), with room to spare.
+_INT_CHARS: Final = 20
+_FLOAT_CHARS: Final = 32
+
+
 def check_payload(
     job_name: str,
     payload: Any,
@@ -63,50 +72,66 @@ def check_payload(
     """Return ``payload`` (``None`` -> ``{}``) if it is within the limits, else raise
     :class:`PayloadError` naming the job, the path of the bad value (rooted at ``path``,
     say ``payloads[3]`` in a bulk dispatch) and the value. ``encoded_bound``: an upper bound
-    of its encoded size when one is known (the size of the message it came in): the payload
-    is encoded to measure it only when that bound is over ``max_bytes``."""
+    of its encoded size when one is known (the size of the message it came in). The walk
+    that checks the values adds up a bound of its own (:func:`_encoded_bound`); the payload
+    is encoded to measure it only when the smaller bound is over ``max_bytes``."""
     if payload is None:
         return {}
     if not isinstance(payload, dict):
         raise PayloadError(job_name, path, "must be a JSON object (dict)", payload)
     # Iterative walk: a payload nested 10,000 levels deep must not hit Python's recursion
-    # limit before it hits ours.
-    stack: list[tuple[str, Any, int]] = [(path, payload, 1)]
+    # limit before it hits ours. Each entry carries where it is as (parent's where, key), the
+    # path is spelled out only for an error.
+    stack: list[tuple[Any, int, _Where]] = [(payload, 1, None)]
+    bound = 0
     while stack:
-        at, value, depth = stack.pop()
+        value, depth, where = stack.pop()
         if value is None or isinstance(value, bool):
+            bound += 5
             continue
         if isinstance(value, int):
             if not -_INT_LIMIT <= value <= _INT_LIMIT:
-                raise PayloadError(job_name, at, "must be an integer within +-(2**63-1)", value)
+                raise PayloadError(
+                    job_name, _path(path, where), "must be an integer within +-(2**63-1)", value
+                )
+            bound += _INT_CHARS
             continue
         if isinstance(value, float):
             if not math.isfinite(value):
-                raise PayloadError(job_name, at, "must be a finite number", value)
+                raise PayloadError(job_name, _path(path, where), "must be a finite number", value)
+            bound += _FLOAT_CHARS
             continue
         if isinstance(value, str):
             problem = unicode_problem(value)
             if problem is not None:
-                raise PayloadError(job_name, at, problem, value)
+                raise PayloadError(job_name, _path(path, where), problem, value)
+            bound += _encoded_bound(value)
             continue
         if isinstance(value, dict | list):
             if depth > MAX_NESTING:
                 raise PayloadError(
                     job_name, path, f"nests deeper than {MAX_NESTING} levels", "[...]"
                 )
+            bound += 2
             if isinstance(value, dict):
                 for key, item in value.items():
                     if not isinstance(key, str):
-                        raise PayloadError(job_name, at, "must have string keys", key)
+                        raise PayloadError(
+                            job_name, _path(path, where), "must have string keys", key
+                        )
                     problem = unicode_problem(key)
                     if problem is not None:
-                        raise PayloadError(job_name, f"{at} key", problem, key)
-                    stack.append((f"{at}[{key!r}]", item, depth + 1))
+                        raise PayloadError(job_name, f"{_path(path, where)} key", problem, key)
+                    bound += _encoded_bound(key) + 2  # its ":" and ","
+                    stack.append((item, depth + 1, (where, key)))
             else:
-                stack.extend((f"{at}[{i}]", item, depth + 1) for i, item in enumerate(value))
+                bound += len(value)  # the ","s
+                stack.extend((item, depth + 1, (where, i)) for i, item in enumerate(value))
             continue
-        raise PayloadError(job_name, at, "must be a JSON value", value)
-    if encoded_bound is not None and encoded_bound <= max_bytes:
+        raise PayloadError(job_name, _path(path, where), "must be a JSON value", value)
+    if encoded_bound is not None:
+        bound = min(bound, encoded_bound)
+    if bound <= max_bytes:
         return payload
     size = len(json.dumps(payload, allow_nan=False, separators=(",", ":")).encode())
     if size > max_bytes:
@@ -114,6 +139,22 @@ def check_payload(
             job_name, path, f"is too large once encoded (at most {max_bytes} bytes)", size
         )
     return payload
+
+
+def _path(path: str, where: _Where) -> str:
+    """The path of the value at ``where``, as ``payload['a'][3]``."""
+    keys: list[str | int] = []
+    while where is not None:
+        where, key = where
+        keys.append(key)
+    return path + "".join(f"[{key!r}]" for key in reversed(keys))
+
+
+def _encoded_bound(text: str) -> int:
+    """At most how many bytes ``json.dumps`` (``ensure_ascii``) writes for string ``text``:
+    its quotes, and per character at most 6 (``\\uXXXX``), or 12 for one beyond the Basic
+    Multilingual Plane (a surrogate pair)."""
+    return len(text) * (6 if text.isascii() else 12) + 2
 
 
 def check_delay_ms(job_name: str, delay_ms: Any) -> int | None:

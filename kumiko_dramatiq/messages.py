@@ -10,15 +10,29 @@ hand-off, dedup follow-up) can forget the retry policy. The per-message options 
 
 from __future__ import annotations
 
+import os
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
 
-from dramatiq.message import Message, generate_unique_id
+from dramatiq.message import Message
 
 from kumiko_dramatiq.codec import encode_run
 from kumiko_dramatiq.context import Trigger
 from kumiko_dramatiq.options import build_message_options
 from kumiko_dramatiq.registry import JobDefinition
+
+#: The version (4) and RFC 4122 variant bits of a UUID4, and the bits they replace.
+_UUID4_KEEP: Final = ~((0xF000 << 64) | (0xC000 << 48)) & ((1 << 128) - 1)
+_UUID4_SET: Final = (4 << 76) | (0x8000 << 48)
+
+
+def new_message_id() -> str:
+    """A random message id: what Dramatiq's ``generate_unique_id`` draws
+    (``str(uuid.uuid4())``: 122 random bits from ``os.urandom``), without building a
+    ``uuid.UUID``, at about half its cost (every dispatch draws one)."""
+    bits = int.from_bytes(os.urandom(16), "big") & _UUID4_KEEP | _UUID4_SET
+    hex_ = f"{bits:032x}"
+    return f"{hex_[:8]}-{hex_[8:12]}-{hex_[12:16]}-{hex_[16:20]}-{hex_[20:]}"
 
 
 def build_message(
@@ -59,5 +73,5 @@ def build_message(
         args=(payload,),
         kwargs={},
         options=options,
-        message_id=generate_unique_id() if message_id is None else message_id,
+        message_id=new_message_id() if message_id is None else message_id,
     )

@@ -260,8 +260,10 @@ class JobRunner:
                     self.runtime, job, body, dedup_key, trigger="manual", delay_ms=delay_ms
                 )
         message = build_message(job, body, queue_prefix=self.queue_prefix, trigger="manual")
-        with self._redis("dispatching " + job.qualified_name):
+        try:  # what ``self._redis`` does, inline: this is the hot path of a producer
             self.broker.enqueue(message, delay=delay_ms)
+        except redis.RedisError as exc:
+            raise kumiko_error(self.redis_url, "dispatching " + name, exc) from exc
         return str(message.message_id)
 
     def dispatch_many(

@@ -100,8 +100,10 @@ from kumiko_dramatiq.broker.seam import (
     HookTable,
     NoCommandFallback,
     consumed_queues,
+    copy_message,
     emit_after,
     emit_before,
+    encode_message,
     set_consumed_queues,
     worker_thread_count,
 )
@@ -614,11 +616,21 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         connection is dropped on any exception, an interruption included (Dramatiq raises
         ``TimeLimitExceeded`` and ``Shutdown`` into worker threads): a reply left unread
         would be read as the next command's. (The pool probes each connection it hands out
-        for that; a kept one is not handed out.) It reconnects on its next command."""
+        for that; a kept one is not handed out.) It reconnects on its next command.
+
+        On a kept connection it sends ``EVALSHA`` itself and loads the script when the
+        server does not have it, as ``Script.__call__`` does, without that call's copies of
+        the arguments and its ``isinstance`` check against redis-py's ``Pipeline`` protocol
+        (a few microseconds of every enqueue and settle)."""
         if client is None:
             return script(keys=keys, args=args)
         try:
-            return script(keys=keys, args=args, client=client)
+            command = client.execute_command
+            try:
+                return command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+            except redis.exceptions.NoScriptError:
+                script.sha = client.script_load(script.script)
+                return command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
         except BaseException:
             if client.connection is not None:
                 client.connection.disconnect()  # type: ignore[no-untyped-call]
@@ -640,7 +652,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             rid = derived_redis_id(str(message.message_id))
         else:
             rid = str(uuid4())
-        message = message.copy(options={"redis_message_id": rid})
+        message = copy_message(message, {"redis_message_id": rid})
         if delay is not None:
             message = message.copy(
                 queue_name=dq_name(message.queue_name),
@@ -674,10 +686,10 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         delay. Dramatiq's worker would hold a fetched message that has an ``eta`` in memory
         until due: the stored form has none, so a due message's move rewrites nothing."""
         if delay is None or not keys.is_delay_queue(prepared.queue_name):
-            return prepared.encode()
+            return encode_message(prepared)
         waiting = prepared.copy(queue_name=q_name(prepared.queue_name))
         waiting.options.pop("eta", None)
-        return b"%d " % max(0, int(delay)) + waiting.encode()
+        return b"%d " % max(0, int(delay)) + encode_message(waiting)
 
     def move_due(self, queue_name: str, limit: int) -> MoveResult:
         """Move up to ``limit`` due delayed messages of delay queue ``queue_name``

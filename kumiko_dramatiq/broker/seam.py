@@ -43,7 +43,13 @@ that breaks when the host library changes what it relies on; see docs/upgrading.
     (``Worker.pause()``: it sleeps without iterating), and built from the
     worker's ``queue_prefetch``/``delay_prefetch``, ``work_queue`` and ``worker_timeout``. A
     thread that ended (an exception its loop does not catch) is not restarted by Dramatiq.
-11. **A consumer thread's hand-off to the worker threads** (:func:`work_handoff`): Dramatiq's
+11. **A message's copy and encoding** (:func:`copy_message`, :func:`encode_message`):
+    ``Message.copy`` is ``dataclasses.replace`` with the options merged, and ``Message.encode``
+    is the global encoder's ``encode`` of ``Message.asdict()`` (each field by name, in
+    order); Dramatiq's ``JSONEncoder`` encodes with ``json.dumps(data, separators=(",",
+    ":"))`` in UTF-8. Every enqueue copies its message once and encodes it once: these do
+    the same for a plain ``Message``, at about half the cost.
+12. **A consumer thread's hand-off to the worker threads** (:func:`work_handoff`): Dramatiq's
     ``ConsumerThread`` builds its consumer (``broker.consume``) in its own thread and puts
     each message it takes onto the worker's ``work_queue``, a ``PriorityQueue`` of
     ``_WorkQueueItem(actor priority, message)`` that the worker threads take from (and that
@@ -93,13 +99,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import threading
-from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, Final
 
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.common import q_name
+from dramatiq.encoder import JSONEncoder
 from dramatiq.errors import ActorNotFound
+from dramatiq.message import Message, get_encoder
 from dramatiq.middleware import Middleware, MiddlewareError, TimeLimit
 from dramatiq.worker import ConsumerThread, Worker, _WorkQueueItem
 from redis._parsers.encoders import Encoder
@@ -261,6 +270,46 @@ def argument_encoder(encoding: str, errors: str) -> Callable[[Any], bytes]:
     """redis-py's encoder of command arguments (what its pure-Python packer takes)."""
     encode: Callable[[Any], bytes] = Encoder(encoding, errors, False).encode  # type: ignore[no-untyped-call]
     return encode
+
+
+#: Dramatiq's ``JSONEncoder``'s ``json.dumps(..., separators=(",", ":"))``, built once
+#: (``dumps`` builds an encoder per call when given an option); holds no state between calls.
+_COMPACT_JSON: Final = json.JSONEncoder(separators=(",", ":"))
+
+
+def copy_message(message: Message[Any], options: Mapping[str, Any]) -> Message[Any]:
+    """``message.copy(options=options)``: the same message with ``options`` merged into its
+    options, built directly for a plain ``Message``."""
+    if type(message) is not Message:
+        return message.copy(options=options)
+    return Message(
+        queue_name=message.queue_name,
+        actor_name=message.actor_name,
+        args=message.args,
+        kwargs=message.kwargs,
+        options={**message.options, **options},
+        message_id=message.message_id,
+        message_timestamp=message.message_timestamp,
+    )
+
+
+def encode_message(message: Message[Any]) -> bytes:
+    """``message.encode()``: the same bytes, without ``asdict``'s field lookup and
+    ``json.dumps``'s encoder per call when the global encoder is Dramatiq's ``JSONEncoder``
+    and ``message`` a plain ``Message``."""
+    if type(message) is not Message or type(get_encoder()) is not JSONEncoder:
+        return message.encode()
+    return _COMPACT_JSON.encode(
+        {
+            "queue_name": message.queue_name,
+            "actor_name": message.actor_name,
+            "args": message.args,
+            "kwargs": message.kwargs,
+            "options": message.options,
+            "message_id": message.message_id,
+            "message_timestamp": message.message_timestamp,
+        }
+    ).encode("utf-8")
 
 
 def raise_in_thread(thread_id: int, exception: type[BaseException]) -> bool:

@@ -73,6 +73,9 @@ def end_record(
     started_ms = int(execution.started_at * 1000)
     origin = options.origin_id or execution.message_id
     record: dict[str, Any] = {
+        # "d" first: the settle script reads it off the record for the stats (a plain search
+        # that stops at the first "d" key, lua/include/history.lua)
+        "d": max(0, now_ms - started_ms),
         "j": execution.job.qualified_name,
         "m": execution.message_id,
         "o": origin,
@@ -83,7 +86,6 @@ def end_record(
         "q": execution.delivery.message.message_timestamp,
         "st": started_ms,
         "en": now_ms,
-        "d": max(0, now_ms - started_ms),
         "w": worker,
     }
     if options.tenant_id is not None:

@@ -232,8 +232,11 @@ DedupCursor = tuple[str, float, int]
 DEAD_LIST_PAGES = 20
 #: Parked ids resume moves back to their queue per Lua call (about a millisecond of Redis).
 RESUME_STEP = 1_000
-#: Entries one purge step reads at most (``lua/purge_step.lua``: about 2 ms of Redis).
-PURGE_STEP = 100
+#: Entries one purge step reads at most (``lua/purge_step.lua``), and bytes of message bodies
+#: (it stops once the bodies it read reach them): 0.2 to 0.7 ms of Redis per step, median,
+#: whatever the messages' size (``benchmarks/purge.py``).
+PURGE_STEP = 25
+PURGE_STEP_BYTES = 65_536
 #: The states ``purge`` takes, and what it walks for each (``lua/purge_step.lua``'s modes).
 PURGE_WALKS: dict[str, tuple[str, ...]] = {
     # queued: the queue's list and suspects, then the lists of those waiting for a cap
@@ -242,6 +245,18 @@ PURGE_WALKS: dict[str, tuple[str, ...]] = {
     "parked": ("parked",),
     "dead": ("dead",),
 }
+
+
+def purge_scan_count(count: int, spent: int, read: int) -> int:
+    """The ``COUNT`` of a purge step's next ``HSCAN`` after one of ``count`` that read
+    ``read`` bodies of ``spent`` bytes in all: as many bodies of that average size as fit
+    :data:`PURGE_STEP_BYTES`, from 1 to :data:`PURGE_STEP` (``count`` again when it read
+    none). A walk starts at 1: the first step learns the bodies' size from one body."""
+    if read <= 0:
+        return count
+    return max(1, min(PURGE_STEP, PURGE_STEP_BYTES * read // max(1, spent)))
+
+
 #: The states ``job_counts`` gives for each job.
 COUNT_STATES = ("queued", "delayed", "running", "parked", "dead")
 #: How many of the newest run records of each status, and of the newest dead letters of each
@@ -1081,18 +1096,18 @@ class Admin:
         return False if self.known(message_id) else None
 
     def purge(self, job: JobDefinition, state: str, *, dry_run: bool = False) -> int:
-        """Remove ``job``'s messages in ``state`` (:data:`PURGE_WALKS`), :data:`PURGE_STEP`
-        entries per Lua call (``lua/purge_step.lua``), so Redis is never blocked; the number
+        """Remove ``job``'s messages in ``state`` (:data:`PURGE_WALKS`), at most
+        :data:`PURGE_STEP` entries and about :data:`PURGE_STEP_BYTES` of their bodies per Lua
+        call (``lua/purge_step.lua``), so Redis is never blocked; the number
         removed (with ``dry_run``: found, nothing changed). Dedup keys they hold are freed; no
         run record is written; one WARNING line says how many went. A running message is
         never removed; messages enqueued while it runs may or may not be."""
         queue = job.queue_name(self.prefix)
-        hold_ms = self.settings.heartbeat_timeout_ms + 3_600_000
         total = 0
         for walk in PURGE_WALKS[state]:
-            cursor = "0"
+            cursor, count = "0", 1 if walk == "delayed" else PURGE_STEP
             while True:
-                removed, cursor = self.broker.lua.purge_step(
+                removed, cursor, spent, read = self.broker.lua.purge_step(
                     keys=[self.broker.namespace],
                     args=[
                         keys.root(self.prefix),
@@ -1100,9 +1115,9 @@ class Admin:
                         walk,
                         queue,
                         cursor,
-                        PURGE_STEP,
+                        count,
                         int(datetime.now(UTC).timestamp() * 1000),
-                        hold_ms,
+                        PURGE_STEP_BYTES,
                         "1" if dry_run else "0",
                     ],
                 )
@@ -1110,6 +1125,10 @@ class Admin:
                 cursor = text(cursor)
                 if cursor == "0":
                     break
+                if walk == "delayed":
+                    # HSCAN hands over the bodies it visits: size its next COUNT so that
+                    # bodies like the ones just read stay within the step's bytes
+                    count = purge_scan_count(count, int(spent), int(read))
         if not dry_run:
             logger.warning("purged %d %s message(s) of %s", total, state, job.qualified_name)
         return total

@@ -6,7 +6,8 @@ attempt's end, UTC), one hash ``keys.job_stats(prefix, job, hour)`` of counters,
 ``completed``, ``failed`` (the attempt failed and a retry follows), ``dead`` and
 ``cancelled``, and ``b<bucket>`` for each completed attempt's duration (:func:`bucket`: exact
 below 64 ms, then buckets 10% wide, so a percentile read back is within 5%). One ``HINCRBY``
-per counter per settle call (a batch of attempts) and the hash's TTL refreshed to 8 days. A
+per counter per settle call (a batch of attempts); the hash's TTL is set to 8 days whenever a
+count creates a field (the hour's first count always does), so it lives 8 days from its hour. A
 record written again (a settle retried after a lost reply) counts nothing twice. Reading is
 one ``HGETALL`` per job and hour asked for, in one round trip: no run-history scan.
 """

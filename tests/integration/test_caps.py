@@ -34,6 +34,7 @@ from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.replies import text
 from kumiko_dramatiq.dashboard.pages import parse_waiting_cursor
 from kumiko_dramatiq.messages import build_message
+from kumiko_dramatiq.ops import admin
 from tests.apps import caps_app
 from tests.conftest import Recorder, RunnerFactory, wait_for
 
@@ -786,9 +787,17 @@ def _held(release: threading.Event, **options: Any) -> Registry:
     return Registry([feature])
 
 
+@pytest.mark.parametrize("step_bytes", [None, 1], ids=["default steps", "one body a step"])
 def test_waiters_for_a_cap_are_listed_and_purged(
-    make_runner: RunnerFactory, recorder: Recorder, redis_client: redis.Redis, prefix: str
+    make_runner: RunnerFactory,
+    recorder: Recorder,
+    redis_client: redis.Redis,
+    prefix: str,
+    step_bytes: int | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if step_bytes is not None:  # a purge step of one body: its walk resumes after each
+        monkeypatch.setattr(admin, "PURGE_STEP_BYTES", step_bytes)
     release = threading.Event()
     runner = make_runner(_held(release, max_running=1), worker_threads=3, **recorder.hooks())
     holder = runner.dispatch(JOB, {"hold": True})
@@ -853,9 +862,17 @@ def test_a_waiter_for_a_cap_cancelled_leaves_no_count_behind(
     assert runner.job_counts()[JOB]["queued"] == 0
 
 
+@pytest.mark.parametrize("step_bytes", [None, 1], ids=["default steps", "one body a step"])
 def test_waiters_of_per_tenant_rate_limits_are_listed_cancelled_and_purged(
-    make_runner: RunnerFactory, recorder: Recorder, redis_client: redis.Redis, prefix: str
+    make_runner: RunnerFactory,
+    recorder: Recorder,
+    redis_client: redis.Redis,
+    prefix: str,
+    step_bytes: int | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if step_bytes is not None:  # a purge step of one body: its walk resumes after each
+        monkeypatch.setattr(admin, "PURGE_STEP_BYTES", step_bytes)
     tenants = ["a", "b", "c"]
     registry = capped(
         Ledger(), hold_s=0.0, per_tenant=True, rate_limit=RateLimit(1, 60_000, per_tenant=True)

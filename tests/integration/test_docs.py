@@ -605,3 +605,14 @@ def test_a_block_is_pointed_at_the_test_dataset() -> None:
         "JobRunner(r, redis_url='redis://test:1/13', queue_prefix='t_private')",
         "acl.setuser('kumiko', 'orders')",
     ]
+
+
+def test_the_printed_acl_rules_are_what_acl_setuser_prints() -> None:
+    # the ACL example in docs/deploying.md is output, not prose: a command a new script runs
+    # and the page does not list would be refused to a user who copied it
+    from kumiko_dramatiq.broker import acl
+
+    page = (ROOT / "docs" / "deploying.md").read_text(encoding="utf-8")
+    printed = re.search(r"```text\n(ACL SETUSER kumiko .*?)```", page, re.DOTALL)
+    assert printed is not None, "docs/deploying.md has no printed ACL SETUSER block"
+    assert printed.group(1).split() == acl.setuser("kumiko", "orders").split()

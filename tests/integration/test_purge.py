@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from kumiko_dramatiq import Feature, JobContext, JobRunner, NotFoundError, Registry
+from kumiko_dramatiq.ops import admin
 from tests.conftest import Recorder, RunnerFactory, wait_for
 
 GONE = "clean:job:gone"
@@ -30,6 +31,15 @@ def registry() -> Registry:
     feature.job("kept")(noop)
     feature.job("dies", retries=0)(dies)
     return Registry([feature])
+
+
+@pytest.fixture(autouse=True, params=["default steps", "one body a step"])
+def step_bytes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every purge here also with steps of one body each (a byte budget of 1): each walk
+    then resumes after every entry, in every mode (list offsets, heads popped, HSCAN counts,
+    tenant groups)."""
+    if request.param == "one body a step":
+        monkeypatch.setattr(admin, "PURGE_STEP_BYTES", 1)
 
 
 def ran(recorder: Recorder, job: str) -> list[str]:
@@ -119,6 +129,35 @@ def test_delete_dead_and_the_wrong_state(make_runner: RunnerFactory) -> None:
         runner.delete_dead(unknown)
     with pytest.raises(NotFoundError):
         runner.retry_dead(unknown)
+
+
+def test_a_purge_step_stops_reading_once_its_bodies_reach_the_byte_budget(
+    make_runner: RunnerFactory, prefix: str
+) -> None:
+    # Given 10 messages of about 2 KB each on the queue
+    runner = make_runner(registry())
+    runner.dispatch_many(GONE, [{"pad": "x" * 2_000}] * 10)
+    job = runner.registry.jobs[GONE]
+
+    def step(cursor: str, byte_budget: int) -> tuple[int, str, int, int]:
+        removed, after, spent, read = runner.broker.lua.purge_step(
+            keys=[runner.broker.namespace],
+            args=[
+                *(f"kumiko:{prefix}:", GONE, "queued", job.queue_name(prefix), cursor),
+                *(50, 0, byte_budget, "1"),
+            ],
+        )
+        return int(removed), after.decode(), int(spent), int(read)
+
+    # When a dry-run step may read 3,000 bytes of bodies, Then it reads two (the second
+    # takes it past the budget) and the next step starts after them
+    removed, cursor, spent, read = step("0", 3_000)
+    assert (removed, cursor, read) == (2, "2", 2)
+    assert 2 * 2_000 < spent < 2 * 2_600  # two bodies of 2 KB and their options
+    # a budget smaller than one body still reads one: every step moves on
+    assert step(cursor, 1)[:2] == (1, "3")
+    # and the walk ends where the list does
+    assert step("9", 3_000)[:2] == (1, "0")
 
 
 def test_purge_refuses_an_unknown_state(make_runner: RunnerFactory) -> None:

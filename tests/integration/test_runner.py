@@ -24,6 +24,7 @@ from kumiko_dramatiq import (
     Registry,
     UnknownJobError,
 )
+from kumiko_dramatiq.testing import private_redis_server
 from tests.conftest import Recorder, RunnerFactory
 
 
@@ -371,6 +372,22 @@ def test_an_enqueue_resent_after_a_dropped_connection_stores_the_message_once(
     redis_client.delete(f"dramatiq:{prefix}-worker", f"dramatiq:{prefix}-worker.msgs")
     assert enqueue(keys=keys, args=args) == [0]
     assert queued(redis_client, prefix) == 0
+
+
+def test_a_dispatch_after_the_server_lost_its_scripts_loads_them_again() -> None:
+    # SCRIPT FLUSH empties the script cache of the whole server: on a private one
+    with private_redis_server() as url:
+        client = redis.Redis.from_url(url)
+        runner = JobRunner(billing_registry(), redis_url=url, queue_prefix="flushed")
+        try:
+            first = runner.dispatch("billing:job:send", {"n": 1})
+            client.script_flush()
+            second = runner.dispatch("billing:job:send", {"n": 2})
+            assert first != second
+            assert queued(client, "flushed") == 2
+        finally:
+            runner.broker.close()
+            client.close()
 
 
 def test_each_thread_keeps_its_own_connection_until_it_ends(make_runner: RunnerFactory) -> None:

@@ -716,7 +716,7 @@ MUST_BE_GONE = frozenset(
 #: kept as long as the dataset, whose disappearance reads as a dataset reset).
 PERSISTENT = frozenset({"boot", "dataset"})
 #: The per-job hourly stats (``stats:{job}:{hour}``, :mod:`kumiko_dramatiq.ops.stats`): each
-#: hash's TTL refreshed to 8 days by every write.
+#: hash's TTL set to 8 days by the write that creates any of its fields.
 STATS = frozenset({"stats"})
 STATS_TTL_MS = 8 * 86_400_000
 #: The soak's own records.

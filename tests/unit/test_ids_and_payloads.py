@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import random
+import uuid
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
@@ -17,6 +20,15 @@ from kumiko_dramatiq.ids import (
     redis_message_id,
 )
 from kumiko_dramatiq.limits import check_payload
+from kumiko_dramatiq.messages import new_message_id
+
+#: Characters that JSON escapes or encodes in several bytes: quotes, controls, non-ASCII,
+#: beyond the Basic Multilingual Plane, a lone surrogate.
+_AWKWARD = 'ab"\\\n\x00\x1fé€\u2028😀\U0010ffff\ud800'
+
+
+def _random_text(rng: random.Random) -> str:
+    return "".join(rng.choice(_AWKWARD) for _ in range(rng.randint(0, 12)))
 
 
 def test_child_ids_are_deterministic() -> None:
@@ -78,6 +90,54 @@ def test_the_candidates_of_an_id_cover_its_first_write_its_next_retries_and_its_
     assert hand_off in after_two
     assert handoff_redis_id("m1", hand_off) in after_two
     assert len(redis_id_candidates("m1", 9_999)) == 5  # bounded, however often it retried
+
+
+def test_derived_ids_are_uuid5_over_the_json_array_of_their_parts() -> None:
+    # the fast derivation must give the very ids ``uuid.uuid5`` gave: they are stored
+    namespace = uuid.UUID("6f1c1d2e-8a43-5b7e-9c1a-4b5d8e2f7a90")
+
+    def reference(*parts: str) -> str:
+        return str(uuid.uuid5(namespace, json.dumps(list(parts), ensure_ascii=False)))
+
+    rng = random.Random(33)
+    for _ in range(2_000):
+        a, b = (_random_text(rng).replace("\ud800", "") for _ in range(2))
+        assert child_message_id(a, b) == reference("child", a, b)
+        assert redis_message_id(a) == reference("redis", a, "")
+        assert redis_message_id(a, 7) == reference("redis", a, "7")
+        assert handoff_redis_id(a, "x") == reference("redis-handoff", a, "0")
+
+
+def test_a_new_message_id_is_a_random_uuid4() -> None:
+    drawn = {new_message_id() for _ in range(1_000)}
+    assert len(drawn) == 1_000
+    for each in drawn:
+        parsed = uuid.UUID(each)
+        assert (parsed.version, parsed.variant, str(parsed)) == (4, uuid.RFC_4122, each)
+
+
+def test_a_payload_is_measured_exactly_when_its_walk_cannot_rule_out_too_large() -> None:
+    # the walk's bound skips the encoding only when the payload surely fits: check it
+    # against the real size on payloads of awkward characters, at and around the limit
+    rng = random.Random(33)
+    for _ in range(2_000):
+        payload: dict[str, Any] = {
+            _random_text(rng).replace("\ud800", ""): rng.choice(
+                [
+                    _random_text(rng).replace("\ud800", ""),
+                    rng.randint(-(2**63 - 1), 2**63 - 1),
+                    rng.uniform(-1.0, 1.0) * 1e308,
+                    -2.2250738585072014e-308,
+                    [None, True, {"k": _random_text(rng).replace("\ud800", "")}],
+                ]
+            )
+            for _ in range(rng.randint(0, 5))
+        }
+        size = len(json.dumps(payload, separators=(",", ":")).encode())
+        assert check_payload("f:job:a", payload, max_bytes=size) is payload
+        if size > 0:
+            with pytest.raises(PayloadError, match="too large once encoded"):
+                check_payload("f:job:a", payload, max_bytes=size - 1)
 
 
 def test_none_is_an_empty_payload() -> None:

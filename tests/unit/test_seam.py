@@ -32,8 +32,10 @@ from kumiko_dramatiq.broker.seam import (
     consumed_queues,
     consumer_of,
     consumer_threads,
+    copy_message,
     emit_after,
     emit_before,
+    encode_message,
     has_socket,
     name_interruptions,
     raise_in_thread,
@@ -201,6 +203,42 @@ def test_redis_pys_argument_encoder_encodes_as_the_connection_would() -> None:
     assert encode("é") == "é".encode()
     assert encode(5) == b"5"
     assert encode(b"raw") == b"raw"
+
+
+def _messages() -> list[dramatiq.Message[Any]]:
+    return [
+        dramatiq.Message(
+            queue_name="q",
+            actor_name="f:job:a",
+            args=({"s": 'é "€" 😀 \n', "n": [1, 2.5, None, True]},),
+            kwargs={"k": (1, 2)},
+            options={"kumiko_trigger": "manual", "redis_message_id": "r1", "eta": 12},
+        ),
+        dramatiq.Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={}),
+    ]
+
+
+def test_a_message_is_copied_as_its_copy_method_copies_it() -> None:
+    for message in _messages():
+        copied = copy_message(message, {"redis_message_id": "r2", "x": [1]})
+        assert copied == message.copy(options={"redis_message_id": "r2", "x": [1]})
+        assert copied.options is not message.options
+        assert message.options.get("redis_message_id") != "r2"  # the original is left as it was
+
+
+def test_a_message_is_encoded_as_its_encode_method_encodes_it() -> None:
+    for message in _messages():
+        assert encode_message(message) == message.encode()
+
+
+def test_a_message_under_another_global_encoder_is_encoded_by_that_encoder() -> None:
+    previous = dramatiq.get_encoder()
+    dramatiq.set_encoder(dramatiq.PickleEncoder())
+    try:
+        message = _messages()[0]
+        assert dramatiq.PickleEncoder().decode(encode_message(message)) == message.asdict()
+    finally:
+        dramatiq.set_encoder(previous)
 
 
 class _Async(BaseException):

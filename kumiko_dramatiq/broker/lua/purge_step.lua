@@ -8,10 +8,17 @@
 -- by rank in the lane's "<root>capwaiting:<queue>", each from its head) or "dead" (the
 -- lane's dead letters, oldest first)
 -- ARGV[4] the lane queue   ARGV[5] the cursor (0 to start; what the previous step returned)
--- ARGV[6] how many entries this step reads at most   ARGV[7] now (ms, unused)
--- ARGV[8] unused   ARGV[9] "1": only count, change nothing (kumiko purge --dry-run)
--- Reads at most ARGV[6] entries and their bodies (a body is decoded only when it names the
--- job), so one step costs about 2 ms whatever the queue's size. What it removes:
+-- ARGV[6] how many entries this step reads at most (for "delayed": HSCAN's COUNT)
+-- ARGV[7] now (ms, unused)   ARGV[8] how many bytes of bodies this step reads at most
+-- ARGV[9] "1": only count, change nothing (kumiko purge --dry-run)
+-- A step is bounded twice: it reads at most ARGV[6] entries, and once the bodies it read
+-- reach ARGV[8] bytes it reads no more (one body at a time, HGET, so it reads at most one body
+-- beyond; the first entry of a step is always read, so every step moves on), the next step
+-- starting at the entry it did not read. So a step costs about the same whatever the queue's
+-- size and whatever its messages' sizes (a body is decoded only when it names the job).
+-- "delayed" walks with HSCAN, which hands over the bodies of the entries it visits: there
+-- ARGV[6] is the COUNT, which the caller sizes from the bodies the previous step read.
+-- What it removes:
 -- queued: the body is deleted and the redis id noted as withdrawn ("<queue list>:withdrawn",
 -- as cancel does: the fetch that meets the id drops it, counts leave it out); one claimed by a
 -- worker (running) is left alone. delayed: the id leaves its queue's schedule
@@ -24,17 +31,40 @@
 -- A dedup key a removed message held is freed (include/dedup_index.lua). No run record is
 -- written. Lists are walked from the tail (queued, suspects), which new messages pushed meanwhile
 -- shift but never make it skip an entry; pops from the head only end the walk sooner.
--- Returns {removed, next cursor ("0" when done)}.
+-- Returns {removed, next cursor ("0" when done), bytes of bodies read, entries read}.
 -- capwait cursors: "0" or "0j" (the job's own list), then "g<n>" (tenant groups from rank n
--- on). A dry run counts each list's length (a cap's list holds its job's ids only).
+-- on); a dry run counts each list's length (a cap's list holds its job's ids only). dead
+-- cursors: "0", then "d<offset>".
 -- @include dedup_index
 -- @include counts
 local namespace, root, job, mode = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
 local queue, cursor, batch = ARGV[4], ARGV[5], tonumber(ARGV[6])
+local byte_budget = tonumber(ARGV[8])
 local dry = ARGV[9] == "1"
 local wrapper = job .. ":fanout"
 local list = namespace .. ":" .. queue
 local removed = 0
+local spent, read = 0, 0 -- bytes of bodies and entries this step read
+
+-- the first of `rids` (in the order they are walked) this step reads, and their bodies (in
+-- hash `bodies`; false: none): one by one until the bodies read reach the byte budget, the
+-- step's first entry in any case
+local function read_bodies(bodies, rids)
+    local taken, got = {}, {}
+    for _, rid in ipairs(rids) do
+        if read > 0 and spent >= byte_budget then
+            break
+        end
+        local body = redis.call("hget", bodies, rid)
+        read = read + 1
+        taken[#taken + 1] = rid
+        got[#taken] = body
+        if body then
+            spent = spent + #body
+        end
+    end
+    return taken, got
+end
 
 -- the decoded message of body if it is one of the job's (its own or its per-tenant wrapper's)
 local function of_job(body)
@@ -62,17 +92,13 @@ local function free_dedup(message)
     end
 end
 
--- rids in `entries` whose bodies (in hash `bodies`) are the job's: {rid, message} pairs
-local function matching(bodies, rids)
+-- the entries of `rids` whose bodies (`got`, by position) are the job's: {rid, message, body}
+local function matching(rids, got)
     local found = {}
-    if #rids == 0 then
-        return found
-    end
-    local got = redis.call("hmget", bodies, unpack(rids))
     for i, rid in ipairs(rids) do
         local message = of_job(got[i])
         if message then
-            found[#found + 1] = {rid, message}
+            found[#found + 1] = {rid, message, got[i]}
         end
     end
     return found
@@ -86,77 +112,88 @@ if mode == "queued" or mode == "suspects" then
     local offset = tonumber(cursor)
     local length = redis.call("llen", source)
     if offset >= length then
-        return {0, "0"}
+        return {0, "0", 0, 0}
     end
-    local rids = redis.call("lrange", source, -(offset + batch), -(offset + 1))
-    for _, pair in ipairs(matching(list .. ".msgs", rids)) do
-        local rid, message = pair[1], pair[2]
+    local window = redis.call("lrange", source, -(offset + batch), -(offset + 1))
+    local rids = {} -- tail first
+    for i = #window, 1, -1 do
+        rids[#rids + 1] = window[i]
+    end
+    local got
+    rids, got = read_bodies(list .. ".msgs", rids)
+    for _, found in ipairs(matching(rids, got)) do
+        local rid, message = found[1], found[2]
         if redis.call("hexists", root .. "inflight", rid) == 0 then
             removed = removed + 1
             if not dry then
-                uncount(list .. ".msgs", rid)
+                count_body(list .. ".msgs", rid, found[3], -1)
                 redis.call("hdel", list .. ".msgs", rid)
                 redis.call("sadd", list .. ":withdrawn", rid)
                 free_dedup(message)
             end
         end
     end
-    offset = offset + batch
+    offset = offset + #rids
     if offset >= length then
-        return {removed, "0"}
+        return {removed, "0", spent, read}
     end
-    return {removed, tostring(offset)}
+    return {removed, tostring(offset), spent, read}
 elseif mode == "delayed" then
     local bodies = list .. ".DQ.msgs"
     local reply = redis.call("hscan", bodies, cursor, "COUNT", batch)
     local entries = reply[2]
     for i = 1, #entries, 2 do
-        local rid, message = entries[i], of_job(entries[i + 1])
+        local rid, body = entries[i], entries[i + 1]
+        spent, read = spent + #body, read + 1
+        local message = of_job(body)
         if message then
             removed = removed + 1
             if not dry then
                 redis.call("zrem", list .. ".DQ:schedule", rid)
-                uncount(bodies, rid)
+                count_body(bodies, rid, body, -1)
                 redis.call("hdel", bodies, rid)
                 free_dedup(message)
             end
         end
     end
-    return {removed, reply[1]}
+    return {removed, reply[1], spent, read}
 elseif mode == "parked" then
     local parked = root .. "parked:" .. job
     local withdrawn = root .. "parked-withdrawn:" .. job
     if dry then
         local offset = tonumber(cursor)
-        local rids = redis.call("lrange", parked, offset, offset + batch - 1)
-        for _, pair in ipairs(matching(list .. ".msgs", rids)) do
-            if redis.call("sismember", withdrawn, pair[1]) == 0 then
+        local window = redis.call("lrange", parked, offset, offset + batch - 1)
+        local rids, got = read_bodies(list .. ".msgs", window)
+        for _, found in ipairs(matching(rids, got)) do
+            if redis.call("sismember", withdrawn, found[1]) == 0 then
                 removed = removed + 1
             end
         end
-        if #rids < batch then
-            return {removed, "0"}
+        if #rids == #window and #window < batch then
+            return {removed, "0", spent, read}
         end
-        return {removed, tostring(offset + batch)}
+        return {removed, tostring(offset + #rids), spent, read}
     end
-    local rids = redis.call("lpop", parked, batch)
-    if not rids then
+    local window = redis.call("lrange", parked, 0, batch - 1)
+    if #window == 0 then
         redis.call("del", withdrawn)
-        return {0, "0"}
+        return {0, "0", 0, 0}
     end
-    for _, pair in ipairs(matching(list .. ".msgs", rids)) do
-        if redis.call("srem", withdrawn, pair[1]) == 0 then
+    local rids, got = read_bodies(list .. ".msgs", window)
+    redis.call("lpop", parked, #rids)
+    for _, found in ipairs(matching(rids, got)) do
+        if redis.call("srem", withdrawn, found[1]) == 0 then
             removed = removed + 1
         end
-        uncount(list .. ".msgs", pair[1])
-        redis.call("hdel", list .. ".msgs", pair[1])
-        free_dedup(pair[2])
+        count_body(list .. ".msgs", found[1], found[3], -1)
+        redis.call("hdel", list .. ".msgs", found[1])
+        free_dedup(found[2])
     end
-    if #rids < batch then
+    if #rids == #window and #window < batch then
         redis.call("del", withdrawn)
-        return {removed, "0"}
+        return {removed, "0", spent, read}
     end
-    return {removed, "1"}
+    return {removed, "1", spent, read}
 elseif mode == "capwait" then
     local waiting = root .. "capwaiting:" .. queue
     local msgs = list .. ".msgs"
@@ -169,12 +206,16 @@ elseif mode == "capwait" then
             removed = removed + waiters
             return waiters, true
         end
-        local rids = redis.call("lpop", source, budget)
-        if not rids then
+        local window = redis.call("lrange", source, 0, budget - 1)
+        if #window == 0 then
             redis.call("zrem", waiting, group)
             return 0, true
         end
-        local got = redis.call("hmget", msgs, unpack(rids))
+        local rids, got = read_bodies(msgs, window)
+        if #rids == 0 then
+            return 0, false -- the step's bytes are spent: the next step starts here
+        end
+        redis.call("lpop", source, #rids)
         for i, rid in ipairs(rids) do
             local message = of_job(got[i])
             -- every waiter was counted while it waited (as the fetch's serve uncounts it)
@@ -182,7 +223,7 @@ elseif mode == "capwait" then
                 redis.call("hdel", root .. "capwaits", job)
             end
             if got[i] then
-                uncount(msgs, rid)
+                count_body(msgs, rid, got[i], -1)
                 redis.call("hdel", msgs, rid)
                 redis.call("hdel", root .. "inflight", rid)
                 if message then
@@ -203,9 +244,9 @@ elseif mode == "capwait" then
     if cursor == "0" or cursor == "0j" then
         local _, emptied = take(job, batch)
         if not emptied then
-            return {removed, "0j"}
+            return {removed, "0j", spent, read}
         end
-        return {removed, "g0"}
+        return {removed, "g0", spent, read}
     end
     local rank = tonumber(string.sub(cursor, 2)) or 0
     local groups = redis.call("zrange", waiting, rank, rank + 19)
@@ -218,38 +259,41 @@ elseif mode == "capwait" then
                 budget = budget - take(group, budget)
             end
         else
-            local read, emptied = take(group, budget)
-            budget = budget - read
+            local taken, emptied = take(group, budget)
+            budget = budget - taken
             if not emptied then
-                return {removed, "g" .. rank}
+                return {removed, "g" .. rank, spent, read}
             end
         end
         if budget <= 0 then
-            return {removed, "g" .. rank}
+            return {removed, "g" .. rank, spent, read}
         end
     end
     if #groups < 20 then
-        return {removed, "0"}
+        return {removed, "0", spent, read}
     end
-    return {removed, "g" .. rank}
+    return {removed, "g" .. rank, spent, read}
 elseif mode == "dead" then
     local letters = namespace .. ":" .. queue .. ".XQ"
-    local offset = tonumber(cursor)
-    local rids = redis.call("zrange", letters, offset, offset + batch - 1)
+    -- "0" at the start, then "d<offset>": an offset that is 0 again (the step removed all
+    -- it read) must not read as the end of the walk
+    local offset = tonumber(string.match(cursor, "%d+$")) or 0
+    local window = redis.call("zrange", letters, offset, offset + batch - 1)
+    local rids, got = read_bodies(letters .. ".msgs", window)
     local kept = #rids
-    for _, pair in ipairs(matching(letters .. ".msgs", rids)) do
+    for _, found in ipairs(matching(rids, got)) do
         removed = removed + 1
         if not dry then
-            redis.call("zrem", letters, pair[1])
-            uncount(letters .. ".msgs", pair[1])
-            redis.call("hdel", letters .. ".msgs", pair[1])
-            redis.call("del", root .. "dead:" .. pair[2].message_id)
+            redis.call("zrem", letters, found[1])
+            count_body(letters .. ".msgs", found[1], found[3], -1)
+            redis.call("hdel", letters .. ".msgs", found[1])
+            redis.call("del", root .. "dead:" .. found[2].message_id)
             kept = kept - 1
         end
     end
-    if #rids < batch then
-        return {removed, "0"}
+    if #rids == #window and #window < batch then
+        return {removed, "0", spent, read}
     end
-    return {removed, tostring(offset + kept)}
+    return {removed, "d" .. (offset + kept), spent, read}
 end
 return redis.error_reply("purge_step: unknown mode " .. tostring(mode))

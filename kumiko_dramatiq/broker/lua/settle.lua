@@ -157,7 +157,7 @@ for i, rid in ipairs(rids) do
         if deliveries > 1 then
             record = string.sub(record, 1, -2) .. ',"n":' .. deliveries .. "}"
         end
-        put_run(root, mid, attempt, job, status, tenant, origin, tonumber(score) or now, record,
+        put_run(root, mid, attempt, job, status, tenant, origin, score ~= "" and score or now, record,
             completed_ttl, failed_ttl, now, owned[i] and deliveries <= 1)
         indexed_job = indexed_job or job
     end
@@ -179,7 +179,6 @@ for i, rid in ipairs(rids) do
                 redis.call("set", root .. "dead:" .. mid, ARGV[base + 5], "PX", dead_ttl)
             end
         else
-            uncount(queue_messages, rid)
             forgotten[#forgotten + 1] = rid
         end
     else
@@ -193,6 +192,7 @@ if #acked > 0 then
     redis.call("srem", queue_acks, unpack(acked))
 end
 if #forgotten > 0 then
+    uncount_many(queue_messages, forgotten)
     redis.call("hdel", queue_messages, unpack(forgotten))
 end
 flush_runs()

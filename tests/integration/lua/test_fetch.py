@@ -61,6 +61,7 @@ from tests.integration.lua.tables import (
     died,
     died_note,
     earlier,
+    encoded,
     ended,
     entry,
     header_of,
@@ -165,6 +166,22 @@ def test_fetch_maintenance_keeps_a_dead_worker_with_another_queues_ack_set(env: 
     assert text(result) == []
     env.assert_state({LIST: ["r1"], MSGS: {"r1": "b1"}, DEAD_ACKS_OTHER: {"x1"}, BELL: ["1"]})
     assert env.heartbeat("w0") == DEAD_AT
+
+
+def long_with_decoy(message_id: str, decoy: str) -> str:
+    """An encoded message longer than the 160 bytes fetch_lane looks at first, whose payload
+    holds a "message_id" field of its own (a decoy) before the real one."""
+    return encoded(
+        {
+            "queue_name": "q",
+            "actor_name": "a",
+            "args": [{"message_id": decoy, "pad": "x" * 200}],
+            "kwargs": {},
+            "options": {},
+            "message_id": message_id,
+            "message_timestamp": ENQUEUED_AT,
+        }
+    )
 
 
 @pytest.mark.parametrize(
@@ -408,6 +425,24 @@ def test_fetch_maintenance_expires_dead_letters(
                 INFLIGHT: {"r1": entry(1), "r2": entry(1)},
             },
             id="json-without-a-string-message-id-is-returned",
+        ),
+        pytest.param(
+            {
+                LIST: ["r1", "r2"],
+                MSGS: {"r1": long_with_decoy("m1", "m2"), "r2": long_with_decoy("m2", "m1")},
+                DONE_M1: "1",
+            },
+            2,
+            DONE_PREFIX,
+            0,
+            [["r2", long_with_decoy("m2", "m1")], ["m1"], [], 0, 0],
+            {
+                MSGS: {"r2": long_with_decoy("m2", "m1")},
+                ACKS: {"r2"},
+                INFLIGHT: {"r2": entry(1)},
+                DONE_M1: "1",
+            },
+            id="a-long-body-is-checked-by-its-own-message-id-not-one-in-its-payload",
         ),
         pytest.param(
             {LIST: ["r1"], MSGS: {"r1": json.dumps({"message_id": "m1"})}, DONE_M1: "1"},

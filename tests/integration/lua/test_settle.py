@@ -14,6 +14,7 @@ from tests.integration.lua.tables import (
     BELL,
     BELL_TTL,
     COMPLETED_TTL,
+    COUNTS,
     DEAD_TTL,
     DONE_M1,
     DQ,
@@ -57,6 +58,7 @@ from tests.integration.lua.tables import (
     indexed,
     kumiko_message,
     merge,
+    message,
     record,
     run_hash,
 )
@@ -243,6 +245,54 @@ def test_settle(
     env.assert_state(after)
     env.assert_expiry(expiry)
     assert env.heartbeat("w1") == NOW
+
+
+@pytest.mark.parametrize(
+    ("bodies", "mode", "counted_in", "after"),
+    [
+        pytest.param(
+            {"r1": "a", "r2": "a"}, "r", "", {"q:a": 0, "q:b": 1}, id="ready-each-uncounted"
+        ),
+        pytest.param({"r2": "a"}, "r", "", {"q:a": 1, "q:b": 1}, id="a-body-gone-meanwhile"),
+        pytest.param({"r1": "a", "r2": "b"}, "r", "", {"q:a": 1, "q:b": 0}, id="each-by-its-actor"),
+        pytest.param(
+            {"r1": "a", "r2": "a"}, "b", "seen", {"q:a": 1, "q:b": 1}, id="backfill-saw-one"
+        ),
+        pytest.param({"r1": "a", "r2": "a"}, "b", "fresh", {"q:a": 1, "q:b": 1}, id="one-fresh"),
+        pytest.param({"r1": "a", "r2": "a"}, None, "", {"q:a": 2, "q:b": 1}, id="not-kept-yet"),
+    ],
+)
+def test_settle_uncounts_the_bodies_it_deletes(
+    env: Env, bodies: dict[str, str], mode: str | None, counted_in: str, after: dict[str, int]
+) -> None:
+    # Given r1 and r2 claimed by w1, r1's body maybe gone meanwhile (a purge while it ran),
+    # the counts ready, being backfilled (r1 counted by the backfill or written since it
+    # began: r2 neither) or not kept yet
+    counts: dict[str, str] = {"q:a": "2", "q:b": "1"}
+    if mode is not None:
+        counts["~mode"] = mode
+    given: State = {
+        ACKS: {"r1", "r2"},
+        INFLIGHT: {"r1": entry(1), "r2": entry(1)},
+        MSGS: {rid: message(f"m-{rid}", actor) for rid, actor in bodies.items()},
+        COUNTS: counts,
+    }
+    if counted_in:
+        given[f"{COUNTS}:{counted_in}"] = {"qr1"}
+    env.seed(given)
+
+    # When both are acked in one settle call
+    args: list[str | int] = [*env.head(), f"2 {TTL} {COMPLETED_TTL} {FAILED_TTL} 100 0"]
+    for rid in ("r1", "r2"):
+        args += [rid, "ack", "", "", "", "", "", "", ""]
+    replies = env.lua.settle(keys=[NAMESPACE, env.key(INFLIGHT), env.key(SUSPECTS)], args=args)
+
+    # Then the bodies are gone, each counted down iff it was there and counted
+    assert replies == [1, 1]
+    assert not env.client.exists(env.key(MSGS))
+    found = env.client.hmget(env.key(COUNTS), list(after))
+    assert dict(zip(after, (int(value or 0) for value in found), strict=True)) == after
+    assert not env.client.exists(env.key(f"{COUNTS}:seen"), env.key(f"{COUNTS}:fresh"))
 
 
 def test_settle_retry_sent_twice_enqueues_once(env: Env) -> None:

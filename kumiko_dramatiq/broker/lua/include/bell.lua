@@ -10,6 +10,6 @@ local function ring(list)
     local bell = list .. ":bell"
     if redis.call("exists", bell) == 0 then
         redis.call("rpush", bell, "1")
-        redis.call("pexpire", bell, 60000)
+        redis.call("pexpire", bell, "60000")
     end
 end

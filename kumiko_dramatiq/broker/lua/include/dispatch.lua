@@ -28,7 +28,7 @@ local queue_messages = queue_list .. ".msgs"
 local queue_acks = namespace .. ":__acks__." .. worker .. "." .. queue
 local dead_letters = namespace .. ":" .. canonical .. ".XQ"
 local dead_bodies = dead_letters .. ".msgs"
-redis.call("zadd", namespace .. ":__heartbeats__", now, worker)
+redis.call("zadd", namespace .. ":__heartbeats__", head_now, worker) -- text: no float formatting
 if head_maintain == "1" then
     maintain(namespace, queue, now, tonumber(head_heartbeat), dead_ttl)
 end

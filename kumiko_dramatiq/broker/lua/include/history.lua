@@ -40,6 +40,23 @@ local pending_index, pending_index_keys = {}, {}
 local pending_stats, pending_stats_keys = {}, {}
 local pending_index_ttl = 0
 
+-- Numbers handed to redis.call are formatted by Redis 7.0 with printf("%.17g"), and Lua's own
+-- concatenation of a number uses printf too: both cost more than the command they feed. So
+-- the integers these writes pass (scores, TTLs, counts, hours) go as text, each distinct one
+-- formatted once per script call ("%d": no floating-point formatting).
+local int_texts = {}
+local function int_text(n)
+    if type(n) ~= "number" or n % 1 ~= 0 then
+        return n
+    end
+    local text = int_texts[n]
+    if not text then
+        text = string.format("%d", n)
+        int_texts[n] = text
+    end
+    return text
+end
+
 local function index_add(index, score, member, ttl)
     local entries = pending_index[index]
     if not entries then
@@ -47,7 +64,7 @@ local function index_add(index, score, member, ttl)
         pending_index[index] = entries
         pending_index_keys[#pending_index_keys + 1] = index
     end
-    entries[#entries + 1] = score
+    entries[#entries + 1] = int_text(score)
     entries[#entries + 1] = member
     if ttl > pending_index_ttl then
         pending_index_ttl = ttl
@@ -58,7 +75,7 @@ end
 -- (hours since the epoch, by the attempt's end), fields "completed", "failed", "dead",
 -- "cancelled" (attempts) and "b<bucket>" (completed attempts by duration: bucket d for d <
 -- 64 ms, else 64 + floor(log(d / 64) / log(1.1)), so a bucket spans 10%); kept 8 days.
-local STATS_TTL_MS = 8 * 86400000
+local STATS_TTL_MS = "691200000" -- 8 days
 local STATS_BUCKETS_EXACT = 64
 local LOG_STEP = math.log(1.1)
 
@@ -67,6 +84,38 @@ local function duration_bucket(d)
         return d
     end
     return STATS_BUCKETS_EXACT + math.floor(math.log(d / STATS_BUCKETS_EXACT) / LOG_STEP)
+end
+
+-- duration_field(record): the stats field of a completed record's duration ("b<bucket>"), or
+-- nil if it has none: its first "d" field with digits, found by plain search (a pattern search
+-- over the whole record costs more than all of the record's writes)
+local function duration_field(record)
+    local from = 1
+    while true do
+        local at = string.find(record, '"d":', from, true)
+        if not at then
+            return nil
+        end
+        local digits = string.match(record, "^%d+", at + 4)
+        if digits then
+            if #digits == 1 or (#digits == 2 and digits < "64" and string.sub(digits, 1, 1) ~= "0") then
+                return "b" .. digits
+            end
+            return "b" .. int_text(duration_bucket(tonumber(digits)))
+        end
+        from = at + 1
+    end
+end
+
+-- stats_hash(root, job, now): the stats hash of job's hour of `now` (ms)
+local stats_hours = {}
+local function stats_hash(root, job, now)
+    local hour = stats_hours[now]
+    if not hour then
+        hour = int_text(math.floor(now / 3600000))
+        stats_hours[now] = hour
+    end
+    return root .. "stats:" .. job .. ":" .. hour
 end
 
 local function stat_add(hash, field)
@@ -123,7 +172,7 @@ local function put_run(root, mid, attempt, job, status, tenant, origin, score, r
     if tostring(attempt) ~= "1" then
         ttl = math.max(ttl, failed_ttl)
     end
-    redis.call("pexpire", hash, ttl)
+    redis.call("pexpire", hash, int_text(ttl))
     local long_ttl = math.max(completed_ttl, failed_ttl)
     index_add(run_job_index(root, job, status), score, member, long_ttl)
     index_add(run_status_index(root, status), score, member, long_ttl)
@@ -134,66 +183,88 @@ local function put_run(root, mid, attempt, job, status, tenant, origin, score, r
         index_add(root .. "runs:origin:" .. origin, score, member, long_ttl)
     end
     if fresh and status ~= "running" then
-        local stats = root .. "stats:" .. job .. ":" .. math.floor(now / 3600000)
+        local stats = stats_hash(root, job, now)
         stat_add(stats, status)
         if status == "completed" then
-            local d = tonumber(string.match(record, '"d":(%d+)'))
-            if d then
-                stat_add(stats, "b" .. duration_bucket(d))
+            local field = duration_field(record)
+            if field then
+                stat_add(stats, field)
             end
         end
     end
 end
 
 -- flush_runs(): write what put_run gathered (index entries, with the indexes' TTL refreshed
--- to the longest record age; stats counters, TTL 8 days).
+-- to the longest record age; stats counters, TTL 8 days from the hour's first count: set when
+-- a count creates its field, which the count that creates the hash always does).
 local function flush_runs()
     for _, index in ipairs(pending_index_keys) do
         redis.call("zadd", index, unpack(pending_index[index]))
-        redis.call("pexpire", index, pending_index_ttl)
+        redis.call("pexpire", index, int_text(pending_index_ttl))
     end
     for _, hash in ipairs(pending_stats_keys) do
+        local created = false
         for field, n in pairs(pending_stats[hash]) do
-            redis.call("hincrby", hash, field, n)
+            if redis.call("hincrby", hash, field, int_text(n)) == n then
+                created = true
+            end
         end
-        redis.call("pexpire", hash, STATS_TTL_MS)
+        if created then
+            redis.call("pexpire", hash, STATS_TTL_MS)
+        end
     end
     pending_index, pending_index_keys = {}, {}
     pending_stats, pending_stats_keys = {}, {}
 end
 
--- drop_run(root, member, status): forget one record and its index entries.
-local function drop_run(root, member, status)
-    local mid, attempt = string.match(member, "^(.*):(%d+)$")
-    redis.call("zrem", run_status_index(root, status), member)
-    if not mid then
+-- drop_runs(root, status, members): forget these records of `status` (run ids) and their
+-- index entries: one ZREM per index for them all, one HGET and one HDEL per record (its job,
+-- tenant and origin indexes are read off the record).
+local function drop_runs(root, status, members)
+    if #members == 0 then
         return
     end
-    local hash = root .. "run:" .. mid
-    local record = redis.call("hget", hash, attempt)
-    redis.call("hdel", hash, attempt)
-    if not record then
-        return
+    redis.call("zrem", run_status_index(root, status), unpack(members))
+    local unindex, unindex_keys = {}, {}
+    local function drop_from(index, member)
+        local list = unindex[index]
+        if not list then
+            list = {}
+            unindex[index] = list
+            unindex_keys[#unindex_keys + 1] = index
+        end
+        list[#list + 1] = member
     end
-    local ok, run = pcall(cjson.decode, record)
-    if not ok or type(run) ~= "table" then
-        return
+    for _, member in ipairs(members) do
+        local mid, attempt = string.match(member, "^(.*):(%d+)$")
+        local hash = mid and root .. "run:" .. mid
+        local record = hash and redis.call("hget", hash, attempt)
+        if record then
+            redis.call("hdel", hash, attempt)
+            local ok, run = pcall(cjson.decode, record)
+            if ok and type(run) == "table" then
+                if type(run.j) == "string" then
+                    drop_from(run_job_index(root, run.j, status), member)
+                end
+                if type(run.t) == "string" then
+                    drop_from(root .. "runs:tenant:" .. run.t, member)
+                end
+                if type(run.o) == "string" then
+                    drop_from(root .. "runs:origin:" .. run.o, member)
+                end
+            end
+        end
     end
-    if type(run.j) == "string" then
-        redis.call("zrem", run_job_index(root, run.j, status), member)
-    end
-    if type(run.t) == "string" then
-        redis.call("zrem", root .. "runs:tenant:" .. run.t, member)
-    end
-    if type(run.o) == "string" then
-        redis.call("zrem", root .. "runs:origin:" .. run.o, member)
+    for _, index in ipairs(unindex_keys) do
+        redis.call("zrem", index, unpack(unindex[index]))
     end
 end
 
 -- trim_runs(root, cap, budget, completed TTL, failed TTL, at): drop index entries older than
 -- their status age from the status and job indexes of `job` (if given), then, while more than
 -- `cap` records are indexed, the oldest records, completed first, then cancelled, failed and
--- dead; at most `budget` of them (so a lowered cap is reached over the next writes).
+-- dead; at most `budget` of them (so a lowered cap is reached over the next writes), each
+-- status's at once (drop_runs).
 local function trim_runs(root, cap, budget, completed_ttl, failed_ttl, at, job)
     local total = 0
     for _, status in ipairs(RUN_STATUSES) do
@@ -208,14 +279,12 @@ local function trim_runs(root, cap, budget, completed_ttl, failed_ttl, at, job)
     end
     budget = math.min(total - cap, budget)
     for _, status in ipairs({"completed", "cancelled", "failed", "dead"}) do
-        while budget > 0 do
-            local oldest = redis.call("zrange", run_status_index(root, status), 0, 0)[1]
-            if not oldest then
-                break
-            end
-            drop_run(root, oldest, status)
-            budget = budget - 1
+        if budget <= 0 then
+            break
         end
+        local oldest = redis.call("zrange", run_status_index(root, status), 0, budget - 1)
+        drop_runs(root, status, oldest)
+        budget = budget - #oldest
     end
 end
 
@@ -225,17 +294,33 @@ local function inflight_count(entry)
 end
 
 -- message_id_of(body): the message id of a message Dramatiq encoded (its last field but one),
--- without decoding it; nil if the body does not end that way. The match starts near the end
--- first (an id of up to about 100 bytes), so a long body costs no scan of its whole length.
-local MESSAGE_ID_TAIL = '"message_id":"([^"]*)","message_timestamp":[%d.]+}$'
+-- without decoding it; nil if the body does not end that way. Only the places where the
+-- field's name occurs are tried (a plain search; a pattern search tries every position), near
+-- the end first (an id of up to about 100 bytes), so a long body costs no scan of its whole
+-- length.
+local MESSAGE_ID_FIELD = '"message_id":"'
+local MESSAGE_ID_REST = '^([^"]*)","message_timestamp":[%d.]+}$'
+local function message_id_from(body, from)
+    while true do
+        local at = string.find(body, MESSAGE_ID_FIELD, from, true)
+        if not at then
+            return nil
+        end
+        local id = string.match(body, MESSAGE_ID_REST, at + 14)
+        if id then
+            return id
+        end
+        from = at + 1
+    end
+end
 local function message_id_of(body)
     if #body > 160 then
-        local id = string.match(body, MESSAGE_ID_TAIL, #body - 160)
+        local id = message_id_from(body, #body - 160)
         if id then
             return id
         end
     end
-    return string.match(body, MESSAGE_ID_TAIL)
+    return message_id_from(body, 1)
 end
 
 -- run_of(root, body, worker): the run record fields of an encoded message kumiko wrote (its
