@@ -9,7 +9,6 @@ the ack claimed in Redis (the worker's ack set, the in-flight hash) and in the c
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +21,7 @@ from kumiko_dramatiq.broker.consumer import KumikoConsumer
 from kumiko_dramatiq.broker.delivery import Delivery, LaneFetch
 from kumiko_dramatiq.broker.replies import text
 from kumiko_dramatiq.runner import JobRunner
-from tests.conftest import Recorder, RunnerFactory
+from tests.conftest import Recorder, RunnerFactory, wait_for
 
 JOB = "claims:job:work"
 
@@ -191,9 +190,7 @@ def test_a_claim_wakes_its_consumer_waiting_on_the_doorbell(
 
     thread = threading.Thread(target=idle, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while id(consumer) not in runner.broker._blocked and time.monotonic() < deadline:
-        time.sleep(0.001)
+    wait_for(lambda: id(consumer) in runner.broker._blocked, 10, "the wait on the doorbell")
     # When the run ends, its settle claims the waiter
     consumer.ack(first)
     # Then the wait ends at once (not after its 60 s), and the waiter is handed out
@@ -226,9 +223,7 @@ def test_a_consumer_that_took_all_there_was_waits_for_the_doorbell_not_a_fetch(
 
     thread = threading.Thread(target=turn, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while id(consumer) not in runner.broker._blocked and time.monotonic() < deadline:
-        time.sleep(0.001)
+    wait_for(lambda: id(consumer) in runner.broker._blocked, 10, "the wait on the doorbell")
     # Then its next turn sent no fetch: it waits on the doorbell
     assert id(consumer) in runner.broker._blocked
     assert len(fetches) == 1
