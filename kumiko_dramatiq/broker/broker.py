@@ -383,23 +383,17 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         )
         return self._lane_fetch(queue_name, reply)
 
-    def _claim_args(
-        self, queue_name: str, count: int, outstanding: int, left: Sequence[str] | None = None
-    ) -> list[Any]:
-        """``fetch_lane``'s ARGV[3..7] (also the claim at the end of a ``settle``, which on
-        a lane with capped jobs adds the jobs ``left`` to the doorbell)."""
+    def _claim_args(self, queue_name: str, count: int, outstanding: int) -> list[Any]:
+        """``fetch_lane``'s ARGV[3..7] (also the claim at the end of a ``settle``)."""
         completed_ttl, failed_ttl = self.run_ttls_ms
-        capped = queue_name in self.capped_queues
         args: list[Any] = [
             f"{count} {outstanding} {self.max_deliveries} {completed_ttl} {failed_ttl}",
             keys.completed(self.queue_prefix, ""),
             keys.root(self.queue_prefix),
             self.worker_identity(),
         ]
-        if capped:
+        if queue_name in self.capped_queues:
             args.append(self.slot_ttl_ms)
-            if left is not None:
-                args.append(" ".join(left))
         return args
 
     def _lane_fetch(self, queue_name: str, reply: Any) -> LaneFetch:
@@ -552,8 +546,8 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             for entry in entries:
                 args.extend(entry)
             if claim is not None:
-                room, held, left = claim
-                args.extend(self._claim_args(queue_name, room, held, left))
+                room, held = claim
+                args.extend(self._claim_args(queue_name, room, held))
             sent_at = time.monotonic()
             reply = self._call(
                 self.lua.settle,

@@ -401,14 +401,12 @@ class KumikoConsumer(Consumer):
             self._take(result, sent_at, room)
             return bool(result.fetched)
 
-    def begin_claim(self, settling: Sequence[str]) -> tuple[int, int, list[str]] | None:
+    def begin_claim(self, settling: Sequence[str]) -> tuple[int, int] | None:
         """Called by the settle of deliveries of this consumer (their redis ids
-        ``settling``, :meth:`KumikoBroker.settle_batch`): ``(room, held, left)`` if that
-        settle is to claim this consumer's next messages too (up to ``room``; ``held``: what
-        the consumer holds once they are settled; ``left``: the capped jobs whose slots given
-        back by it go to the doorbell, not to this claim: those this consumer still holds
-        another run of, so that a capped job's runs spread over the workers while the last
-        run a worker holds of it hands its slot on at once), then it ends with :meth:`claimed` or
+        ``settling``, :meth:`KumikoBroker.settle_batch`): ``(room, held)`` if that settle is
+        to claim this consumer's next messages too (up to ``room``; ``held``: what the
+        consumer holds once they are settled; a capped job's slot the settle gives back goes
+        to this claim first, with the job's oldest waiter), then it ends with :meth:`claimed` or
         :meth:`end_claim`; ``None`` if it is not to: the consumer is closed or its worker
         stopping (it claims nothing), the consumer is fetching (or another settle claims for
         it), a suspect runs alone or waits for the consumer to drain, or there is no room."""
@@ -429,11 +427,7 @@ class KumikoConsumer(Consumer):
             self._claim_lock.release()
             return None
         self._claim_wakes = self._wakes
-        ended = set(settling)
-        freed = {lease[0] for rid in ended if (lease := self._cap_leases.get(rid)) is not None}
-        kept = {lease[0] for rid, lease in self._cap_leases.items() if rid not in ended}
-        left = sorted(key.partition(":slots:")[2] for key in freed & kept)
-        return room, held, left
+        return room, held
 
     def claimed(self, result: LaneFetch, sent_at: float, room: int) -> None:
         """What the settle that :meth:`begin_claim` allowed claimed: taken like a fetch's

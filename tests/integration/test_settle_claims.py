@@ -254,7 +254,7 @@ def test_a_running_worker_hands_a_freed_slot_on_without_fetching(
     assert len(fetches) < 6
 
 
-def test_a_slot_freed_by_a_worker_still_running_the_job_goes_to_the_doorbell(
+def test_a_slot_freed_while_the_worker_runs_another_run_of_the_job_goes_to_its_claim(
     make_runner: RunnerFactory, redis_client: redis.Redis, prefix: str
 ) -> None:
     # Given a job capped at two runs, both run by this consumer, one message waiting
@@ -265,15 +265,12 @@ def test_a_slot_freed_by_a_worker_still_running_the_job_goes_to_the_doorbell(
     redis_client.delete(keys.queue_bell(queue))
     # When one run ends while the other goes on
     consumer.ack(first)
-    # Then its slot is left to the doorbell (the worker that waited longest takes it: a
-    # capped job's runs spread over the workers), not claimed by this consumer
-    assert _acks(redis_client, runner, queue) == {second.redis_message_id}
-    assert redis_client.llen(keys.queue_bell(queue)) == 1
-    # and the last run it holds hands its slot on to it at once (the waiter, still due)
-    redis_client.delete(keys.queue_bell(queue))
-    consumer.ack(second)
-    assert _acks(redis_client, runner, queue) == set(waiting)
+    # Then its settle claims the waiter with the freed slot for this consumer (its worker
+    # thread has just finished: the fastest hand-over), without ringing the doorbell
+    assert _acks(redis_client, runner, queue) == {second.redis_message_id, *waiting}
     assert redis_client.exists(keys.queue_bell(queue)) == 0
+    assert redis_client.llen(keys.cap_wait(prefix, JOB)) == 0
     third = _take(consumer)
     assert third.redis_message_id == waiting[0]
+    consumer.ack(second)
     consumer.ack(third)

@@ -38,15 +38,12 @@
 -- steadily draining consumer then sends no fetch of its own): ARGV[4 + 9 * deliveries ..] as
 -- fetch_lane's ARGV[3..7] (claim head "<N> <messages the consumer holds once these are
 -- settled> <max deliveries> <completed TTL> <failed TTL>", "already completed" marker
--- prefix, kumiko root, "host:pid", the slots' lease TTL ms on a lane with capped jobs), then
--- on such a lane the jobs, space-separated, whose slots given back here are left to the
--- doorbell ("" = none: the consumer still runs another run of each of them, so the waiters
--- go to the worker that has waited longest, spreading a capped job over the workers).
+-- prefix, kumiko root, "host:pid", the slots' lease TTL ms on a lane with capped jobs).
 -- Claimed after every delivery is settled, exactly as fetch_lane claims (its rules for
 -- suspects, paused jobs, cancelled ids, caps and the doorbell); a slot given back here
--- whose job has waiters (and is not left to the doorbell) is offered to this claim first (the
--- doorbell rings for them only if the claim could not take them), so a freed slot's oldest
--- waiter goes to the consumer that has just freed a worker thread.
+-- whose job has waiters is offered to this claim first (the doorbell rings for them only if
+-- the claim could not take them), so a freed slot's oldest waiter goes to the consumer that
+-- has just freed a worker thread: the fastest hand-over there is (no doorbell, no fetch).
 -- Returns one 1 or 0 per delivery: 1 if it was (or became again) this worker's; with a
 -- claim, {those, fetch_lane's reply}.
 -- @include lane_claim
@@ -68,13 +65,7 @@ failed_ttl = ttl_ms(failed_ttl, "failed run record")
 local FIELDS = 9
 local claim_at = 4 + count * FIELDS
 local claiming = ARGV[claim_at] ~= nil
-local released, left = {}, nil
-if claiming and ARGV[claim_at + 5] then
-    left = {}
-    for job in string.gmatch(ARGV[claim_at + 5], "%S+") do
-        left[job] = true
-    end
-end
+local released = {}
 
 -- Whose deliveries are they? Read first: nothing is written before the follow-ups, the one
 -- write that can fail on a key it does not own.
@@ -117,7 +108,7 @@ for i, rid in ipairs(rids) do
     local slot_key, slot_token = nil, nil
     if string.find(outcome, " ", 1, true) then
         outcome, slot_key, slot_token = string.match(outcome, "^(%a+) (%S+) (%S+)$")
-        if claiming and not (left and left[string.match(slot_key, ":slots:(.+)$")]) then
+        if claiming then
             released[#released + 1] = caps_release(slot_key, slot_token, nil)
         else
             caps_release(slot_key, slot_token, queue_list)
@@ -208,4 +199,4 @@ if not claiming then
     return results
 end
 return {results, claim_lane(ARGV[claim_at], ARGV[claim_at + 1], ARGV[claim_at + 2],
-    ARGV[claim_at + 3], ARGV[claim_at + 4], released, left)}
+    ARGV[claim_at + 3], ARGV[claim_at + 4], released)}

@@ -9,15 +9,14 @@
 --   the slots' lease TTL ms (lanes with capped jobs only, else nil); released: the jobs whose
 --   slot the caller gave back without ringing (caps_release with no list): each one's waiters
 --   that this claim could not look at (no room, or not among the groups due first) get the
---   doorbell rung for them here, as caps_release would have; left: a set of groups whose
---   waiters this claim leaves to the doorbell (not served here; nil = none).
+--   doorbell rung for them here, as caps_release would have.
 -- @include dispatch
 -- @include caps
 -- @include dead_letter
 -- @include history
 -- @include bell
 
-local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, released, left)
+local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, released)
     local inflight = KEYS[2]
     local suspects = KEYS[3]
     local wanted, held, max_deliveries, completed_ttl, failed_ttl =
@@ -277,9 +276,7 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
     if caps_ttl then
         local due = redis.call("zrangebyscore", caps_waiting(root), "-inf", caps_t, "LIMIT", 0, 8)
         for _, group in ipairs(due) do
-            if not (left and left[group]) then
-                serve(group)
-            end
+            serve(group)
         end
         finish_claims()
     end
