@@ -1,16 +1,20 @@
 -- include "guarded": the one "check the guard, then enqueue" step.
 -- enqueue_unless_guarded(messages, list, rid, body, guard, guard_value, guard_ttl_ms) -> 1 | 0
--- Enqueues the message and sets its guard unless the guard exists. The message is written
--- BEFORE its guard: Lua does not roll back, so an error while writing the message (a key of
--- the wrong type) must never leave a guard that silently blocks the message for good.
+-- Enqueues the message and sets its guard unless the guard exists: one SET NX decides. Lua
+-- does not roll back, so if writing the message then fails (a key of the wrong type) the
+-- guard is deleted again before the error goes on: it must never silently block the message
+-- for good.
 -- @include enqueue
 -- @include ttl
 local function enqueue_unless_guarded(messages, list, rid, body, guard, guard_value, guard_ttl_ms)
     ttl_ms(guard_ttl_ms, "guard")
-    if redis.call("exists", guard) == 1 then
+    if not redis.call("set", guard, guard_value, "NX", "PX", guard_ttl_ms) then
         return 0
     end
-    enqueue_message(messages, list, rid, body)
-    redis.call("set", guard, guard_value, "PX", guard_ttl_ms)
+    local ok, problem = pcall(enqueue_message, messages, list, rid, body)
+    if not ok then
+        redis.call("del", guard)
+        error(problem)
+    end
     return 1
 end
