@@ -333,10 +333,12 @@ def test_cli_workers_in_several_processes_never_exceed_the_cap(
 ) -> None:
     producer = make_runner(caps_app.registry)
     for n in range(24):
-        producer.dispatch(caps_app.JOB, {"name": f"m{n}", "hold_s": 0.05})
+        producer.dispatch(caps_app.JOB, {"name": f"m{n}", "hold_s": 0.1})
     env = _env(redis_url, prefix)
+    # one worker thread per process: a process holds at most one run at a time (a freed slot
+    # goes to the worker that freed it, so with more threads one process could keep both)
     for i in range(3):
-        workers.append(_spawn(env, tmp_path / f"w{i}.log", "-p", "2", "-t", "3"))
+        workers.append(_spawn(env, tmp_path / f"w{i}.log", "-p", "2", "-t", "1"))
     wait_for(
         lambda: len([e for e in _events(redis_client, prefix) if e["event"] == "end"]) == 24,
         timeout_s=90,
