@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = build(runner, client, args.waiting)
         print(f"machine: {machine()}")
         print(f"waiting for the cap: {runner.job_counts()[JOB]['queued']:,}")
-        actions = {
+        actions: dict[str, Callable[[], object]] = {
             "cancel (the last waiter)": lambda: runner.cancel(ids[-1]),
             "queued (a page of 50)": lambda: len(runner.queued(JOB, state="queued")),
             "purge --dry-run": lambda: runner.admin.purge(

@@ -75,7 +75,7 @@ class Slowest:
 
 
 def slowest(client: redis.Redis, own: str) -> Slowest:
-    entries: list[dict[str, Any]] = client.slowlog_get(1_000_000)  # type: ignore[assignment]
+    entries: list[dict[str, Any]] = client.slowlog_get(1_000_000)
     worst_us, worst, probe_us = 0, "-", 0
     for entry in entries:
         if _text(entry.get("client_address", "")) == own:

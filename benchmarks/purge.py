@@ -94,8 +94,8 @@ def step_times_us(client: redis.Redis, sha: str) -> tuple[list[tuple[int, int]],
     steps: list[tuple[int, int]] = []
     inner: list[int] = []
     other_us, other = 0, "-"
-    entries = client.slowlog_get(10_000_000)  # type: ignore[union-attr]
-    for entry in sorted(entries, key=lambda e: int(e["id"])):  # type: ignore[union-attr]
+    entries = client.slowlog_get(10_000_000)
+    for entry in sorted(entries, key=lambda e: int(e["id"])):
         command = entry["command"]
         words = command.split() if isinstance(command, bytes | str) else list(command)
         words = [w.decode(errors="replace") if isinstance(w, bytes) else str(w) for w in words]
@@ -139,13 +139,13 @@ def measure(client: redis.Redis, sha: str, action: Callable[[], int]) -> dict[st
 
 def one_run(messages: int, nice: int | None) -> list[tuple[str, str, dict[str, Any]]]:
     rows: list[tuple[str, str, dict[str, Any]]] = []
+
+    def queued(runner: JobRunner, client: redis.Redis) -> None:
+        fill(runner, JOB, messages)
+        fill(runner, OTHER, messages, keyed=False)
+
     cases: list[tuple[str, str, Callable[[JobRunner, redis.Redis], None], str]] = [
-        (
-            "queued",
-            "queued",
-            lambda r, c: (fill(r, JOB, messages), fill(r, OTHER, messages, keyed=False)),
-            JOB,
-        ),
+        ("queued", "queued", queued, JOB),
         ("delayed", "delayed", lambda r, c: fill(r, JOB, messages, delay_ms=HOUR_MS), JOB),
         ("capwait", "queued", lambda r, c: None, capwait.JOB),
         (

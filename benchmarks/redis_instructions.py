@@ -125,7 +125,7 @@ def counted_server() -> Iterator[tuple[redis.Redis, Callable[[bool], None], list
         yield client, instrument, totals
     finally:
         with contextlib.suppress(redis.ConnectionError):
-            client.shutdown(nosave=True)  # type: ignore[no-untyped-call]
+            client.shutdown(nosave=True)
         process.wait(timeout=120)
         annotated = subprocess.run(
             ["callgrind_annotate", str(out)], capture_output=True, text=True, check=False
