@@ -177,7 +177,8 @@ class History(Middleware):
         message.settlement.run = end_record(
             execution, status, exception=exception, settings=self.settings, worker=_worker(broker)
         )
-        if status == "completed":
+        if status == "completed" and logger.isEnabledFor(logging.DEBUG):
+            # its arguments (a dict, a clock read) cost more than the check: every run
             logger.debug(
                 "%s %s completed in %d ms (attempt %d of %d)",
                 execution.job.qualified_name,
