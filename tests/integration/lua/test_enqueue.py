@@ -139,6 +139,26 @@ def test_a_taken_token_is_rung_again_by_the_next_enqueue(env: Env) -> None:
     env.assert_ttls({BELL: BELL_TTL})
 
 
+@pytest.mark.parametrize(
+    ("held", "rings"),
+    [
+        pytest.param(15, True, id="the-16th-message-rings"),
+        pytest.param(16, False, id="the-17th-message-rings-nothing-a-backlog"),
+    ],
+)
+def test_a_backlog_s_enqueues_ring_nothing(env: Env, held: int, rings: bool) -> None:
+    # Given: the queue holds `held` messages and its token was taken (an idle consumer woke)
+    rids = [f"r{n}" for n in range(1, held + 1)]
+    env.seed({LIST: rids, MSGS: dict.fromkeys(rids, "body")})
+
+    # When: one more is enqueued
+    assert env.lua.enqueue(keys=[NAMESPACE], args=[*env.head(), "new", "body"]) == 1
+
+    # Then: a token waits only while the queue holds at most 16 (include/enqueue.lua)
+    state: State = {LIST: [*rids, "new"], MSGS: dict.fromkeys([*rids, "new"], "body")}
+    env.assert_state({**state, BELL: ["1"]} if rings else state)
+
+
 # A delayed message (handed over as "<delay ms> <body>", the body in the form it takes on its
 # queue) goes on its queue's schedule at Redis's clock plus the delay, its body in the delay
 # queue's hash; the delay queue's doorbell rings only when it is the earliest (a mover

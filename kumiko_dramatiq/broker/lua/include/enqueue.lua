@@ -1,5 +1,6 @@
 -- include "enqueue": write one message exactly as Dramatiq's Redis broker lays it out, and
--- ring the queue's doorbell (see include/bell.lua); a delayed one goes on its queue's schedule.
+-- ring the queue's doorbell unless the queue holds a backlog (see include/bell.lua); a delayed
+-- one goes on its queue's schedule.
 -- enqueue_message(messages, list, rid, body)
 --   messages  <namespace>:<queue>.msgs, hash redis message id -> encoded message
 --   list      <namespace>:<queue>, list of redis message ids (consumers pop from the left)
@@ -27,11 +28,19 @@ local function schedule_message(messages, list, rid, delay_ms, body)
     end
 end
 
+-- A message written to a queue that holds at most RING_UNTIL messages with it rings the
+-- doorbell (a token taken by a consumer that then stops without fetching is made good by the
+-- next message); a backlog's enqueues ring nothing, one command each less: its consumers are
+-- busy or woken already, a fetch that leaves messages behind rings for the next consumer
+-- (fetch_lane), and an idle consumer's wait is the backstop.
+local RING_UNTIL = 16
+
 local function write_message(messages, list, rid, body)
     redis.call("hset", messages, rid, body)
     count_body(messages, rid, body, 1)
-    redis.call("rpush", list, rid)
-    ring(list)
+    if redis.call("rpush", list, rid) <= RING_UNTIL then
+        ring(list)
+    end
 end
 
 local function enqueue_message(messages, list, rid, body)
