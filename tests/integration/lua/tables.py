@@ -567,9 +567,9 @@ class Env:
     def assert_ttls(self, expected: dict[str, int]) -> None:
         """Each key's PTTL: ``NO_TTL`` for none, else set to that many ms just now."""
         for template, ttl in expected.items():
-            if ttl == MARKS_EXPIRY:
-                ttl = self.marks_ttl()  # before the PTTL: the later clock gives the lower bound
             actual = self.pttl(template)
+            if ttl == MARKS_EXPIRY:
+                ttl = self.marks_ttl()
             if ttl == NO_TTL:
                 assert actual == NO_TTL, f"{template}: PTTL {actual}, expected none"
             else:
@@ -592,9 +592,9 @@ class Env:
         assert set(filled) <= present, f"no such keys: {sorted(set(filled) - present)}"
         for key in sorted(present):
             ttl = filled.get(key, NO_TTL)
-            if ttl == MARKS_EXPIRY:
-                ttl = self.marks_ttl()  # before the PTTL: the later clock gives the lower bound
             actual = int(self.client.pttl(key))
+            if ttl == MARKS_EXPIRY:
+                ttl = self.marks_ttl()
             if ttl == NO_TTL:
                 assert actual == NO_TTL, f"{key}: PTTL {actual}, expected none"
             else:

@@ -20,15 +20,10 @@ local function marks_window(prefix)
     return window
 end
 
--- the current window of `prefix`'s marks, Redis's clock (read once per script call: a settle
--- that marks and then claims asks twice)
-local marks_clock = nil
+-- the current window of `prefix`'s marks, Redis's clock
 local function marks_bucket(window)
-    if not marks_clock then
-        local time = redis.call("time")
-        marks_clock = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-    end
-    return math.floor(marks_clock / window)
+    local time = redis.call("time")
+    return math.floor((tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)) / window)
 end
 
 -- mark_completed(prefix, ids): note message ids `ids` (a list, may be empty) as completed now
