@@ -111,12 +111,7 @@ def sizing(count: int) -> dict[str, Any]:
         runner.drain(timeout_s=120)
         runner.stop()
         after_run = used_memory(admin)
-        # the "already completed" marks: one set per window, a member per message
-        done = sum(
-            int(admin.scard(key))
-            for key in admin.scan_iter(match=f"kumiko:{PREFIX}:done:*", count=10_000)
-        )
-        delete(admin, f"kumiko:{PREFIX}:done:*")
+        done = delete(admin, f"kumiko:{PREFIX}:done:*")
         without_done = used_memory(admin)
         records = delete(admin, f"kumiko:{PREFIX}:run:*")
         delete(admin, f"kumiko:{PREFIX}:runs:*")

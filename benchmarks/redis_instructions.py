@@ -56,7 +56,6 @@ ROOT = "kumiko:bench:"
 QUEUE = "bench-worker"
 JOB = "bench:job:noop"
 HEAD = f"{NOW} {WORKER} 60000 604800000 0"
-MARKS = f"{ROOT}done:60000:"
 KUMIKO_BODY = (
     '{"queue_name":"bench-worker","actor_name":"bench:job:noop","args":[{"i":%d}],"kwargs":{},'
     '"options":{"kumiko_retries":0,"kumiko_backoff":null,"kumiko_backoff_delay_ms":null,'
@@ -147,11 +146,11 @@ def settle_entry(rid: str, message_id: str) -> list[str]:
         | {"s": "completed", "q": NOW - 700, "st": NOW, "en": NOW, "w": "host:1"},
         separators=(",", ":"),
     )
-    return [rid, "completed", message_id, header, record, "", "", "", ""]
+    return [rid, "completed", f"{ROOT}done:{message_id}", header, record, "", "", "", ""]
 
 
 def settle_args(entries: list[list[str]]) -> list[str]:
-    args = [QUEUE, HEAD, f"{len(entries)} {MARKS} 86400000 604800000 100000 0"]
+    args = [QUEUE, HEAD, f"{len(entries)} 60000 86400000 604800000 100000 0"]
     for entry in entries:
         args += entry
     return args
@@ -185,7 +184,7 @@ class Kumiko:
                 self.fetch_sha,
                 3,
                 *("dramatiq", f"{ROOT}inflight", f"{ROOT}suspects:{QUEUE}"),
-                *(QUEUE, HEAD, f"{self.batch} 0 5 86400000 604800000", MARKS, ROOT),
+                *(QUEUE, HEAD, f"{self.batch} 0 5 86400000 604800000", f"{ROOT}done:", ROOT),
                 "host:1",
             )[0]
             rids = [fetched[i].decode() for i in range(0, len(fetched), 2)]

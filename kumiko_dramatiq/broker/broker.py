@@ -117,9 +117,8 @@ logger = logging.getLogger("kumiko_dramatiq")
 
 #: How long the "sent" marker of a freshly enqueued message lives: the window in which a
 #: re-sent write is recognised (redis-py re-sends within a second). The "already completed"
-#: markers live at least as long by default (one to two windows): the one window in which a
-#: second copy of a completed message could still be written (see
-#: :mod:`kumiko_dramatiq.middleware.history`).
+#: markers live as long by default: the one window in which a second copy of a completed
+#: message could still be written (see :mod:`kumiko_dramatiq.middleware.history`).
 RESEND_WINDOW_MS = 60_000
 
 #: Dramatiq's maintenance chance is counted per this many broker calls.
@@ -138,16 +137,15 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
 
     ``lua`` holds every kumiko script, registered on the broker's client. ``queue_prefix``
     names the dataset and ``lane`` the lane its workers consume (``None``: no lane rule);
-    ``resend_window_ms`` is the lifetime of the "sent" markers and ``completed_ttl_ms`` the
-    window of the "already completed" markers, each kept one to two windows
-    (:func:`~kumiko_dramatiq.broker.keys.completed_marks`); both :data:`RESEND_WINDOW_MS`
-    unless given (public attributes, so a test can shorten them). Dramatiq's maintenance (a
-    dead worker's messages back to their queue) runs on a broker call with chance
-    ``maintenance_chance`` per million and, whatever the chance, on a queue whose last
-    maintenance by this broker is older than :attr:`maintenance_interval_ms` (a quarter of
-    ``heartbeat_timeout``): a consumer calls at least once per idle wait, so a dead worker's
-    messages are back within ``heartbeat_timeout`` + that interval + one idle wait of its last
-    heartbeat, as long as some worker consumes the queue.
+    ``resend_window_ms`` is the lifetime of the "sent" markers and ``completed_ttl_ms`` that of
+    the "already completed" markers (both :data:`RESEND_WINDOW_MS` unless given; public
+    attributes, so a test can shorten them). Dramatiq's maintenance (a dead worker's messages
+    back to their queue) runs on a broker
+    call with chance ``maintenance_chance`` per million and, whatever the chance, on a queue
+    whose last maintenance by this broker is older than :attr:`maintenance_interval_ms`
+    (a quarter of ``heartbeat_timeout``): a consumer calls at least once per idle wait, so a
+    dead worker's messages are back within ``heartbeat_timeout`` + that interval + one
+    idle wait of its last heartbeat, as long as some worker consumes the queue.
     """
 
     def __init__(
@@ -390,7 +388,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         completed_ttl, failed_ttl = self.run_ttls_ms
         args: list[Any] = [
             f"{count} {outstanding} {self.max_deliveries} {completed_ttl} {failed_ttl}",
-            keys.completed_marks(self.queue_prefix, self.completed_ttl_ms),
+            keys.completed(self.queue_prefix, ""),
             keys.root(self.queue_prefix),
             self.worker_identity(),
         ]
@@ -492,7 +490,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         entry: list[Any] = [
             redis_message_id,
             outcome if slot is None else f"{outcome} {slot[0]} {slot[1]}",
-            message_id if outcome == "completed" else "",
+            keys.completed(self.queue_prefix, message_id) if outcome == "completed" else "",
             header,
             record,
             note,
@@ -542,8 +540,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             completed_ttl, failed_ttl = self.run_ttls_ms
             args: list[Any] = [
                 *self._head(queue_name, maintenance=claim is not None),
-                f"{len(entries)} {keys.completed_marks(self.queue_prefix, self.completed_ttl_ms)} "
-                f"{completed_ttl} {failed_ttl} "
+                f"{len(entries)} {self.completed_ttl_ms} {completed_ttl} {failed_ttl} "
                 f"{self.history_cap} {trim}",
             ]
             for entry in entries:

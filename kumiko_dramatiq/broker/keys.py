@@ -84,12 +84,10 @@ def dedup_index(queue_prefix: str, job_name: str) -> str:
     return f"{_root(queue_prefix)}:dedupidx:{job_name}"
 
 
-def completed_marks(queue_prefix: str, window_ms: int) -> str:
-    """The prefix of the "already completed" markers kept ``window_ms`` (the resend window, a
-    minute; see :mod:`kumiko_dramatiq.middleware.history`): ``<prefix><bucket>`` is the set of
-    the message ids that completed in window ``bucket`` = Redis's clock in ms // ``window_ms``,
-    expiring at ``(bucket + 2) * window_ms`` (``lua/include/marks.lua``)."""
-    return f"{_root(queue_prefix)}:done:{window_ms}:"
+def completed(queue_prefix: str, message_id: str) -> str:
+    """ "Already completed" marker of a message id, kept the resend window (a minute; see
+    :mod:`kumiko_dramatiq.middleware.history`)."""
+    return f"{_root(queue_prefix)}:done:{message_id}"
 
 
 def cron_last_tick(queue_prefix: str, job_name: str) -> str:

@@ -264,10 +264,10 @@ def _delete_boot_records(client: redis.Redis, url: str, queue_prefix: str, job_n
         deleted = client.delete(
             keys.boot_marker(queue_prefix, job_name),
             keys.enqueue_guard(queue_prefix, message_id),
+            keys.completed(queue_prefix, message_id),
         )
         if deleted:
-            # the next run gets a new id: the run records of this one are kept, and its
-            # "already completed" mark (a minute or two) stops nothing of the new one
+            # the next run gets a new id: the run records of this one are kept
             client.execute_command("INCR", keys.boot_generation(queue_prefix, job_name))  # type: ignore[no-untyped-call]
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise RedisUnavailableError(url, f"resetting the boot marker of {job_name}", exc) from exc

@@ -24,15 +24,11 @@ before its ack re-runs that message once, and a copy recovered from a worker pre
 runs on both. No marker can stop those (the second run starts before the first ends).
 
 As a safety net for copies written within the resend window, the ack of a completed run
-also marks its message id "already completed" (:func:`mark_completed`, same Lua call, no
-round trip of its own), and every fetch from a lane queue acks unrun a message whose id is
-marked (logged at WARNING). A mark lasts one to two windows of
-``KumikoBroker.completed_ttl_ms`` (the resend window, one minute): the ids of a window are
-one set, ``keys.completed_marks(prefix, window) + <window number>`` (one ``SADD`` per ack
-batch, two ``SMISMEMBER`` per fetch, ``lua/include/marks.lua``), so Redis holds about two
-minutes of marks in two keys, not a key per completed message: memory follows the
-throughput of those minutes, and no per-message key is created and expired. Reset: ``SREM``
-the id from those sets.
+also writes ``keys.completed(prefix, message id)`` (:func:`mark_completed`, same Lua call, no
+round trip of its own), kept ``KumikoBroker.completed_ttl_ms`` (the resend window, one
+minute), and every fetch from a lane queue acks unrun a message whose id carries one (logged
+at WARNING). So Redis holds about a minute of markers, not a day: memory follows the backlog,
+not the throughput. Reset: ``DEL`` the key.
 """
 
 from __future__ import annotations

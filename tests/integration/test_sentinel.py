@@ -29,7 +29,6 @@ from kumiko_dramatiq.broker.connection import SentinelPool, connection_pool
 from kumiko_dramatiq.errors import RedisUnavailableError
 from tests.conftest import wait_for
 from tests.deployment import SentinelGroup, Server, sentinel_group, wait_for_fail_over
-from tests.marks import completed_marks
 
 PREFIX = "failover"
 WORK, SEQ, TICK, HOLD = (f"so:job:{name}" for name in ("work", "seq", "tick", "hold"))
@@ -108,16 +107,6 @@ def replica_snapshot(group: SentinelGroup, pattern: str) -> set[str]:
     client = group.replica.client()
     try:
         return {key.decode() for key in client.scan_iter(match=pattern, count=1000)}
-    finally:
-        client.close()
-
-
-def replica_marks(group: SentinelGroup) -> set[str]:
-    """The message ids marked "already completed" on the replica (read as
-    :func:`replica_snapshot` reads)."""
-    client = group.replica.client()
-    try:
-        return set(completed_marks(client, PREFIX))
     finally:
         client.close()
 
@@ -215,7 +204,7 @@ def test_a_fail_over_mid_load_is_survived_without_restarting_anything(
         # the primary answers until the signal lands: a run can start and settle there after
         # killed_at; once kill() returns (it waits for the exit) nothing reaches it
         dead_at = time.monotonic()
-        completed_ids = replica_marks(group)
+        replicated_done = replica_snapshot(group, kumiko_keys.completed(PREFIX, "*"))
         replicated_lock = kumiko_keys.sequential_lock(PREFIX, SEQ, None) in replica_snapshot(
             group, kumiko_keys.sequential_lock(PREFIX, SEQ, None)
         )
@@ -248,6 +237,7 @@ def test_a_fail_over_mid_load_is_survived_without_restarting_anything(
     acked_after = {m for m, t in load.acked if t >= recovered_at}
     lost = acked_before - set(ledger.completions)
     ran_twice = {m for m, ends in ledger.completions.items() if len(ends) > 1}
+    completed_ids = {key.rsplit(":", 1)[1] for key in replicated_done}
     restarted = {m for m in completed_ids if any(t > dead_at for t in ledger.starts.get(m, []))}
     print(
         f"\nfail-over: {len(load.acked)} dispatches acknowledged, {len(acked_before)} before "

@@ -54,7 +54,6 @@ from kumiko_dramatiq import JobRunner, KumikoError
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.ids import boot_message_id, child_message_id
 from kumiko_dramatiq.messages import build_message
-from tests.marks import completed_marks
 
 from . import check
 from .app import (
@@ -168,9 +167,7 @@ def retry_once(call: Callable[[], T]) -> T:
 
 
 class DoneMarkers(threading.Thread):
-    """Notes when each message id was first seen marked "already completed": a keyspace
-    notification of each ``SADD`` to a marks set (``lua/include/marks.lua``), then a read of
-    that set; the time is taken after the read, so it is never earlier than the mark."""
+    """Notes when each "already completed" marker was first set (keyspace notifications)."""
 
     def __init__(self, url: str, prefix: str) -> None:
         super().__init__(name="soak-done-markers", daemon=True)
@@ -190,14 +187,10 @@ class DoneMarkers(threading.Thread):
                 self.ready.set()
                 while not self.stopping.is_set():
                     message = pubsub.get_message(timeout=0.5)
-                    if message is None or message["data"] != b"sadd":
+                    if message is None or message["data"] != b"set":
                         continue
-                    key = message["channel"].decode().split(":", 1)[1]
-                    members = client.smembers(key)
-                    seen_at = time.time()
-                    for member in members:
-                        message_id = member.decode() if isinstance(member, bytes) else member
-                        self.first_set.setdefault(message_id, seen_at)
+                    channel = message["channel"].decode()
+                    self.first_set.setdefault(channel.split(":done:", 1)[1], time.time())
             except redis.ConnectionError:
                 self.gaps += 1
             finally:
@@ -1084,8 +1077,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"leaving out faults: {', '.join(sorted(skip))}")
     status = 1
     try:
-        # Keyspace notifications for set commands: the driver watches the completed marks.
-        with private_redis("--notify-keyspace-events", "Ks", workdir=workdir) as url:
+        # Keyspace notifications for string commands: the driver watches completed markers.
+        with private_redis("--notify-keyspace-events", "K$", workdir=workdir) as url:
             status = soak(url, prefix, workdir, seconds, seed, skip)
     finally:
         if status == 0 and not args.keep:
@@ -1181,8 +1174,7 @@ def soak(url: str, prefix: str, workdir: Path, seconds: float, seed: int, skip: 
             cron_window=(load_started + 2, load_ended - 2),
             ttl_bound_ms=producer.retention.completed_age_s * 1000,
             marker_ttls_ms={
-                # a marks set lives to the end of the window after its own
-                "done": 2 * producer.broker.completed_ttl_ms,
+                "done": producer.broker.completed_ttl_ms,
                 "sent": producer.broker.resend_window_ms,
             },
             history_ttl_ms=producer.retention.failed_age_s * 1000,
@@ -1231,7 +1223,9 @@ def verdicts(
     keys = scan_keys(admin, prefix)
     done_at = dict(markers.first_set)
 
-    marked = set(done_at) | set(completed_marks(admin, prefix))
+    marked = set(done_at) | {
+        key.rsplit(":done:", 1)[1] for key, pttl in keys if ":done:" in key and pttl != -2
+    }
     rerun_result, explained = check.check_reruns(
         index,
         done_at,

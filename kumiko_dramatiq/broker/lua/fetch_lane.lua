@@ -6,8 +6,7 @@
 --         cancelled run records> <TTL ms of failed ones>": claim up to N; a message delivered
 --         max deliveries times without an outcome (its worker died each time) is
 --         dead-lettered here instead of delivered again
--- ARGV[4] "already completed" marks prefix "<root>done:<W>:" (include/marks.lua; "" = no
---         check)   ARGV[5] kumiko root
+-- ARGV[4] "already completed" marker prefix ("" = no check)   ARGV[5] kumiko root
 --         "kumiko:<prefix>:"   ARGV[6] this worker ("host:pid")
 -- Each claimed id joins this worker's ack set and gets its in-flight entry, its deliveries
 -- count one up (settle removes the entry): the run history reads running runs from there, so
@@ -15,7 +14,7 @@
 -- but parked in "<root>parked:<job>" until the job is resumed. An id with deliveries already
 -- (a suspect) is never delivered beside other messages: to a consumer that holds nothing it
 -- is delivered alone (first from the suspects list), else it waits in the suspects list. A
--- message whose id is marked "already completed" is acked unrun. An id that cancel
+-- message whose id carries an "already completed" marker is acked unrun. An id that cancel
 -- withdrew (its body gone, the id in "<queue list>:withdrawn" or a paused job's
 -- "<root>parked-withdrawn:<job>") is dropped without a word. A message at
 -- the max is dead-lettered, its run record "dead" ("worker died during N deliveries"). The

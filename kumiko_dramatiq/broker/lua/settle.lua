@@ -2,17 +2,16 @@
 -- KEYS[1] namespace   KEYS[2] in-flight hash (see fetch_lane)   KEYS[3] the queue's suspects
 -- list (see fetch_lane)
 -- ARGV[1..2] dispatch head (see include/dispatch.lua)
--- ARGV[3] "<deliveries> <completed marks prefix> <TTL ms of completed and cancelled run
---         records> <TTL ms of failed ones> <record cap> <trim budget>": the marks prefix
---         "<root>done:<W>:" (include/marks.lua); trim budget 0, or how many
+-- ARGV[3] "<deliveries> <marker TTL ms> <TTL ms of completed and cancelled run records>
+--         <TTL ms of failed ones> <record cap> <trim budget>": trim budget 0, or how many
 --         records beyond the cap to drop now (about every 32nd call, see trim_runs)
 -- Then 9 arguments per delivery, from ARGV[4]:
 --   +0 redis message id   +1 outcome: "ack" | "completed" | "retry" (a failed attempt's
 --   retry, or a sequential hand-off) | "dead", followed by " <slots key> <owner token>" for a
 --   run holding a capped job's slot (include/caps.lua): the slot is given back, whoever's
 --   delivery it is now (the token is this delivery's own), and the job's waiters are looked
---   at at once   +2 its message id, marked "already completed"
---   (include/marks.lua; outcome "completed")   +3 the run record's header, tab-separated, or "" for none: kumiko
+--   at at once   +2 its "already completed" marker key
+--   (outcome "completed")   +3 the run record's header, tab-separated, or "" for none: kumiko
 --   root "kumiko:<prefix>:", message id, attempt, job, status, tenant ("" = none), origin id,
 --   order score (the attempt's start, ms). Status "" writes no record (a sequential hand-off:
 --   no attempt happened); "malformed": the message is dead-lettered unrun, and if its body
@@ -38,7 +37,7 @@
 -- After the deliveries, optionally, the claim of the settling consumer's next messages (a
 -- steadily draining consumer then sends no fetch of its own): ARGV[4 + 9 * deliveries ..] as
 -- fetch_lane's ARGV[3..7] (claim head "<N> <messages the consumer holds once these are
--- settled> <max deliveries> <completed TTL> <failed TTL>", "already completed" marks
+-- settled> <max deliveries> <completed TTL> <failed TTL>", "already completed" marker
 -- prefix, kumiko root, "host:pid", the slots' lease TTL ms on a lane with capped jobs).
 -- Claimed after every delivery is settled, exactly as fetch_lane claims (its rules for
 -- suspects, paused jobs, cancelled ids, caps and the doorbell); a slot given back here
@@ -54,14 +53,13 @@
 -- @include ttl
 -- @include history
 -- @include caps_release
--- @include marks
-local count, marks_prefix, completed_ttl, failed_ttl, cap, trim =
+local count, marker_ttl, completed_ttl, failed_ttl, cap, trim =
     string.match(ARGV[3], "^(%d+) (%S+) (%S+) (%S+) (%d+) (%d+)$")
 if not count then
     error("kumiko: malformed settle batch head " .. tostring(ARGV[3]))
 end
 count = tonumber(count)
-marks_window(marks_prefix)
+ttl_ms(marker_ttl, "completed marker")
 completed_ttl = ttl_ms(completed_ttl, "completed run record")
 failed_ttl = ttl_ms(failed_ttl, "failed run record")
 local FIELDS = 9
@@ -101,7 +99,7 @@ for i = 1, count do
     end
 end
 
-local acked, forgotten, out_of_flight, results, completed = {}, {}, {}, {}, {}
+local acked, forgotten, out_of_flight, results = {}, {}, {}, {}
 local head_now, dead_count = now, 0
 local indexed_job = nil
 for i, rid in ipairs(rids) do
@@ -122,8 +120,8 @@ for i, rid in ipairs(rids) do
         entry = entries[i] or nil
         out_of_flight[#out_of_flight + 1] = rid
     end
-    if outcome == "completed" and ARGV[base + 2] ~= "" then
-        completed[#completed + 1] = ARGV[base + 2]
+    if outcome == "completed" then
+        redis.call("set", ARGV[base + 2], "1", "PX", marker_ttl)
     end
     local root, mid, attempt, job, status, tenant, origin, score
     if header ~= "" then
@@ -188,7 +186,6 @@ if #forgotten > 0 then
     uncount_many(queue_messages, forgotten)
     redis.call("hdel", queue_messages, unpack(forgotten))
 end
-mark_completed(marks_prefix, completed)
 flush_runs()
 if tonumber(trim) > 0 then
     local header = ARGV[4 + 3]

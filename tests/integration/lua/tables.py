@@ -56,17 +56,9 @@ DEAD_DQ_ACKS = "dramatiq:__acks__.{w0}.{q}.DQ"
 DEAD_ACKS_OTHER = "dramatiq:__acks__.{w0}.{p}-other"
 OTHER_LIST = "dramatiq:{p}-other"
 SENT = "kumiko:{p}:sent:r1"
-#: The "already completed" marks (lua/include/marks.lua) as the tables use them: a window so
-#: long (2**40 ms, about 35 years) that the current one is window 1 until 2039, so the set a
-#: settle adds to has a fixed name. In a TTL table, :data:`MARKS_EXPIRY` stands for its
-#: expiry: at the end of the window after the current one.
-MARKS_WINDOW = 2**40
-DONE_PREFIX = f"kumiko:{{p}}:done:{MARKS_WINDOW}:"
-DONE = DONE_PREFIX + "1"
-DONE_BEFORE = DONE_PREFIX + "0"
-#: a window a check never looks at (the current one is 1): stands for one long gone
-DONE_NEXT = DONE_PREFIX + "2"
-MARKS_EXPIRY = -3
+DONE_PREFIX = "kumiko:{p}:done:"
+DONE_M1 = "kumiko:{p}:done:m1"
+DONE_M2 = "kumiko:{p}:done:m2"
 GUARD = "kumiko:{p}:enqueued:m1"
 GUARD_2 = "kumiko:{p}:enqueued:m2"
 GUARD_3 = "kumiko:{p}:enqueued:m3"
@@ -462,14 +454,14 @@ class Env:
         run: J | str = "",
         note: J | str = "",
         retry: tuple[str, str, str] | None = None,
-        marks: str = DONE_PREFIX,
+        marker_ttl: int = TTL,
         worker: str = "w1",
         now: int = NOW,
     ) -> Any:
         """settle (of r1, message m1) as the broker calls it, a batch of one: ARGV[3] the
-        batch head ("1 <marks prefix> <completed TTL> <failed TTL> <cap> <trim>", the TTLs,
-        cap and trim from ``run_header``, :func:`header`'s old single-settle layout), then the
-        delivery's 9 arguments: redis id, outcome, message id to mark, record header (root ..
+        batch head ("1 <marker TTL> <completed TTL> <failed TTL> <cap> <trim>", the TTLs, cap
+        and trim from ``run_header``, :func:`header`'s old single-settle layout), then the
+        delivery's 9 arguments: redis id, outcome, marker key, record header (root ..
         origin, order score "" = now), record, dead note, retry (queue, redis id, body)."""
         completed_ttl, failed_ttl, cap, trim = COMPLETED_TTL, FAILED_TTL, CAP, 0
         record_header = ""
@@ -479,10 +471,10 @@ class Env:
             record_header = "\t".join([*fields[:7], ""])
         args = [
             *self.head(worker=worker, now=now),
-            f"1 {self.key(marks)} {completed_ttl} {failed_ttl} {cap} {trim}",
+            f"1 {marker_ttl} {completed_ttl} {failed_ttl} {cap} {trim}",
             rid,
             outcome,
-            "m1" if outcome == "completed" else "",
+            self.key(DONE_M1) if outcome == "completed" else "",
             self.key(record_header),
             self.encode(run),
             self.encode(note),
@@ -558,18 +550,10 @@ class Env:
     def expire(self, template: str, ttl_ms: int) -> None:
         self.client.pexpire(self.key(template), ttl_ms)
 
-    def marks_ttl(self) -> int:
-        """The PTTL (ms) of the current window's "already completed" marks set, just now."""
-        seconds, micros = self.client.time()
-        now = int(seconds) * 1000 + int(micros) // 1000
-        return (now // MARKS_WINDOW + 2) * MARKS_WINDOW - now
-
     def assert_ttls(self, expected: dict[str, int]) -> None:
         """Each key's PTTL: ``NO_TTL`` for none, else set to that many ms just now."""
         for template, ttl in expected.items():
             actual = self.pttl(template)
-            if ttl == MARKS_EXPIRY:
-                ttl = self.marks_ttl()
             if ttl == NO_TTL:
                 assert actual == NO_TTL, f"{template}: PTTL {actual}, expected none"
             else:
@@ -593,8 +577,6 @@ class Env:
         for key in sorted(present):
             ttl = filled.get(key, NO_TTL)
             actual = int(self.client.pttl(key))
-            if ttl == MARKS_EXPIRY:
-                ttl = self.marks_ttl()
             if ttl == NO_TTL:
                 assert actual == NO_TTL, f"{key}: PTTL {actual}, expected none"
             else:

@@ -23,9 +23,7 @@ from tests.integration.lua.tables import (
     DEAD_AT,
     DEAD_DQ_ACKS,
     DEAD_TTL,
-    DONE,
-    DONE_BEFORE,
-    DONE_NEXT,
+    DONE_M1,
     DONE_PREFIX,
     DQ,
     DQ_BELL,
@@ -369,7 +367,7 @@ def test_fetch_maintenance_expires_dead_letters(
             {
                 LIST: ["r1", "r2", "r3"],
                 MSGS: {"r1": message("m1"), "r2": message("m2"), "r3": message("m3")},
-                DONE: {"m1"},
+                DONE_M1: "1",
             },
             2,
             DONE_PREFIX,
@@ -379,44 +377,12 @@ def test_fetch_maintenance_expires_dead_letters(
                 MSGS: {"r2": message("m2"), "r3": message("m3")},
                 ACKS: {"r2", "r3"},
                 INFLIGHT: {"r2": entry(1), "r3": entry(1)},
-                DONE: {"m1"},
+                DONE_M1: "1",
             },
             id="completed-message-is-acked-and-listed-not-counted-in-n",
         ),
         pytest.param(
-            {
-                LIST: ["r1", "r2"],
-                MSGS: {"r1": message("m1"), "r2": message("m2")},
-                DONE_BEFORE: {"m1"},
-            },
-            2,
-            DONE_PREFIX,
-            0,
-            [["r2", message("m2")], ["m1"], [], 0, 0],
-            {
-                MSGS: {"r2": message("m2")},
-                ACKS: {"r2"},
-                INFLIGHT: {"r2": entry(1)},
-                DONE_BEFORE: {"m1"},
-            },
-            id="a-mark-of-the-window-before-still-counts",
-        ),
-        pytest.param(
-            {LIST: ["r1"], MSGS: {"r1": message("m1")}, DONE_NEXT: {"m1"}},
-            1,
-            DONE_PREFIX,
-            0,
-            [["r1", message("m1")], [], [], 0, 0],
-            {
-                MSGS: {"r1": message("m1")},
-                ACKS: {"r1"},
-                INFLIGHT: {"r1": entry(1)},
-                DONE_NEXT: {"m1"},
-            },
-            id="only-the-current-window-and-the-one-before-are-looked-at",
-        ),
-        pytest.param(
-            {LIST: ["r1"], MSGS: {"r1": message("m1")}, DONE: {"m1"}},
+            {LIST: ["r1"], MSGS: {"r1": message("m1")}, DONE_M1: "1"},
             1,
             "",
             0,
@@ -425,17 +391,17 @@ def test_fetch_maintenance_expires_dead_letters(
                 MSGS: {"r1": message("m1")},
                 ACKS: {"r1"},
                 INFLIGHT: {"r1": entry(1)},
-                DONE: {"m1"},
+                DONE_M1: "1",
             },
             id="completed-marker-ignored-without-prefix",
         ),
         pytest.param(
-            {LIST: ["r1"], DONE: {"m1"}},
+            {LIST: ["r1"], DONE_M1: "1"},
             1,
             DONE_PREFIX,
             0,
             [["r1", None], [], [], 0, 0],
-            {ACKS: {"r1"}, INFLIGHT: {"r1": entry(1)}, DONE: {"m1"}},
+            {ACKS: {"r1"}, INFLIGHT: {"r1": entry(1)}, DONE_M1: "1"},
             id="vanished-body-with-prefix-is-still-returned",
         ),
         pytest.param(
@@ -464,7 +430,7 @@ def test_fetch_maintenance_expires_dead_letters(
             {
                 LIST: ["r1", "r2"],
                 MSGS: {"r1": long_with_decoy("m1", "m2"), "r2": long_with_decoy("m2", "m1")},
-                DONE: {"m1"},
+                DONE_M1: "1",
             },
             2,
             DONE_PREFIX,
@@ -474,12 +440,12 @@ def test_fetch_maintenance_expires_dead_letters(
                 MSGS: {"r2": long_with_decoy("m2", "m1")},
                 ACKS: {"r2"},
                 INFLIGHT: {"r2": entry(1)},
-                DONE: {"m1"},
+                DONE_M1: "1",
             },
             id="a-long-body-is-checked-by-its-own-message-id-not-one-in-its-payload",
         ),
         pytest.param(
-            {LIST: ["r1"], MSGS: {"r1": json.dumps({"message_id": "m1"})}, DONE: {"m1"}},
+            {LIST: ["r1"], MSGS: {"r1": json.dumps({"message_id": "m1"})}, DONE_M1: "1"},
             1,
             DONE_PREFIX,
             0,
@@ -488,7 +454,7 @@ def test_fetch_maintenance_expires_dead_letters(
                 MSGS: {"r1": json.dumps({"message_id": "m1"})},
                 ACKS: {"r1"},
                 INFLIGHT: {"r1": entry(1)},
-                DONE: {"m1"},
+                DONE_M1: "1",
             },
             id="a-body-not-laid-out-as-dramatiq-encodes-is-not-checked-for-its-marker",
         ),
@@ -608,7 +574,7 @@ def test_fetch_maintenance_expires_dead_letters(
                 MSGS: {"r1": message("m1"), "r2": message("m2"), "r3": message("m3")},
                 INFLIGHT: {"r1": earlier(1), "r3": earlier(1)},
                 SUSPECTS: ["r1", "r3"],
-                DONE: {"m1"},
+                DONE_M1: "1",
             },
             2,
             DONE_PREFIX,
@@ -620,7 +586,7 @@ def test_fetch_maintenance_expires_dead_letters(
                 MSGS: {"r2": message("m2"), "r3": message("m3")},
                 ACKS: {"r3"},
                 INFLIGHT: {"r3": entry(2)},
-                DONE: {"m1"},
+                DONE_M1: "1",
             },
             id="idle-completed-suspect-is-acked-its-entry-dropped-and-the-next-runs-alone",
         ),
@@ -1198,7 +1164,7 @@ def test_a_crashed_delivery_runs_alone_and_its_record_counts_the_deliveries(env:
     assert env.settle("completed", run_header=header_of(ended()), run=ended()) == 1
 
     # Then: the entry is gone and the record says 2 deliveries
-    env.assert_state({DONE: {"m1"}, BELL: ["1"], **indexed(ended(n=2), NOW)})
+    env.assert_state({DONE_M1: "1", BELL: ["1"], **indexed(ended(n=2), NOW)})
 
 
 def test_a_message_whose_worker_dies_max_deliveries_times_is_dead_lettered(env: Env) -> None:

@@ -16,8 +16,7 @@ from tests.integration.lua.tables import (
     COMPLETED_TTL,
     COUNTS,
     DEAD_TTL,
-    DONE,
-    DONE_PREFIX,
+    DONE_M1,
     DQ,
     DQ_ACKS,
     DQ_BELL,
@@ -30,7 +29,6 @@ from tests.integration.lua.tables import (
     JOB,
     LIST,
     LONG_TTL,
-    MARKS_EXPIRY,
     MSGS,
     NAMESPACE,
     NOW,
@@ -41,6 +39,7 @@ from tests.integration.lua.tables import (
     SECOND_ATTEMPT,
     SUSPECTS,
     TENANT_JOB,
+    TTL,
     XQ,
     XQ_MSGS,
     Env,
@@ -81,9 +80,9 @@ from tests.integration.lua.tables import (
             id="not-owned",
         ),
         pytest.param(
-            {MSGS: {"r1": "b1"}, ACKS: {"r1"}, DONE: {"m1"}, INFLIGHT: {"r1": entry(1)}},
+            {MSGS: {"r1": "b1"}, ACKS: {"r1"}, DONE_M1: "1", INFLIGHT: {"r1": entry(1)}},
             1,
-            {DONE: {"m1"}, INFLIGHT: {"r1": entry(1)}},
+            {DONE_M1: "1", INFLIGHT: {"r1": entry(1)}},
             id="kumiko-records-untouched",
         ),
     ],
@@ -149,8 +148,8 @@ SETTLE_FOREIGN: State = {
             "completed",
             None,
             1,
-            {MSGS: {"r0": "b0"}, INFLIGHT: R2_ENTRY, DONE: {"m1"}},
-            {DONE: MARKS_EXPIRY},
+            {MSGS: {"r0": "b0"}, INFLIGHT: R2_ENTRY, DONE_M1: "1"},
+            {DONE_M1: TTL},
             id="completed-owned-sets-the-marker",
         ),
         pytest.param(
@@ -158,8 +157,8 @@ SETTLE_FOREIGN: State = {
             "completed",
             None,
             0,
-            {**SETTLE_FOREIGN, DONE: {"m1"}},
-            {DONE: MARKS_EXPIRY},
+            {**SETTLE_FOREIGN, DONE_M1: "1"},
+            {DONE_M1: TTL},
             id="completed-not-owned-still-sets-the-marker",
         ),
         pytest.param(
@@ -283,10 +282,7 @@ def test_settle_uncounts_the_bodies_it_deletes(
     env.seed(given)
 
     # When both are acked in one settle call
-    args: list[str | int] = [
-        *env.head(),
-        f"2 {env.key(DONE_PREFIX)} {COMPLETED_TTL} {FAILED_TTL} 100 0",
-    ]
+    args: list[str | int] = [*env.head(), f"2 {TTL} {COMPLETED_TTL} {FAILED_TTL} 100 0"]
     for rid in ("r1", "r2"):
         args += [rid, "ack", "", "", "", "", "", "", ""]
     replies = env.lua.settle(keys=[NAMESPACE, env.key(INFLIGHT), env.key(SUSPECTS)], args=args)
@@ -313,38 +309,32 @@ def test_settle_retry_sent_twice_enqueues_once(env: Env) -> None:
 
 
 @pytest.mark.parametrize(
-    ("outcome", "marks", "run_header"),
+    ("outcome", "marker_ttl", "run_header"),
     [
-        pytest.param("completed", "kumiko:{p}:done:0:", "", id="completed-marks-window-0"),
-        pytest.param(
-            "completed",
-            f"kumiko:{{p}}:done:{2**48 + 1}:",
-            "",
-            id="completed-marks-window-beyond-2-48",
-        ),
-        pytest.param("completed", "kumiko:{p}:done:", "", id="completed-marks-no-window"),
+        pytest.param("completed", 0, "", id="completed-marker-ttl-0"),
+        pytest.param("completed", 2**48 + 1, "", id="completed-marker-ttl-beyond-2-48"),
         pytest.param(
             "ack",
-            DONE_PREFIX,
+            TTL,
             header().replace(str(COMPLETED_TTL), "0"),
             id="completed-record-ttl-0",
         ),
         pytest.param(
             "ack",
-            DONE_PREFIX,
+            TTL,
             header().replace(str(FAILED_TTL), "-5"),
             id="failed-record-ttl-negative-header-unreadable",
         ),
     ],
 )
 def test_settle_refuses_a_bad_ttl_before_writing(
-    env: Env, outcome: str, marks: str, run_header: str
+    env: Env, outcome: str, marker_ttl: int, run_header: str
 ) -> None:
     given: State = {MSGS: {"r1": kumiko_message("m1")}, ACKS: {"r1"}, INFLIGHT: {"r1": entry(1)}}
     env.seed(given)
 
     with pytest.raises(redis.ResponseError, match="TTL must be an integer"):
-        env.settle(outcome, marks=marks, run_header=run_header, run=ended())
+        env.settle(outcome, marker_ttl=marker_ttl, run_header=run_header, run=ended())
 
     env.assert_state(given)
 
@@ -404,8 +394,8 @@ W2_ENTRY = entry(3, NOW - 1_000, OTHER_RUN_WORKER)
             "",
             None,
             1,
-            {DONE: {"m1"}, **indexed(ended(), NOW)},
-            {DONE: MARKS_EXPIRY, run_hash("m1"): COMPLETED_TTL},
+            {DONE_M1: "1", **indexed(ended(), NOW)},
+            {DONE_M1: TTL, run_hash("m1"): COMPLETED_TTL},
             id="completed-record-indexed-with-the-completed-ttl",
         ),
         pytest.param(
@@ -433,8 +423,8 @@ W2_ENTRY = entry(3, NOW - 1_000, OTHER_RUN_WORKER)
             "",
             None,
             1,
-            {DONE: {"m1"}, **indexed(ended(n=3), NOW)},
-            {DONE: MARKS_EXPIRY, run_hash("m1"): COMPLETED_TTL},
+            {DONE_M1: "1", **indexed(ended(n=3), NOW)},
+            {DONE_M1: TTL, run_hash("m1"): COMPLETED_TTL},
             id="a-redelivered-attempts-record-counts-its-deliveries",
         ),
         pytest.param(
@@ -445,8 +435,8 @@ W2_ENTRY = entry(3, NOW - 1_000, OTHER_RUN_WORKER)
             "",
             None,
             1,
-            {DONE: {"m1"}, **merge(indexed(FAILED_M1, NOW - 60_000), indexed(SECOND_ATTEMPT, NOW))},
-            {DONE: MARKS_EXPIRY, run_hash("m1"): FAILED_TTL},
+            {DONE_M1: "1", **merge(indexed(FAILED_M1, NOW - 60_000), indexed(SECOND_ATTEMPT, NOW))},
+            {DONE_M1: TTL, run_hash("m1"): FAILED_TTL},
             id="a-second-attempt-keeps-the-failed-ttl-of-the-first",
         ),
         pytest.param(
@@ -457,8 +447,8 @@ W2_ENTRY = entry(3, NOW - 1_000, OTHER_RUN_WORKER)
             "",
             None,
             1,
-            {DONE: {"m1"}, **indexed(ended(), NOW)},
-            {DONE: MARKS_EXPIRY, run_hash("m1"): COMPLETED_TTL},
+            {DONE_M1: "1", **indexed(ended(), NOW)},
+            {DONE_M1: TTL, run_hash("m1"): COMPLETED_TTL},
             id="an-attempt-written-again-leaves-its-old-status-indexes",
         ),
         pytest.param(
@@ -507,10 +497,10 @@ W2_ENTRY = entry(3, NOW - 1_000, OTHER_RUN_WORKER)
                 MSGS: {"r1": kumiko_message("m1")},
                 ACKS_W2: {"r1"},
                 INFLIGHT: {"r1": W2_ENTRY},
-                DONE: {"m1"},
+                DONE_M1: "1",
                 **indexed(ended(), NOW),
             },
-            {DONE: MARKS_EXPIRY, run_hash("m1"): COMPLETED_TTL},
+            {DONE_M1: TTL, run_hash("m1"): COMPLETED_TTL},
             id="not-owned-the-other-workers-entry-keeps-its-count-the-record-gets-no-n",
         ),
         pytest.param(
@@ -521,9 +511,9 @@ W2_ENTRY = entry(3, NOW - 1_000, OTHER_RUN_WORKER)
             "",
             None,
             1,
-            {DONE: {"m1"}, **indexed(TENANT_RUN, NOW)},
+            {DONE_M1: "1", **indexed(TENANT_RUN, NOW)},
             {
-                DONE: MARKS_EXPIRY,
+                DONE_M1: TTL,
                 run_hash("m1"): COMPLETED_TTL,
                 by_tenant("acme"): LONG_TTL,
                 by_origin("o1"): LONG_TTL,
@@ -693,8 +683,8 @@ TAKEN_LEFT: State = TAKEN_BY_W2
             "completed",
             None,
             1,
-            {LIST: ["r0"], MSGS: {"r0": "b0"}, DONE: {"m1"}},
-            {DONE: MARKS_EXPIRY},
+            {LIST: ["r0"], MSGS: {"r0": "b0"}, DONE_M1: "1"},
+            {DONE_M1: TTL},
             id="in-the-queue-completed-takes-the-copy-back-and-marks",
         ),
         pytest.param(
@@ -735,8 +725,8 @@ TAKEN_LEFT: State = TAKEN_BY_W2
             "completed",
             None,
             1,
-            {SUSPECTS: ["r2"], MSGS: {"r2": "b2"}, DONE: {"m1"}},
-            {DONE: MARKS_EXPIRY},
+            {SUSPECTS: ["r2"], MSGS: {"r2": "b2"}, DONE_M1: "1"},
+            {DONE_M1: TTL},
             id="a-suspect-completed-takes-the-copy-back-and-marks",
         ),
         pytest.param(
@@ -783,8 +773,8 @@ TAKEN_LEFT: State = TAKEN_BY_W2
             "completed",
             None,
             0,
-            {**TAKEN_LEFT, DONE: {"m1"}},
-            {DONE: MARKS_EXPIRY},
+            {**TAKEN_LEFT, DONE_M1: "1"},
+            {DONE_M1: TTL},
             id="taken-by-another-worker-completed-writes-the-marker-and-record-only",
         ),
         pytest.param(

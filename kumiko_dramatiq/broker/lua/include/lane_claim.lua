@@ -5,7 +5,7 @@
 -- fetch_lane (see there), with KEYS[1..3] and ARGV[1..2] as fetch_lane's:
 --   spec "<N> <messages the consumer holds> <max deliveries> <TTL ms of completed and
 --   cancelled run records> <TTL ms of failed ones>"; done_prefix the "already completed"
---   marks prefix (include/marks.lua; "" = no check); root "kumiko:<prefix>:"; run_worker "host:pid"; caps_arg
+--   marker prefix ("" = no check); root "kumiko:<prefix>:"; run_worker "host:pid"; caps_arg
 --   the slots' lease TTL ms (lanes with capped jobs only, else nil); released: the jobs whose
 --   slot the caller gave back without ringing (caps_release with no list): each one's waiters
 --   that this claim could not look at (no room, or not among the groups due first) get the
@@ -15,7 +15,6 @@
 -- @include dead_letter
 -- @include history
 -- @include bell
--- @include marks
 
 local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, released)
     local inflight = KEYS[2]
@@ -94,17 +93,21 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
         end
         local done = {}
         if done_prefix ~= "" then
-            local ids, at = {}, {}
+            local markers, at = {}, {}
             for i, c in ipairs(candidates) do
                 local message_id = c[3] and message_id_of(c[3])
                 if message_id then
-                    ids[#ids + 1] = message_id
-                    at[#ids] = i
+                    markers[#markers + 1] = done_prefix .. message_id
+                    at[#markers] = i
                     c[4] = message_id
                 end
             end
-            for j in pairs(completed_among(done_prefix, ids)) do
-                done[at[j]] = true
+            if #markers > 0 then
+                for j, value in ipairs(redis.call("mget", unpack(markers))) do
+                    if value then
+                        done[at[j]] = true
+                    end
+                end
             end
         end
         local acks, entries, gone = {}, {}, {}
