@@ -148,12 +148,13 @@ def sizing(count: int) -> dict[str, Any]:
             stats = commandstats(admin)
             worker.stop()
             stats.pop("config|resetstat", None)
-            top_level = stats.get("evalsha", 0) + sum(
+            scripts = stats.get("evalsha", 0) + stats.get("fcall", 0)
+            top_level = scripts + sum(
                 v for k, v in stats.items() if k in ("mget", "blpop", "hgetall", "multi", "exec")
             )
             out[f"commands_per_job_{kind}"] = {
                 "all": round(sum(stats.values()) / jobs, 1),
-                "evalsha": round(stats.get("evalsha", 0) / jobs, 2),
+                "evalsha": round(scripts / jobs, 2),  # EVALSHA and FCALL: the scripts
                 "top_level": round(top_level / jobs, 2),
                 "busiest": {
                     k: round(v / jobs, 2)

@@ -105,7 +105,7 @@ def step_times_us(client: redis.Redis, sha: str) -> tuple[list[tuple[int, int]],
             steps.append((duration, max(inner, default=0)))
             inner = []
             continue
-        if name in ("evalsha", "eval", "script", "slowlog"):
+        if name in ("evalsha", "eval", "fcall", "function", "script", "slowlog"):
             inner = []
         else:
             inner.append(duration)

@@ -39,11 +39,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import dramatiq
 import redis
+
+from kumiko_dramatiq.broker.lua import FUNCTIONS, library
 
 LUA = Path(__file__).resolve().parent.parent / "kumiko_dramatiq" / "broker" / "lua"
 DRAMATIQ_LUA = Path(dramatiq.__file__).parent / "brokers" / "redis" / "dispatch.lua"
@@ -161,17 +164,23 @@ class Kumiko:
 
     def __init__(self, client: redis.Redis, lua_dir: Path, jobs: int, batch: int) -> None:
         self.client, self.jobs, self.batch = client, jobs, batch
-        self.enqueue_sha = client.script_load(source(lua_dir, "guarded_enqueue"))
-        self.fetch_sha = client.script_load(source(lua_dir, "fetch_lane"))
-        self.settle_sha = client.script_load(source(lua_dir, "settle"))
+        self.run: dict[str, Callable[..., Any]] = {}
+        if "@per-call" in (lua_dir / "include" / "dispatch.lua").read_text():
+            # the hot scripts as kumiko runs them: functions of one library (FCALL)
+            lib = library(FUNCTIONS, lambda path: (lua_dir / f"{path}.lua").read_text())
+            client.function_load(lib.code, replace=True)
+            for name, function in lib.functions.items():
+                self.run[name] = partial(client.fcall, function)
+        else:  # an older export: every script by EVALSHA
+            for name in FUNCTIONS:
+                self.run[name] = partial(client.evalsha, client.script_load(source(lua_dir, name)))
         client.hset(f"dramatiq:{QUEUE}:counts", "~mode", "r")
         self.message_ids: dict[str, str] = {}
 
     def enqueue(self, n: int, offset: int) -> None:
         for i, (rid, mid) in enumerate(zip(ids(n, offset), ids(n, 10**9 + offset), strict=True)):
             self.message_ids[rid] = mid
-            self.client.evalsha(
-                self.enqueue_sha,
+            self.run["guarded_enqueue"](
                 3,
                 *(f"dramatiq:{QUEUE}.msgs", f"dramatiq:{QUEUE}", f"{ROOT}sent:{rid}"),
                 *(rid, KUMIKO_BODY % (i, rid, mid), 60000, "1"),
@@ -180,8 +189,7 @@ class Kumiko:
     def drain(self, n: int) -> None:
         done = 0
         while done < n:
-            fetched = self.client.evalsha(
-                self.fetch_sha,
+            fetched = self.run["fetch_lane"](
                 3,
                 *("dramatiq", f"{ROOT}inflight", f"{ROOT}suspects:{QUEUE}"),
                 *(QUEUE, HEAD, f"{self.batch} 0 5 86400000 604800000", f"{ROOT}done:", ROOT),
@@ -196,7 +204,7 @@ class Kumiko:
 
     def settle(self, entries: list[list[str]]) -> None:
         keys = ("dramatiq", f"{ROOT}inflight", f"{ROOT}suspects:{QUEUE}")
-        replies = self.client.evalsha(self.settle_sha, 3, *keys, *settle_args(entries))
+        replies = self.run["settle"](3, *keys, *settle_args(entries))
         if replies != [1] * len(entries):
             raise RuntimeError(f"settle replied {replies}")
 

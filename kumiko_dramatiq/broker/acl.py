@@ -59,8 +59,11 @@ CLIENT_COMMANDS: Final[dict[str, str]] = {
     "ping": "the start-up check and idle connection health checks",
     "select": "every new connection to a database other than 0",
     # scripts
-    "evalsha": "runs every Lua script",
+    "evalsha": "runs kumiko's Lua scripts",
     "script|load": "loads a script the server does not hold yet (after a restart or fail-over)",
+    "fcall": "runs the scripts every job passes (enqueue, lane fetch, settle): Redis functions",
+    "function|load": "loads kumiko's function library when the server does not hold it yet "
+    "(a new version, a restart without persistence)",
     "multi": "drain's consistent count of pending work",
     "exec": "drain's consistent count of pending work",
     # idle consumers

@@ -94,7 +94,7 @@ from kumiko_dramatiq.broker.connection import connection_pool
 from kumiko_dramatiq.broker.consumer import KumikoConsumer
 from kumiko_dramatiq.broker.delivery import Delivery, LaneFetch, MessagePolicy, Outcome, RunWrite
 from kumiko_dramatiq.broker.keys import queue_list, queue_messages
-from kumiko_dramatiq.broker.lua import LuaScripts
+from kumiko_dramatiq.broker.lua import LuaFunction, LuaScripts
 from kumiko_dramatiq.broker.replies import as_list, text
 from kumiko_dramatiq.broker.seam import (
     HookTable,
@@ -604,7 +604,11 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
 
     @staticmethod
     def _call(
-        script: Script, client: redis.Redis | None, *, keys: list[str], args: list[Any]
+        script: Script | LuaFunction,
+        client: redis.Redis | None,
+        *,
+        keys: list[str],
+        args: list[Any],
     ) -> Any:
         """Run ``script`` on ``client`` (a :meth:`thread_client`) or the broker's pool. A kept
         connection is dropped on any exception, an interruption included (Dramatiq raises
@@ -612,12 +616,20 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         would be read as the next command's. (The pool probes each connection it hands out
         for that; a kept one is not handed out.) It reconnects on its next command.
 
-        On a kept connection it sends ``EVALSHA`` itself and loads the script when the
-        server does not have it, as ``Script.__call__`` does, without that call's copies of
-        the arguments and its ``isinstance`` check against redis-py's ``Pipeline`` protocol
-        (a few microseconds of every enqueue and settle)."""
+        On a kept connection it sends ``EVALSHA`` (``FCALL`` for a :class:`LuaFunction`)
+        itself and loads the script when the server does not have it, as
+        ``Script.__call__`` does, without that call's copies of the arguments and its
+        ``isinstance`` check against redis-py's ``Pipeline`` protocol (a few microseconds of
+        every enqueue and settle)."""
         if client is None:
             return script(keys=keys, args=args)
+        if isinstance(script, LuaFunction):
+            try:
+                return script.call(client, keys, args)
+            except BaseException:
+                if client.connection is not None:
+                    client.connection.disconnect()  # type: ignore[no-untyped-call]
+                raise
         try:
             command = client.execute_command
             try:

@@ -530,3 +530,25 @@ def test_start_refuses_a_user_without_evalsha_in_one_line(
         runner.start()
     assert "\n" not in str(caught.value)
     runner.stop()
+
+
+@pytest.mark.parametrize("command", ["fcall", "function|load"])
+def test_start_refuses_a_user_without_the_function_commands_in_one_line(
+    command: str, redis_client: redis.Redis, redis_url: str, prefix: str
+) -> None:
+    # the hot path's scripts run as Redis functions: a user that may not load or call them
+    # is told at start, not at its first dispatch
+    name = f"kumiko-test-{uuid.uuid4().hex[:8]}"
+    redis_client.acl_setuser(
+        name, enabled=True, passwords=["+pw"], commands=["+@all", f"-{command}"], keys=["*"]
+    )
+    try:
+        url = redis_url.replace("redis://", f"redis://{name}:pw@", 1)
+        runner = JobRunner(registry_of(), redis_url=url, queue_prefix=prefix)
+        spelt = command.upper().replace("|", " ")
+        with pytest.raises(RedisAccessError, match=f"run {spelt}") as caught:
+            runner.start()
+        assert "\n" not in str(caught.value)
+        runner.stop()
+    finally:
+        redis_client.acl_deluser(name)

@@ -390,6 +390,28 @@ def test_a_dispatch_after_the_server_lost_its_scripts_loads_them_again() -> None
             client.close()
 
 
+def test_a_dispatch_and_a_run_after_the_server_lost_its_functions_load_them_again() -> None:
+    # the hot path (enqueue, lane fetch, settle) runs as Redis functions: FUNCTION FLUSH (as
+    # a restart without persistence) empties them on the whole server: on a private one
+    with private_redis_server() as url:
+        client = redis.Redis.from_url(url)
+        runner = JobRunner(billing_registry(), redis_url=url, queue_prefix="flushed")
+        try:
+            first = runner.dispatch("billing:job:send", {"n": 1})
+            client.function_flush()
+            second = runner.dispatch("billing:job:send", {"n": 2})
+            assert first != second
+            assert queued(client, "flushed") == 2
+            client.function_flush()
+            runner.start()
+            runner.drain(timeout_s=30)
+            assert queued(client, "flushed") == 0
+            assert {run.status for run in runner.runs()} == {"completed"}
+        finally:
+            runner.stop()
+            client.close()
+
+
 def test_each_thread_keeps_its_own_connection_until_it_ends(make_runner: RunnerFactory) -> None:
     # Given a runner's broker
     broker = make_runner(billing_registry()).broker

@@ -379,11 +379,15 @@ RECOMMENDED = ("--min-replicas-to-write", "1", "--min-replicas-max-lag", "2")
 
 
 def evalsha_calls(server: Server) -> int:
-    """How many scripts ``server`` ran so far (every write kumiko makes is one)."""
+    """How many scripts ``server`` ran so far, ``EVALSHA`` and ``FCALL`` (every write kumiko
+    makes is one)."""
     client = server.client()
     try:
         stats: dict[str, Any] = client.info("commandstats")
-        return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+        return sum(
+            int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+            for command in ("evalsha", "fcall")
+        )
     finally:
         client.close()
 

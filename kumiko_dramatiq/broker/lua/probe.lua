@@ -16,6 +16,7 @@ local specs = {
     blpop = {K, "1"}, ["client|id"] = {}, ["client|setname"] = {"kumiko-probe"},
     ["client|unblock"] = {"0"}, del = {K},
     evalsha = {"0000000000000000000000000000000000000000", "1", K}, exec = {}, exists = {K},
+    fcall = {"kumikofn_probe", "1", K}, ["function|load"] = {"#!lua name=kumikofn_probe"},
     get = {K}, hdel = {K, "f"}, hexists = {K, "f"}, hget = {K, "f"}, hgetall = {K}, hincrby = {K, "f", "1"},
     hkeys = {K}, hlen = {K}, info = {"memory"}, hmget = {K, "f"}, hscan = {K, "0"}, incr = {K},
     hset = {K, "f", "v"}, keys = {"kumiko-probe"}, lindex = {K, "0"}, llen = {K}, lpop = {K},

@@ -44,6 +44,7 @@ from tests.integration.lua.tables import (
     Env,
     State,
     Z,
+    message,
 )
 
 
@@ -485,3 +486,18 @@ def test_a_failed_message_write_leaves_no_guard(env: Env, script: str) -> None:
     if script == "dedup_handover":
         expected[RECORD] = ENDING
     env.assert_state(expected)
+
+
+def test_each_call_reads_the_counts_mode_afresh(env: Env) -> None:
+    # guarded_enqueue runs as a function of the hot path's library, whose variables outlive
+    # a call: what one call keeps (the counts mode it read) must not reach the next
+    counts = env.key(MSGS).removesuffix(".msgs") + ":counts"
+    keys = [env.key(MSGS), env.key(LIST)]
+
+    # Given: a message written while the queue was not counted
+    env.lua.guarded_enqueue(keys=[*keys, env.key(SENT)], args=["r1", message("m1"), TTL, "1"])
+    # When: the counts are made ready, and another message is written
+    env.client.hset(counts, "~mode", "r")
+    env.lua.guarded_enqueue(keys=[*keys, env.key(SENT) + "2"], args=["r2", message("m2"), TTL, "1"])
+    # Then: the second is counted
+    assert env.client.hgetall(counts) == {b"~mode": b"r", b"q:a": b"1"}

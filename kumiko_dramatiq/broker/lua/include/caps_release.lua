@@ -4,7 +4,9 @@
 -- include/dispatch.lua).
 -- @include bell
 
+-- @per-call
 local caps_queue = ARGV[1]
+-- @end per-call
 
 -- the queue's sorted set of waiting groups (see include/caps.lua)
 local function caps_waiting(root)

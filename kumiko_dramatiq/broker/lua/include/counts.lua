@@ -39,7 +39,9 @@ end
 
 -- the counts mode of each counts hash read in this call (only counts_backfill, another
 -- script, changes a mode)
+-- @per-call
 local counts_modes = {}
+-- @end per-call
 local function counts_mode(counts)
     local mode = counts_modes[counts]
     if mode == nil then

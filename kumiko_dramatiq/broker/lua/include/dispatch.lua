@@ -10,6 +10,7 @@
 -- It records the worker's heartbeat, runs maintenance when asked, and defines the names of
 -- the queue's keys in Dramatiq's layout.
 -- @include maintenance
+-- @per-call
 local namespace = KEYS[1]
 local queue = ARGV[1]
 local head_now, worker, head_heartbeat, head_dead_ttl, head_maintain =
@@ -32,3 +33,4 @@ redis.call("zadd", namespace .. ":__heartbeats__", head_now, worker) -- text: no
 if head_maintain == "1" then
     maintain(namespace, queue, now, tonumber(head_heartbeat), dead_ttl)
 end
+-- @end per-call

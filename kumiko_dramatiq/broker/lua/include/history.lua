@@ -36,15 +36,19 @@ end
 -- Index entries and per-job stats are gathered while a script runs and written once at its
 -- end by flush_runs() (one ZADD per index and one HINCRBY per stats field for a whole batch of
 -- records): every script that calls put_run calls flush_runs() before it returns.
+-- @per-call
 local pending_index, pending_index_keys = {}, {}
 local pending_stats, pending_stats_keys = {}, {}
 local pending_index_ttl = 0
+-- @end per-call
 
 -- Numbers handed to redis.call are formatted by Redis 7.0 with printf("%.17g"), and Lua's own
 -- concatenation of a number uses printf too: both cost more than the command they feed. So
 -- the integers these writes pass (scores, TTLs, counts, hours) go as text, each distinct one
 -- formatted once per script call ("%d": no floating-point formatting).
+-- @per-call
 local int_texts = {}
+-- @end per-call
 local function int_text(n)
     if type(n) ~= "number" or n % 1 ~= 0 then
         return n
@@ -77,7 +81,7 @@ end
 -- 64 ms, else 64 + floor(log(d / 64) / log(1.1)), so a bucket spans 10%); kept 8 days.
 local STATS_TTL_MS = "691200000" -- 8 days
 local STATS_BUCKETS_EXACT = 64
-local LOG_STEP = math.log(1.1)
+local LOG_STEP = 0.09531017980432493 -- math.log(1.1) (a library may not call math at load)
 
 local function duration_bucket(d)
     if d < STATS_BUCKETS_EXACT then
@@ -108,7 +112,9 @@ local function duration_field(record)
 end
 
 -- stats_hash(root, job, now): the stats hash of job's hour of `now` (ms)
+-- @per-call
 local stats_hours = {}
+-- @end per-call
 local function stats_hash(root, job, now)
     local hour = stats_hours[now]
     if not hour then
