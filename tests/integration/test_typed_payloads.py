@@ -22,7 +22,7 @@ from examples.billing.app import registry as billing_registry
 from kumiko_dramatiq import Cron, Event, Feature, JobContext, PayloadError, Registry
 from kumiko_dramatiq.broker.keys import queue_messages
 from kumiko_dramatiq.dashboard import create_app
-from tests.conftest import Recorder, RunnerFactory
+from tests.conftest import Recorder, RunnerFactory, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -228,7 +228,10 @@ def test_a_typed_cron_tick_runs_with_the_models_defaults(
     runner.start()
     recorder.wait_until(lambda r: bool(r.of("complete")), what="a completed tick")
     assert seen.of("cron:job:tick")[0] == Nightly()
-    (run,) = runner.run_record(recorder.of("complete")[0].message_id)
+    # the hook runs before the settle that writes the record
+    message_id = recorder.of("complete")[0].message_id
+    wait_for(lambda: bool(runner.run_record(message_id)), what="the tick's run record")
+    (run,) = runner.run_record(message_id)
     assert run.payload == {"currency": "EUR"}  # what the tick enqueued: the defaults' dump
 
 
