@@ -142,14 +142,15 @@ def ids(n: int, offset: int = 0) -> list[str]:
     return [str(uuid.UUID(int=offset + i + 1)) for i in range(n)]
 
 
-def settle_entry(rid: str, message_id: str) -> list[str]:
+def settle_entry(rid: str, message_id: str, actor: bool = True) -> list[str]:
     header = "\t".join((ROOT, message_id, "1", JOB, "completed", "", message_id, str(NOW)))
     record = json.dumps(
         {"d": 0, "j": JOB, "m": message_id, "o": message_id, "tr": "manual", "a": 1, "ma": 1}
         | {"s": "completed", "q": NOW - 700, "st": NOW, "en": NOW, "w": "host:1"},
         separators=(",", ":"),
     )
-    return [rid, "completed", f"{ROOT}done:{message_id}", header, record, "", "", "", ""]
+    entry = [rid, "completed", f"{ROOT}done:{message_id}", header, record, "", "", "", ""]
+    return [*entry, JOB] if actor else entry  # the actor: not in an export before it was
 
 
 def settle_args(entries: list[list[str]]) -> list[str]:
@@ -176,6 +177,7 @@ class Kumiko:
                 self.run[name] = partial(client.evalsha, client.script_load(source(lua_dir, name)))
         client.hset(f"dramatiq:{QUEUE}:counts", "~mode", "r")
         self.message_ids: dict[str, str] = {}
+        self.actor = "local FIELDS = 10" in (lua_dir / "settle.lua").read_text()
 
     def enqueue(self, n: int, offset: int) -> None:
         for i, (rid, mid) in enumerate(zip(ids(n, offset), ids(n, 10**9 + offset), strict=True)):
@@ -198,7 +200,7 @@ class Kumiko:
             rids = [fetched[i].decode() for i in range(0, len(fetched), 2)]
             if not rids:
                 raise RuntimeError("the queue ran dry")
-            entries = [settle_entry(rid, self.message_ids[rid]) for rid in rids]
+            entries = [settle_entry(rid, self.message_ids[rid], self.actor) for rid in rids]
             self.settle(entries)
             done += len(rids)
 
@@ -217,7 +219,7 @@ class Kumiko:
             pipe.hincrby(f"dramatiq:{QUEUE}:counts", f"q:{JOB}", 1)
             pipe.sadd(f"dramatiq:__acks__.{WORKER}.{QUEUE}", rid)
             pipe.hset(f"{ROOT}inflight", rid, f"1|{NOW}|host:1")
-            entries.append(settle_entry(rid, mid))
+            entries.append(settle_entry(rid, mid, self.actor))
         pipe.execute()
         return [entries[i : i + self.batch] for i in range(0, n, self.batch)]
 

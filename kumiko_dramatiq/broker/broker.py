@@ -460,6 +460,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         client: redis.Redis | None = None,
         slot: tuple[str, str] | None = None,
         claimer: KumikoConsumer | None = None,
+        actor: str = "",
     ) -> bool:
         """The outcome of one delivery from a lane queue (``lua/settle.lua``), sent together
         with the settles of the other deliveries of ``queue_name`` that end at about the same
@@ -471,7 +472,9 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         slot the delivery holds, given back in the same call (also when it is not this
         worker's any more: the token is this delivery's own); such a settle is sent without
         waiting to gather others. ``claimer``: the consumer the delivery came from, whose next
-        messages the call may claim too (:meth:`settle_batch`)."""
+        messages the call may claim too (:meth:`settle_batch`). ``actor``: the message's actor
+        name as decoded at fetch ("" if not known): its per-job count is then kept without
+        reading its body back into the script."""
         header, record, note = "", "", ""
         if run is not None:
             header = "\t".join(
@@ -504,6 +507,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             ]
         else:
             entry += ["", "", ""]
+        entry.append(actor)
         done = self.settler.settle(
             queue_name, entry, client, claimer=claimer, urgent=slot is not None
         )
@@ -518,7 +522,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         client: redis.Redis | None,
         claimers: Sequence[object | None] = (),
     ) -> list[int]:
-        """One call of ``lua/settle.lua`` for ``entries`` (each the 9 arguments of one
+        """One call of ``lua/settle.lua`` for ``entries`` (each the 10 arguments of one
         delivery); one reply per entry. When the first of ``claimers`` (the consumers the
         deliveries came from) has room once they are settled, the same call claims its next
         messages (:meth:`KumikoConsumer.begin_claim`), as its own fetch would: a steadily

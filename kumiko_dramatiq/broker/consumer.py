@@ -634,6 +634,7 @@ class KumikoConsumer(Consumer):
                 client=self.broker.thread_client(),
                 slot=message.slot,
                 claimer=self,
+                actor=message.actor_name,
             )
             if not owned:
                 logger.warning(

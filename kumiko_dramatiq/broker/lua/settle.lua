@@ -5,7 +5,7 @@
 -- ARGV[3] "<deliveries> <marker TTL ms> <TTL ms of completed and cancelled run records>
 --         <TTL ms of failed ones> <record cap> <trim budget>": trim budget 0, or how many
 --         records beyond the cap to drop now (about every 32nd call, see trim_runs)
--- Then 9 arguments per delivery, from ARGV[4]:
+-- Then 10 arguments per delivery, from ARGV[4]:
 --   +0 redis message id   +1 outcome: "ack" | "completed" | "retry" (a failed attempt's
 --   retry, or a sequential hand-off) | "dead", followed by " <slots key> <owner token>" for a
 --   run holding a capped job's slot (include/caps.lua): the slot is given back, whoever's
@@ -18,7 +18,9 @@
 --   reads as kumiko's, its attempt's record says "dead" with the reason in +4
 --   +4 the run record (JSON)   +5 the dead letter's note (JSON, outcome "dead"; "" = none),
 --   kept as long as dead letters   +6 retry queue (a delay queue if delayed)   +7 retry redis
---   id   +8 the encoded retry (outcome "retry" only; else "")
+--   id   +8 the encoded retry (outcome "retry" only; else "")   +9 the actor name of the
+--   delivered message as the worker decoded it ("" = not known: read off its body; see
+--   forget_bodies in include/counts.lua)
 -- Each delivery as if settled alone, in order: writes its run record (with the deliveries
 -- count when more than one); then, iff the delivery is this worker's: removes its in-flight
 -- entry; "ack" and "completed" forget the message, "retry" forgets it and enqueues its retry
@@ -35,7 +37,7 @@
 -- The writes common to the batch are one command each (ack set, message hash, in-flight
 -- hash, each run index, each stats counter).
 -- After the deliveries, optionally, the claim of the settling consumer's next messages (a
--- steadily draining consumer then sends no fetch of its own): ARGV[4 + 9 * deliveries ..] as
+-- steadily draining consumer then sends no fetch of its own): ARGV[4 + 10 * deliveries ..] as
 -- fetch_lane's ARGV[3..7] (claim head "<N> <messages the consumer holds once these are
 -- settled> <max deliveries> <completed TTL> <failed TTL>", "already completed" marker
 -- prefix, kumiko root, "host:pid", the slots' lease TTL ms on a lane with capped jobs).
@@ -62,7 +64,7 @@ count = tonumber(count)
 ttl_ms(marker_ttl, "completed marker")
 completed_ttl = ttl_ms(completed_ttl, "completed run record")
 failed_ttl = ttl_ms(failed_ttl, "failed run record")
-local FIELDS = 9
+local FIELDS = 10
 local claim_at = 4 + count * FIELDS
 local claiming = ARGV[claim_at] ~= nil
 local released = {}
@@ -99,7 +101,7 @@ for i = 1, count do
     end
 end
 
-local acked, forgotten, out_of_flight, results = {}, {}, {}, {}
+local acked, forgotten, forgotten_actors, out_of_flight, results = {}, {}, {}, {}, {}
 local head_now, dead_count = now, 0
 local indexed_job = nil
 for i, rid in ipairs(rids) do
@@ -171,6 +173,7 @@ for i, rid in ipairs(rids) do
             end
         else
             forgotten[#forgotten + 1] = rid
+            forgotten_actors[#forgotten] = ARGV[base + 9]
         end
     else
         results[i] = 0
@@ -182,10 +185,7 @@ end
 if #acked > 0 then
     redis.call("srem", queue_acks, unpack(acked))
 end
-if #forgotten > 0 then
-    uncount_many(queue_messages, forgotten)
-    redis.call("hdel", queue_messages, unpack(forgotten))
-end
+forget_bodies(queue_messages, forgotten, forgotten_actors)
 flush_runs()
 if tonumber(trim) > 0 then
     local header = ARGV[4 + 3]

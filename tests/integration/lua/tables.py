@@ -457,12 +457,14 @@ class Env:
         marker_ttl: int = TTL,
         worker: str = "w1",
         now: int = NOW,
+        actor: str = "",
     ) -> Any:
         """settle (of r1, message m1) as the broker calls it, a batch of one: ARGV[3] the
         batch head ("1 <marker TTL> <completed TTL> <failed TTL> <cap> <trim>", the TTLs, cap
         and trim from ``run_header``, :func:`header`'s old single-settle layout), then the
-        delivery's 9 arguments: redis id, outcome, marker key, record header (root ..
-        origin, order score "" = now), record, dead note, retry (queue, redis id, body)."""
+        delivery's 10 arguments: redis id, outcome, marker key, record header (root ..
+        origin, order score "" = now), record, dead note, retry (queue, redis id, body), the
+        message's actor name ("" = not known)."""
         completed_ttl, failed_ttl, cap, trim = COMPLETED_TTL, FAILED_TTL, CAP, 0
         record_header = ""
         if run_header:
@@ -483,6 +485,7 @@ class Env:
             args += [self.key(retry[0]), retry[1], retry[2]]
         else:
             args += ["", "", ""]
+        args.append(actor)
         return self.lua.settle(keys=[NAMESPACE, self.key(INFLIGHT), self.key(SUSPECTS)], args=args)[
             0
         ]

@@ -262,8 +262,14 @@ def test_settle(
         pytest.param({"r1": "a", "r2": "a"}, None, "", {"q:a": 2, "q:b": 1}, id="not-kept-yet"),
     ],
 )
+@pytest.mark.parametrize("actors_known", [False, True], ids=["read-off-the-body", "given"])
 def test_settle_uncounts_the_bodies_it_deletes(
-    env: Env, bodies: dict[str, str], mode: str | None, counted_in: str, after: dict[str, int]
+    env: Env,
+    bodies: dict[str, str],
+    mode: str | None,
+    counted_in: str,
+    after: dict[str, int],
+    actors_known: bool,
 ) -> None:
     # Given r1 and r2 claimed by w1, r1's body maybe gone meanwhile (a purge while it ran),
     # the counts ready, being backfilled (r1 counted by the backfill or written since it
@@ -281,10 +287,12 @@ def test_settle_uncounts_the_bodies_it_deletes(
         given[f"{COUNTS}:{counted_in}"] = {"qr1"}
     env.seed(given)
 
-    # When both are acked in one settle call
+    # When both are acked in one settle call, with the actor names the worker decoded (as
+    # it had them before a body went: "a" for one gone) or without
     args: list[str | int] = [*env.head(), f"2 {TTL} {COMPLETED_TTL} {FAILED_TTL} 100 0"]
     for rid in ("r1", "r2"):
-        args += [rid, "ack", "", "", "", "", "", "", ""]
+        actor = bodies.get(rid, "a") if actors_known else ""
+        args += [rid, "ack", "", "", "", "", "", "", "", actor]
     replies = env.lua.settle(keys=[NAMESPACE, env.key(INFLIGHT), env.key(SUSPECTS)], args=args)
 
     # Then the bodies are gone, each counted down iff it was there and counted

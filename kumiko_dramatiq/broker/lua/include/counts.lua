@@ -86,6 +86,28 @@ local function uncount(messages, rid)
     count_body(messages, rid, redis.call("hget", messages, rid), -1)
 end
 
+-- note_uncount(deltas, counts, kind, mode, rid, actor): add rid's -1 to deltas (field ->
+-- change, and its list of fields in order) unless a backfill is running that has not counted
+-- it (mode "b": see the head of this file)
+local function note_uncount(deltas, counts, kind, mode, rid, actor)
+    if mode == "b" and redis.call("srem", counts .. ":fresh", kind .. rid) == 0
+        and redis.call("srem", counts .. ":seen", kind .. rid) == 0 then
+        return
+    end
+    local field = kind .. ":" .. actor
+    if not deltas[field] then
+        deltas[field] = 0
+        deltas[#deltas + 1] = field
+    end
+    deltas[field] = deltas[field] - 1
+end
+
+local function write_deltas(counts, deltas)
+    for _, field in ipairs(deltas) do
+        redis.call("hincrby", counts, field, string.format("%d", deltas[field]))
+    end
+end
+
 -- uncount_many(messages, rids): the bodies of rids (distinct) are about to be deleted from
 -- `messages`: as uncount for each, with one read of the bodies and one HINCRBY per actor
 local function uncount_many(messages, rids)
@@ -101,21 +123,46 @@ local function uncount_many(messages, rids)
         return
     end
     local bodies = redis.call("hmget", messages, unpack(rids))
-    local deltas, fields = {}, {}
+    local deltas = {}
     for i, rid in ipairs(rids) do
         local actor = bodies[i] and actor_of(bodies[i])
-        if actor and (mode ~= "b" or redis.call("srem", counts .. ":fresh", kind .. rid) == 1
-            or redis.call("srem", counts .. ":seen", kind .. rid) == 1) then
-            local field = kind .. ":" .. actor
-            if not deltas[field] then
-                deltas[field] = 0
-                fields[#fields + 1] = field
-            end
-            deltas[field] = deltas[field] - 1
+        if actor then
+            note_uncount(deltas, counts, kind, mode, rid, actor)
         end
     end
-    for _, field in ipairs(fields) do
-        redis.call("hincrby", counts, field, string.format("%d", deltas[field]))
+    write_deltas(counts, deltas)
+end
+
+-- forget_bodies(messages, rids, actors): delete the bodies of rids (distinct) from
+-- `messages`, uncounting each one that was there. actors[i] is rid's actor name as the
+-- caller decoded it from that body, or "" if not known: a known one's body is not read (an
+-- HDEL of its own says whether it was there; it may not be, a cancel or a purge deletes the
+-- body of a message out with a worker), an unknown one's is, as uncount_many reads it. A
+-- body is about 12 instructions a byte to bring into Lua: reading it costs more than the
+-- HDELs.
+local function forget_bodies(messages, rids, actors)
+    if #rids == 0 then
+        return
+    end
+    local counts, kind = counts_of(messages)
+    local mode = counts and counts_mode(counts)
+    if not mode then
+        redis.call("hdel", messages, unpack(rids))
+        return
+    end
+    local unknown, deltas = {}, {}
+    for i, rid in ipairs(rids) do
+        local actor = actors[i]
+        if actor == "" then
+            unknown[#unknown + 1] = rid
+        elseif redis.call("hdel", messages, rid) == 1 then
+            note_uncount(deltas, counts, kind, mode, rid, actor)
+        end
+    end
+    write_deltas(counts, deltas)
+    if #unknown > 0 then
+        uncount_many(messages, unknown)
+        redis.call("hdel", messages, unpack(unknown))
     end
 end
 

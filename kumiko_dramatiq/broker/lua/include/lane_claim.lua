@@ -119,7 +119,10 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
             else
                 acks[#acks + 1] = c[1]
                 entries[#entries + 1] = c[1]
-                entries[#entries + 1] = (c[2] + 1) .. "|" .. now .. "|" .. run_worker
+                -- text, not numbers: Lua formats a number with sprintf, about 3,000
+                -- instructions each (head_now is the dispatch head's text of now)
+                local deliveries = c[2] == 0 and "1" or tostring(c[2] + 1)
+                entries[#entries + 1] = deliveries .. "|" .. head_now .. "|" .. run_worker
                 fetched[#fetched + 1] = c[1]
                 fetched[#fetched + 1] = c[3]
             end
