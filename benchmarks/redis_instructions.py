@@ -178,14 +178,20 @@ class Kumiko:
         client.hset(f"dramatiq:{QUEUE}:counts", "~mode", "r")
         self.message_ids: dict[str, str] = {}
         self.actor = "local FIELDS = 10" in (lua_dir / "settle.lua").read_text()
+        # the count's names, as the broker passes them (not in an export before it did)
+        counted = "KEYS[4]" in (lua_dir / "guarded_enqueue.lua").read_text()
+        self.counts_key = [f"dramatiq:{QUEUE}:counts"] if counted else []
+        self.counts_field = [f"q:{JOB}"] if counted else []
 
     def enqueue(self, n: int, offset: int) -> None:
         for i, (rid, mid) in enumerate(zip(ids(n, offset), ids(n, 10**9 + offset), strict=True)):
             self.message_ids[rid] = mid
             self.run["guarded_enqueue"](
-                3,
+                3 + len(self.counts_key),
                 *(f"dramatiq:{QUEUE}.msgs", f"dramatiq:{QUEUE}", f"{ROOT}sent:{rid}"),
+                *self.counts_key,
                 *(rid, KUMIKO_BODY % (i, rid, mid), 60000, "1"),
+                *self.counts_field,
             )
 
     def drain(self, n: int) -> None:

@@ -222,6 +222,8 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         self.worker_threads = 0
         self._processing_s = 0.0
         self.lua = LuaScripts.register(client)
+        #: queue name -> (its counts hash, the kind of its fields): see :meth:`_counts_of`
+        self._counts_keys: dict[str, tuple[str, str]] = {}
         #: kumiko's chain (``id()`` of the middleware built with); later ones are guests
         self._chain = frozenset(id(each) for each in self.middleware)
         self._hooks: HookTable | None = None
@@ -678,11 +680,18 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         prepared = self.prepare(message, delay)
         rid = prepared.options["redis_message_id"]
         self.emit_before("enqueue", prepared, delay)
+        counts, kind = self._counts_of(prepared.queue_name)
         self._call(
             self.lua.guarded_enqueue,
             self.thread_client(),
-            keys=[*self._queue_keys(prepared), keys.sent(self.queue_prefix, rid)],
-            args=[rid, self.encode(prepared, delay), self.resend_window_ms, "1"],
+            keys=[*self._queue_keys(prepared), keys.sent(self.queue_prefix, rid), counts],
+            args=[
+                rid,
+                self.encode(prepared, delay),
+                self.resend_window_ms,
+                "1",
+                f"{kind}:{prepared.actor_name}",
+            ],
         )
         self.emit_after("enqueue", prepared, delay)
         return prepared
@@ -853,6 +862,18 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             guard_value="1",
             delay=delay,
         )
+
+    def _counts_of(self, queue_name: str) -> tuple[str, str]:
+        """The per-job counts hash of the queue a message is written to (its delay queue's
+        goes to its queue's) and the kind of its field there: "d" on a delay queue, else
+        "q" (``lua/include/counts.lua``)."""
+        found = self._counts_keys.get(queue_name)
+        if found is None:
+            queue = q_name(queue_name)
+            kind = "d" if queue_name == dq_name(queue) else "q"
+            found = (keys.queue_counts(queue, self.namespace), kind)
+            self._counts_keys[queue_name] = found
+        return found
 
     def _queue_keys(self, message: Message[Any]) -> tuple[str, str]:
         return (

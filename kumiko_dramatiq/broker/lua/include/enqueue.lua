@@ -16,12 +16,12 @@
 --   "enqueue" command, Dramatiq's own, uses it).
 -- @include bell
 -- @include counts
-local function schedule_message(messages, list, rid, delay_ms, body)
+local function schedule_message(messages, list, rid, delay_ms, body, counted)
     local time = redis.call("time")
     local due = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000) + delay_ms
     local schedule = list .. ":schedule"
     redis.call("hset", messages, rid, body)
-    count_body(messages, rid, body, 1)
+    count_body(messages, rid, body, 1, counted)
     redis.call("zadd", schedule, due, rid)
     if redis.call("zrange", schedule, 0, 0)[1] == rid then
         ring(list)
@@ -35,22 +35,22 @@ end
 -- (fetch_lane), and an idle consumer's wait is the backstop.
 local RING_UNTIL = 16
 
-local function write_message(messages, list, rid, body)
+local function write_message(messages, list, rid, body, counted)
     redis.call("hset", messages, rid, body)
-    count_body(messages, rid, body, 1)
+    count_body(messages, rid, body, 1, counted)
     if redis.call("rpush", list, rid) <= RING_UNTIL then
         ring(list)
     end
 end
 
-local function enqueue_message(messages, list, rid, body)
+local function enqueue_message(messages, list, rid, body, counted)
     if string.sub(list, -3) == ".DQ" then
         local delay_ms = string.match(string.sub(body, 1, 24), "^(%d+) ")
         if delay_ms then
             schedule_message(messages, list, rid, tonumber(delay_ms),
-                string.sub(body, #delay_ms + 2))
+                string.sub(body, #delay_ms + 2), counted)
             return
         end
     end
-    write_message(messages, list, rid, body)
+    write_message(messages, list, rid, body, counted)
 end
