@@ -19,8 +19,13 @@
 
 -- caps_module(): a table of the functions below. A script defines its functions anew on every
 -- call, so only a fetch of a lane with capped jobs makes them: any other fetch pays for this
--- one function alone.
+-- one function alone. They use nothing of a call but their arguments, so once made they are
+-- kept: in the hot path's function library (lua/__init__.py) for as long as it is loaded.
+local caps_made = nil
 local function caps_module()
+    if caps_made then
+        return caps_made
+    end
     local function caps_clock_ms()
         local now_time = redis.call("time")
         return tonumber(now_time[1]) * 1000 + math.floor(tonumber(now_time[2]) / 1000)
@@ -172,7 +177,7 @@ local function caps_module()
         return nil
     end
 
-    return {
+    caps_made = {
         caps_clock_ms = caps_clock_ms,
         caps_int = caps_int,
         caps_of = caps_of,
@@ -186,4 +191,5 @@ local function caps_module()
         caps_park = caps_park,
         caps_blocked = caps_blocked,
     }
+    return caps_made
 end
