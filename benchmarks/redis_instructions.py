@@ -9,7 +9,9 @@ calls run, and the instructions the server executed (user space: request parsing
 scripts, the commands, the replies; not the kernel's socket work) are divided by the jobs.
 Repeatable to 1-2% whatever the load.
 
-The calls are the ones each broker makes per job, replayed from one client:
+The calls are the ones each broker makes per job, replayed from one client (kumiko's three
+hot scripts as the broker runs them: ``FCALL`` of the function library; an export from before
+the library, by ``EVALSHA``):
 
 - enqueue: kumiko's ``guarded_enqueue`` (the message behind its "sent" marker, its per-job
   count, the doorbell) vs Dramatiq's ``enqueue`` (``dispatch.lua``), a typical no-op job's body
