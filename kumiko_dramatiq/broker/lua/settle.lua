@@ -4,7 +4,7 @@
 -- ARGV[1..2] dispatch head (see include/dispatch.lua)
 -- ARGV[3] "<deliveries> <marker TTL ms> <TTL ms of completed and cancelled run records>
 --         <TTL ms of failed ones> <record cap> <trim budget>": trim budget 0, or how many
---         records beyond the cap to drop now (about every 32nd call, see trim_runs)
+--         records beyond the cap to drop now (about once per 32 records written, see trim_runs)
 -- Then 10 arguments per delivery, from ARGV[4]:
 --   +0 redis message id   +1 outcome: "ack" | "completed" | "retry" (a failed attempt's
 --   retry, or a sequential hand-off) | "dead", followed by " <slots key> <owner token>" for a
