@@ -374,35 +374,24 @@ def test_an_enqueue_resent_after_a_dropped_connection_stores_the_message_once(
     assert queued(redis_client, prefix) == 0
 
 
-def test_a_dispatch_after_the_server_lost_its_scripts_loads_them_again() -> None:
-    # SCRIPT FLUSH empties the script cache of the whole server: on a private one
+@pytest.mark.parametrize("flush", ["script_flush", "function_flush"])
+def test_a_dispatch_and_a_run_after_the_server_lost_its_scripts_load_them_again(
+    flush: str,
+) -> None:
+    # SCRIPT FLUSH empties the script cache of the whole server, FUNCTION FLUSH its functions
+    # (the hot path: enqueue, lane fetch, settle), as a restart without persistence does: on
+    # a private one
     with private_redis_server() as url:
         client = redis.Redis.from_url(url)
+        lose = getattr(client, flush)
         runner = JobRunner(billing_registry(), redis_url=url, queue_prefix="flushed")
         try:
             first = runner.dispatch("billing:job:send", {"n": 1})
-            client.script_flush()
+            lose()
             second = runner.dispatch("billing:job:send", {"n": 2})
             assert first != second
             assert queued(client, "flushed") == 2
-        finally:
-            runner.broker.close()
-            client.close()
-
-
-def test_a_dispatch_and_a_run_after_the_server_lost_its_functions_load_them_again() -> None:
-    # the hot path (enqueue, lane fetch, settle) runs as Redis functions: FUNCTION FLUSH (as
-    # a restart without persistence) empties them on the whole server: on a private one
-    with private_redis_server() as url:
-        client = redis.Redis.from_url(url)
-        runner = JobRunner(billing_registry(), redis_url=url, queue_prefix="flushed")
-        try:
-            first = runner.dispatch("billing:job:send", {"n": 1})
-            client.function_flush()
-            second = runner.dispatch("billing:job:send", {"n": 2})
-            assert first != second
-            assert queued(client, "flushed") == 2
-            client.function_flush()
+            lose()
             runner.start()
             runner.drain(timeout_s=30)
             assert queued(client, "flushed") == 0
