@@ -144,7 +144,7 @@ def ids(n: int, offset: int = 0) -> list[str]:
     return [str(uuid.UUID(int=offset + i + 1)) for i in range(n)]
 
 
-def settle_entry(rid: str, message_id: str, actor: bool = True) -> list[str]:
+def settle_entry(rid: str, message_id: str, fields: int = 11) -> list[str]:
     header = "\t".join((ROOT, message_id, "1", JOB, "completed", "", message_id, str(NOW)))
     record = json.dumps(
         {"d": 0, "j": JOB, "m": message_id, "o": message_id, "tr": "manual", "a": 1, "ma": 1}
@@ -152,7 +152,8 @@ def settle_entry(rid: str, message_id: str, actor: bool = True) -> list[str]:
         separators=(",", ":"),
     )
     entry = [rid, "completed", f"{ROOT}done:{message_id}", header, record, "", "", "", ""]
-    return [*entry, JOB] if actor else entry  # the actor: not in an export before it was
+    # the actor, then the dedup key ended: not in exports from before they were
+    return entry + [JOB, ""][: fields - len(entry)]
 
 
 def settle_args(entries: list[list[str]]) -> list[str]:
@@ -179,7 +180,8 @@ class Kumiko:
                 self.run[name] = partial(client.evalsha, client.script_load(source(lua_dir, name)))
         client.hset(f"dramatiq:{QUEUE}:counts", "~mode", "r")
         self.message_ids: dict[str, str] = {}
-        self.actor = "local FIELDS = 10" in (lua_dir / "settle.lua").read_text()
+        found = re.search(r"^local FIELDS = (\d+)$", (lua_dir / "settle.lua").read_text(), re.M)
+        self.fields = int(found.group(1)) if found else 9
         # the count's names, as the broker passes them (not in an export before it did)
         counted = "KEYS[4]" in (lua_dir / "guarded_enqueue.lua").read_text()
         self.counts_key = [f"dramatiq:{QUEUE}:counts"] if counted else []
@@ -208,7 +210,7 @@ class Kumiko:
             rids = [fetched[i].decode() for i in range(0, len(fetched), 2)]
             if not rids:
                 raise RuntimeError("the queue ran dry")
-            entries = [settle_entry(rid, self.message_ids[rid], self.actor) for rid in rids]
+            entries = [settle_entry(rid, self.message_ids[rid], self.fields) for rid in rids]
             self.settle(entries)
             done += len(rids)
 
@@ -227,7 +229,7 @@ class Kumiko:
             pipe.hincrby(f"dramatiq:{QUEUE}:counts", f"q:{JOB}", 1)
             pipe.sadd(f"dramatiq:__acks__.{WORKER}.{QUEUE}", rid)
             pipe.hset(f"{ROOT}inflight", rid, f"1|{NOW}|host:1")
-            entries.append(settle_entry(rid, mid, self.actor))
+            entries.append(settle_entry(rid, mid, self.fields))
         pipe.execute()
         return [entries[i : i + self.batch] for i in range(0, n, self.batch)]
 

@@ -92,7 +92,14 @@ from redis.retry import Retry
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.connection import connection_pool
 from kumiko_dramatiq.broker.consumer import KumikoConsumer
-from kumiko_dramatiq.broker.delivery import Delivery, LaneFetch, MessagePolicy, Outcome, RunWrite
+from kumiko_dramatiq.broker.delivery import (
+    SETTLED_MINE,
+    Delivery,
+    LaneFetch,
+    MessagePolicy,
+    Outcome,
+    RunWrite,
+)
 from kumiko_dramatiq.broker.keys import queue_list, queue_messages
 from kumiko_dramatiq.broker.lua import LuaFunction, LuaScripts
 from kumiko_dramatiq.broker.replies import as_list, text
@@ -463,14 +470,18 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         slot: tuple[str, str] | None = None,
         claimer: KumikoConsumer | None = None,
         actor: str = "",
-    ) -> bool:
+        dedup: tuple[str, str, str] | None = None,
+    ) -> int:
         """The outcome of one delivery from a lane queue (``lua/settle.lua``), sent together
         with the settles of the other deliveries of ``queue_name`` that end at about the same
         time (:class:`~kumiko_dramatiq.broker.settling.SettleBatcher`), on ``client``, the
         calling thread's :meth:`thread_client`, or the broker's pool; returns when it is
-        written. ``False`` if the delivery was no longer this worker's and its recovered copy
-        was taken by another worker already (then nothing but its in-flight entry, marker and
-        run record was written). ``slot``: the (slots key, owner token) of the capped job's
+        written, with its reply: :data:`SETTLED_MINE` set unless the delivery was no longer
+        this worker's and its recovered copy was taken by another worker already (then nothing
+        but its in-flight entry, marker and run record was written), :data:`DEDUP_FOLLOW_UP`
+        set if ``dedup`` (index, message id, key: the job ended for good under that dedup key)
+        found the key's record holding a follow-up to enqueue (else the record was freed, if
+        it still pointed at the message). ``slot``: the (slots key, owner token) of the capped job's
         slot the delivery holds, given back in the same call (also when it is not this
         worker's any more: the token is this delivery's own); such a settle is sent without
         waiting to gather others. ``claimer``: the consumer the delivery came from, whose next
@@ -510,12 +521,13 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         else:
             entry += ["", "", ""]
         entry.append(actor)
+        entry.append("" if dedup is None else "\t".join(dedup))
         done = self.settler.settle(
             queue_name, entry, client, claimer=claimer, urgent=slot is not None
         )
-        if done == 1 and retry is not None:
+        if done & SETTLED_MINE and retry is not None:
             self.emit_after("enqueue", *retry)
-        return bool(done == 1)
+        return done
 
     def settle_batch(
         self,
@@ -524,7 +536,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         client: redis.Redis | None,
         claimers: Sequence[object | None] = (),
     ) -> list[int]:
-        """One call of ``lua/settle.lua`` for ``entries`` (each the 10 arguments of one
+        """One call of ``lua/settle.lua`` for ``entries`` (each the 11 arguments of one
         delivery); one reply per entry. When the first of ``claimers`` (the consumers the
         deliveries came from) has room once they are settled, the same call claims its next
         messages (:meth:`KumikoConsumer.begin_claim`), as its own fetch would: a steadily

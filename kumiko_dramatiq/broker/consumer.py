@@ -16,7 +16,14 @@ from dramatiq.common import current_millis
 from dramatiq.errors import ConnectionClosed
 from dramatiq.message import Message
 
-from kumiko_dramatiq.broker.delivery import Delivery, LaneFetch, Outcome, RunWrite
+from kumiko_dramatiq.broker.delivery import (
+    DEDUP_FOLLOW_UP,
+    SETTLED_MINE,
+    Delivery,
+    LaneFetch,
+    Outcome,
+    RunWrite,
+)
 from kumiko_dramatiq.broker.keys import consumer_acks, is_delay_queue, queue_bell
 from kumiko_dramatiq.broker.outage import Outage
 from kumiko_dramatiq.broker.replies import text
@@ -624,7 +631,7 @@ class KumikoConsumer(Consumer):
                 outcome = "retry"
             elif settlement.completed:
                 outcome = "completed"
-            owned = self.broker.settle(
+            reply = self.broker.settle(
                 self.queue_name,
                 rid,
                 outcome,
@@ -635,8 +642,10 @@ class KumikoConsumer(Consumer):
                 slot=message.slot,
                 claimer=self,
                 actor=message.actor_name,
+                dedup=settlement.dedup,
             )
-            if not owned:
+            settlement.dedup_follow_up = bool(reply & DEDUP_FOLLOW_UP)
+            if not reply & SETTLED_MINE:
                 logger.warning(
                     "message %s was recovered by another worker before its ack; "
                     "its outcome is left to that delivery",
@@ -658,15 +667,19 @@ class KumikoConsumer(Consumer):
         try:
             if self._lane:
                 delivery = message if isinstance(message, Delivery) else None
-                self.broker.settle(
+                settlement = None if delivery is None else delivery.settlement
+                reply = self.broker.settle(
                     self.queue_name,
                     rid,
                     "dead",
                     message_id=str(message.message_id),
-                    run=None if delivery is None else delivery.settlement.run,
+                    run=None if settlement is None else settlement.run,
                     slot=None if delivery is None else delivery.slot,
                     claimer=self,
+                    dedup=None if settlement is None else settlement.dedup,
                 )
+                if settlement is not None:
+                    settlement.dedup_follow_up = bool(reply & DEDUP_FOLLOW_UP)
             else:
                 self.broker.do_nack(self.queue_name, rid)
         except redis.RedisError as exc:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
 from dramatiq.broker import MessageProxy
 from dramatiq.message import Message
@@ -38,6 +38,11 @@ class Settlement:
     ``requeue``: the run was cut short (fenced: its lease could not be renewed), so instead of
     an ack the message goes back to its queue as if never delivered (``lua/requeue.lua``),
     like a run cut short by a crash; nothing else is written.
+    ``dedup``: the job ended for good holding a dedup key, (the job's index of live keys, the
+    message id, the key): the ack frees the key's record if it still points at this message
+    (``lua/settle.lua``), or, if a trigger during the run left a follow-up in it, sets
+    ``dedup_follow_up`` for the worker to enqueue that follow-up after the ack
+    (:class:`~kumiko_dramatiq.middleware.dedup.Dedup`).
     """
 
     retry: tuple[Message[Any], int | None] | None = None
@@ -45,6 +50,8 @@ class Settlement:
     completed: bool = False
     run: RunWrite | None = None
     requeue: bool = False
+    dedup: tuple[str, str, str] | None = None
+    dedup_follow_up: bool = False
 
 
 class Delivery(MessageProxy):
@@ -88,6 +95,11 @@ class Delivery(MessageProxy):
         self.slot: tuple[str, str] | None = None
         self.slot_sent_at = 0.0
 
+
+#: The bits of a delivery's settle reply (``KumikoBroker.settle``): the delivery was (or
+#: became again) this worker's; its dedup key's record holds a follow-up to enqueue.
+SETTLED_MINE: Final = 1
+DEDUP_FOLLOW_UP: Final = 2
 
 #: What ``settle`` does with a delivery: forget it ("ack"), forget it and mark its id
 #: completed, forget it and enqueue its retry, or dead-letter it.

@@ -45,6 +45,7 @@ from dramatiq.message import Message
 from dramatiq.middleware import Middleware
 
 from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.broker.delivery import Delivery
 from kumiko_dramatiq.broker.replies import as_list
 from kumiko_dramatiq.codec import DEDUP_KEY
 from kumiko_dramatiq.context import Trigger
@@ -272,7 +273,8 @@ class Dedup(Middleware):
     Place: after ``Sequential`` and before ``Hooks``, so ``before_process_message``
     sees whether the run handed off, and the record is marked running before
     ``on_job_start``; after-hooks run in reverse, so the key is released after
-    ``on_job_complete``/``on_job_failed`` and before ``Retries`` enqueues a retry.
+    ``on_job_complete``/``on_job_failed`` and before ``Retries`` enqueues a retry (a key
+    freed by the ack is freed after every after-hook).
 
     Transitions (each one Lua call that first checks the record still points at
     this message id, and refreshes its TTL, :func:`record_ttl_ms`, in ms):
@@ -281,7 +283,13 @@ class Dedup(Middleware):
     - ``after_process_message``: success or a failure on the final attempt ends
       the job: delete the record, or, if a trigger arrived during the run, enqueue
       the follow-up through ``KumikoBroker.enqueue_step`` (one more Lua call that
-      writes the message and makes it the live job) ; a failure that will be
+      writes the message and makes it the live job). For a delivery of a lane queue
+      (every kumiko job's) the delete is written by the delivery's ack, the settle call
+      that happens anyway (``Settlement.dedup``, ``lua/settle.lua``: no round trip of its
+      own, and atomic with the ack, so a ``kill -9`` between the two cannot free the key of
+      a message that then runs again); only a record holding a follow-up comes back
+      (``Settlement.dedup_follow_up``), and ``after_ack`` / ``after_nack`` enqueue it as
+      above. A failure that will be
       retried sets ``queued`` (the retry keeps the id); a sequential hand-off
       points the record at the requeued message, ``queued``; a run fenced because its lease
       could not be renewed leaves the record as it is (the message runs again on its id,
@@ -350,7 +358,35 @@ class Dedup(Middleware):
             failed=exception is not None,
             final_attempt=execution.meta.final_attempt,
         )
+        if (
+            outcome == "end"
+            and isinstance(message, Delivery)
+            and self.runtime.broker.is_lane(message.fetched_from)
+        ):
+            # a lane delivery's ack is a settle call: it frees the key (lua/settle.lua), no
+            # round trip of its own; a follow-up left in the record is enqueued after it
+            job, dedup_key = keyed
+            message.settlement.dedup = (self._index(job), execution.message_id, dedup_key)
+            return
         self._transition(*keyed, execution.message_id, outcome, execution)
+
+    def after_ack(self, broker: Broker, message: MessageProxy) -> None:
+        self._follow_up(message)
+
+    def after_nack(self, broker: Broker, message: MessageProxy) -> None:
+        self._follow_up(message)
+
+    def _follow_up(self, message: MessageProxy) -> None:
+        """The ack found the ended job's key holding a follow-up: hand the key to it."""
+        if not isinstance(message, Delivery) or not message.settlement.dedup_follow_up:
+            return
+        message.settlement.dedup_follow_up = False
+        execution = execution_of(message)
+        if execution is None:
+            return
+        keyed = self._keyed(execution.job, execution.is_wrapper, execution.options.dedup_key)
+        if keyed is not None:
+            self._transition(*keyed, execution.message_id, "end", execution)
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         execution = execution_of(message)

@@ -26,6 +26,7 @@ from kumiko_dramatiq import (
 )
 from kumiko_dramatiq.broker import keys as kumiko_keys
 from kumiko_dramatiq.broker.keys import queue_messages
+from kumiko_dramatiq.middleware.dedup import Dedup
 from tests.apps import dedup_app
 from tests.conftest import Recorder, RunnerFactory, wait_for
 
@@ -157,6 +158,42 @@ def test_the_key_fires_again_after_a_final_failure(
     assert second != first
     assert [e.message_id for e in recorder.of("failed")] == [first, second]
     assert all(e.meta.final_attempt for e in recorder.of("failed"))
+
+
+@pytest.mark.parametrize("handler", [noop, fail], ids=["completed", "final-failure"])
+def test_the_ack_frees_the_key_in_its_own_call(
+    make_runner: RunnerFactory,
+    recorder: Recorder,
+    redis_client: redis.Redis,
+    prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    handler: Callable[..., Any],
+) -> None:
+    # Given a worker whose separate "free the key" script would fail if it were called
+    runner = make_runner(registry_of(handler, retries=0), **recorder.hooks())
+
+    def refused(*_: Any) -> None:
+        raise AssertionError("Dedup._finish called: the ack should have freed the key")
+
+    monkeypatch.setattr(Dedup, "_finish", refused)
+    runner.start()
+
+    # When keyed jobs end for good with no trigger during their runs
+    ids = [runner.dispatch(JOB, {"n": n}, dedup_key=f"k{n}") for n in range(3)]
+    recorder.wait_until(
+        lambda r: len(r.of("complete")) + len(r.of("failed")) == 3, what="the three runs"
+    )
+
+    # Then each key is freed by the delivery's ack (lua/settle.lua), index entry and all
+    wait_for(
+        lambda: all(key_is_free(redis_client, prefix, f"k{n}") for n in range(3)),
+        what="the keys freed",
+    )
+    wait_for(
+        lambda: redis_client.zcard(kumiko_keys.dedup_index(prefix, JOB)) == 0,
+        what="the index emptied",
+    )
+    assert runner.dispatch(JOB, {"n": 9}, dedup_key="k0") not in ids
 
 
 def test_a_dispatch_during_a_retry_backoff_returns_the_same_id(

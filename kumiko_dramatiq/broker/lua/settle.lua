@@ -5,7 +5,7 @@
 -- ARGV[3] "<deliveries> <marker TTL ms> <TTL ms of completed and cancelled run records>
 --         <TTL ms of failed ones> <record cap> <trim budget>": trim budget 0, or how many
 --         records beyond the cap to drop now (about once per 32 records written, see trim_runs)
--- Then 10 arguments per delivery, from ARGV[4]:
+-- Then 11 arguments per delivery, from ARGV[4]:
 --   +0 redis message id   +1 outcome: "ack" | "completed" | "retry" (a failed attempt's
 --   retry, or a sequential hand-off) | "dead", followed by " <slots key> <owner token>" for a
 --   run holding a capped job's slot (include/caps.lua): the slot is given back, whoever's
@@ -20,7 +20,14 @@
 --   kept as long as dead letters   +6 retry queue (a delay queue if delayed)   +7 retry redis
 --   id   +8 the encoded retry (outcome "retry" only; else "")   +9 the actor name of the
 --   delivered message as the worker decoded it ("" = not known: read off its body; see
---   forget_bodies in include/counts.lua)
+--   forget_bodies in include/counts.lua)   +10 the dedup key the delivery's job ended with
+--   for good (include/dedup_index.lua), "<index key>\t<message id>\t<dedup key>", or "":
+--   iff the key's record still points at that message id, it is freed (deleted, with its
+--   index entry) unless a trigger during the run left a follow-up in it (fid): that record
+--   is left as it is and the delivery's reply has 2 added, for the worker to hand the key
+--   to its follow-up (lua/dedup_finish.lua, lua/dedup_handover.lua). Whoever's delivery it
+--   is now: the job ended for good either way, and the owner check makes a second settle a
+--   no-op.
 -- Each delivery as if settled alone, in order: writes its run record (with the deliveries
 -- count when more than one); then, iff the delivery is this worker's: removes its in-flight
 -- entry; "ack" and "completed" forget the message, "retry" forgets it and enqueues its retry
@@ -37,7 +44,7 @@
 -- The writes common to the batch are one command each (ack set, message hash, in-flight
 -- hash, each run index, each stats counter).
 -- After the deliveries, optionally, the claim of the settling consumer's next messages (a
--- steadily draining consumer then sends no fetch of its own): ARGV[4 + 10 * deliveries ..] as
+-- steadily draining consumer then sends no fetch of its own): ARGV[4 + 11 * deliveries ..] as
 -- fetch_lane's ARGV[3..7] (claim head "<N> <messages the consumer holds once these are
 -- settled> <max deliveries> <completed TTL> <failed TTL>", "already completed" marker
 -- prefix, kumiko root, "host:pid", the slots' lease TTL ms on a lane with capped jobs).
@@ -46,8 +53,9 @@
 -- whose job has waiters is offered to this claim first (the doorbell rings for them only if
 -- the claim could not take them), so a freed slot's oldest waiter goes to the consumer that
 -- has just freed a worker thread: the fastest hand-over there is (no doorbell, no fetch).
--- Returns one 1 or 0 per delivery: 1 if it was (or became again) this worker's; with a
--- claim, {those, fetch_lane's reply}.
+-- Returns one number per delivery: 1 if it was (or became again) this worker's, else 0, plus
+-- 2 if its dedup key's record holds a follow-up (+10); with a claim, {those, fetch_lane's
+-- reply}.
 -- @include lane_claim
 -- @include dispatch
 -- @include enqueue
@@ -64,7 +72,7 @@ count = tonumber(count)
 ttl_ms(marker_ttl, "completed marker")
 completed_ttl = ttl_ms(completed_ttl, "completed run record")
 failed_ttl = ttl_ms(failed_ttl, "failed run record")
-local FIELDS = 10
+local FIELDS = 11
 local claim_at = 4 + count * FIELDS
 local claiming = ARGV[claim_at] ~= nil
 local released = {}
@@ -90,6 +98,24 @@ for i, rid in ipairs(rids) do
             elseif redis.call("lpos", KEYS[3], rid) then
                 recovered[i] = KEYS[3]
             end
+        end
+    end
+end
+-- the dedup records of jobs that ended for good: read here too (a record that is not a hash
+-- fails the call before it writes anything)
+local dedup_ends = {}
+for i = 1, count do
+    local field = ARGV[4 + (i - 1) * FIELDS + 10]
+    if field ~= "" then
+        local index, mid, key = string.match(field, "^([^\t]*)\t([^\t]*)\t(.*)$")
+        local head, job = string.match(index or "", "^(.-)dedupidx:(.*)$")
+        if not head then
+            error("kumiko: malformed dedup end " .. field)
+        end
+        local record = head .. "dedup:" .. job .. ":" .. key
+        local live = redis.call("hmget", record, "id", "fid")
+        if live[1] == mid then
+            dedup_ends[i] = {record, index, key, live[2]}
         end
     end
 end
@@ -177,6 +203,15 @@ for i, rid in ipairs(rids) do
         end
     else
         results[i] = 0
+    end
+end
+for i = 1, count do
+    local ended = dedup_ends[i]
+    if ended and ended[4] then
+        results[i] = results[i] + 2 -- a follow-up waits: the worker hands the key to it
+    elseif ended then
+        redis.call("del", ended[1])
+        redis.call("zrem", ended[2], ended[3])
     end
 end
 if #out_of_flight > 0 then

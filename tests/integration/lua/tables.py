@@ -371,11 +371,13 @@ def header_of(run: J, *, cap: int = CAP, trim: int = 0) -> str:
 
 
 def text(value: Any) -> Any:
-    """A script reply with bytes decoded (lists recursively)."""
+    """A script reply (or a hash read) with bytes decoded (lists and dicts recursively)."""
     if isinstance(value, bytes):
         return value.decode()
     if isinstance(value, list):
         return [text(item) for item in value]
+    if isinstance(value, dict):
+        return {text(key): text(item) for key, item in value.items()}
     return value
 
 
@@ -458,13 +460,15 @@ class Env:
         worker: str = "w1",
         now: int = NOW,
         actor: str = "",
+        dedup: str = "",
     ) -> Any:
         """settle (of r1, message m1) as the broker calls it, a batch of one: ARGV[3] the
         batch head ("1 <marker TTL> <completed TTL> <failed TTL> <cap> <trim>", the TTLs, cap
         and trim from ``run_header``, :func:`header`'s old single-settle layout), then the
-        delivery's 10 arguments: redis id, outcome, marker key, record header (root ..
+        delivery's 11 arguments: redis id, outcome, marker key, record header (root ..
         origin, order score "" = now), record, dead note, retry (queue, redis id, body), the
-        message's actor name ("" = not known)."""
+        message's actor name ("" = not known), the dedup key it ended ("<index>\t<message
+        id>\t<key>", keys unprefixed, or "")."""
         completed_ttl, failed_ttl, cap, trim = COMPLETED_TTL, FAILED_TTL, CAP, 0
         record_header = ""
         if run_header:
@@ -485,7 +489,7 @@ class Env:
             args += [self.key(retry[0]), retry[1], retry[2]]
         else:
             args += ["", "", ""]
-        args.append(actor)
+        args += [actor, dedup]
         return self.lua.settle(keys=[NAMESPACE, self.key(INFLIGHT), self.key(SUSPECTS)], args=args)[
             0
         ]

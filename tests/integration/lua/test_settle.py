@@ -16,6 +16,7 @@ from tests.integration.lua.tables import (
     COMPLETED_TTL,
     COUNTS,
     DEAD_TTL,
+    DEDUP_INDEX,
     DONE_M1,
     DQ,
     DQ_ACKS,
@@ -35,6 +36,7 @@ from tests.integration.lua.tables import (
     OTHER_RUN_WORKER,
     PAST_COMPLETED_AGE,
     QUEUE,
+    RECORD,
     RUN_WORKER,
     SECOND_ATTEMPT,
     SUSPECTS,
@@ -61,6 +63,7 @@ from tests.integration.lua.tables import (
     message,
     record,
     run_hash,
+    text,
 )
 
 
@@ -292,7 +295,7 @@ def test_settle_uncounts_the_bodies_it_deletes(
     args: list[str | int] = [*env.head(), f"2 {TTL} {COMPLETED_TTL} {FAILED_TTL} 100 0"]
     for rid in ("r1", "r2"):
         actor = bodies.get(rid, "a") if actors_known else ""
-        args += [rid, "ack", "", "", "", "", "", "", "", actor]
+        args += [rid, "ack", "", "", "", "", "", "", "", actor, ""]
     replies = env.lua.settle(keys=[NAMESPACE, env.key(INFLIGHT), env.key(SUSPECTS)], args=args)
 
     # Then the bodies are gone, each counted down iff it was there and counted
@@ -301,6 +304,47 @@ def test_settle_uncounts_the_bodies_it_deletes(
     found = env.client.hmget(env.key(COUNTS), list(after))
     assert dict(zip(after, (int(value or 0) for value in found), strict=True)) == after
     assert not env.client.exists(env.key(f"{COUNTS}:seen"), env.key(f"{COUNTS}:fresh"))
+
+
+FOLLOW_UP = {"fid": "m7", "fpayload": "{}", "ftrigger": "manual"}
+
+
+# The job of r1 (message m1) ended for good holding dedup key k1: its ack (completed, or dead
+# after a final failure) frees the key's record and index entry iff the record still points at
+# m1 and holds no follow-up; one that holds a follow-up is left as it is for the worker to
+# enqueue (reply + 2); a record that moved on, or is gone, is not touched. Settling again (a
+# reply lost) frees nothing more and reports the follow-up again.
+@pytest.mark.parametrize(
+    ("record_given", "reply", "freed"),
+    [
+        pytest.param({"id": "m1", "state": "running"}, 1, True, id="freed"),
+        pytest.param({"id": "m1", "state": "running", **FOLLOW_UP}, 3, False, id="follow-up"),
+        pytest.param({"id": "m2", "state": "queued"}, 1, False, id="moved-on"),
+        pytest.param(None, 1, False, id="gone"),
+    ],
+)
+@pytest.mark.parametrize("outcome", ["completed", "dead"])
+def test_settle_ends_a_dedup_key(
+    env: Env, outcome: str, record_given: dict[str, str] | None, reply: int, freed: bool
+) -> None:
+    given: State = {**SETTLE_OWNED, DEDUP_INDEX: Z({"k1": NOW + TTL, "k2": NOW + TTL})}
+    if record_given is not None:
+        given[RECORD] = record_given
+    env.seed(given)
+    ended = env.key(DEDUP_INDEX) + "\tm1\tk1"
+
+    assert env.settle(outcome, dedup=ended) == reply
+
+    record_after = text(env.client.hgetall(env.key(RECORD)))
+    index_after = env.client.zrange(env.key(DEDUP_INDEX), 0, -1)
+    if freed:
+        assert record_after == {}
+        assert index_after == [b"k2"]
+    else:
+        assert record_after == (record_given or {})
+        assert index_after == [b"k1", b"k2"]
+    assert env.settle(outcome, dedup=ended) == reply - 1  # no longer this worker's
+    assert text(env.client.hgetall(env.key(RECORD))) == record_after
 
 
 def test_settle_retry_sent_twice_enqueues_once(env: Env) -> None:
