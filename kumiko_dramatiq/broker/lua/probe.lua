@@ -27,7 +27,7 @@ local specs = {
     select = {"0"}, set = {K, "v", "PX", "60000"}, sismember = {K, "m"}, smembers = {K}, smismember = {K, "m"},
     srem = {K, "m"}, time = {}, zadd = {K, "0", "m"}, zcard = {K}, zcount = {K, "0", "0"},
     zrange = {K, "0", "0"}, zrangebyscore = {K, "0", "0"}, zrem = {K, "m"},
-    zremrangebyscore = {K, "0", "0"}, zrevrange = {K, "0", "0"},
+    zremrangebyrank = {K, "0", "-1"}, zremrangebyscore = {K, "0", "0"}, zrevrange = {K, "0", "0"},
     zrevrangebyscore = {K, "0", "0"}, zscore = {K, "m"},
     hincrby = {K, "f", "0"}, unlink = {K},  -- per-job counts (include/counts.lua)
 }

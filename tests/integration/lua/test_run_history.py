@@ -38,6 +38,7 @@ from tests.integration.lua.tables import (
     merge,
     record,
     run_hash,
+    text,
 )
 
 
@@ -360,3 +361,21 @@ def test_trim_runs(env: Env, given: State, cap: int, budget: int, after: State) 
     assert _run_put(env, NEW, cap=cap, budget=budget) == 1
 
     env.assert_state(after)
+
+
+def test_trim_runs_ages_out_a_bounded_step_per_index(env: Env) -> None:
+    # Given indexes whose 2,100 entries all aged out during a quiet spell (their records gone)
+    aged = Z({f"q{n}:1": PAST_COMPLETED_AGE - n for n in range(2_100)})
+    env.seed({by_status("completed"): aged, by_job("completed"): aged})
+
+    # When a write trims (under a cap it does not reach): 2,000 entries leave each index, the
+    # oldest first (one trim never holds Redis for the whole index)
+    assert _run_put(env, NEW, cap=10_000, budget=32) == 1
+    left = text(env.client.zrange(env.key(by_status("completed")), 0, -1))
+    assert left == [f"q{n}:1" for n in range(99, -1, -1)]
+    assert env.client.zcard(env.key(by_job("completed"))) == 100
+
+    # And the next trim takes the rest
+    assert _run_put(env, NEW, cap=10_000, budget=32) == 1
+    assert env.client.zcard(env.key(by_status("completed"))) == 0
+    assert env.client.zcard(env.key(by_job("completed"))) == 0
