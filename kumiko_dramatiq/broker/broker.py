@@ -476,18 +476,19 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         with the settles of the other deliveries of ``queue_name`` that end at about the same
         time (:class:`~kumiko_dramatiq.broker.settling.SettleBatcher`), on ``client``, the
         calling thread's :meth:`thread_client`, or the broker's pool; returns when it is
-        written, with its reply: :data:`SETTLED_MINE` set unless the delivery was no longer
-        this worker's and its recovered copy was taken by another worker already (then nothing
-        but its in-flight entry, marker and run record was written), :data:`DEDUP_FOLLOW_UP`
-        set if ``dedup`` (index, message id, key: the job ended for good under that dedup key)
-        found the key's record holding a follow-up to enqueue (else the record was freed, if
-        it still pointed at the message). ``slot``: the (slots key, owner token) of the capped job's
-        slot the delivery holds, given back in the same call (also when it is not this
-        worker's any more: the token is this delivery's own); such a settle is sent without
-        waiting to gather others. ``claimer``: the consumer the delivery came from, whose next
-        messages the call may claim too (:meth:`settle_batch`). ``actor``: the message's actor
-        name as decoded at fetch ("" if not known): its per-job count is then kept without
-        reading its body back into the script."""
+        written, with its reply: :data:`SETTLED_MINE` set unless the delivery was no longer this
+        worker's and its recovered copy was taken by another worker already (then nothing but
+        its in-flight entry, marker and run record was written); or :data:`DEDUP_FOLLOW_UP`
+        alone if ``dedup`` (index, message id, key: the job ended for good under that dedup key)
+        found the key's record holding a follow-up: then nothing of the delivery was written,
+        for the caller to hand the key over and settle it again without ``dedup`` (else the
+        record was freed, if it still pointed at the message). ``slot``: the (slots key, owner
+        token) of the capped job's slot the delivery holds, given back in the same call (also
+        when it is not this worker's any more: the token is this delivery's own); such a settle
+        is sent without waiting to gather others. ``claimer``: the consumer the delivery came
+        from, whose next messages the call may claim too (:meth:`settle_batch`). ``actor``: the
+        message's actor name as decoded at fetch ("" if not known): its per-job count is then
+        kept without reading its body back into the script."""
         header, record, note = "", "", ""
         if run is not None:
             header = "\t".join(

@@ -631,20 +631,23 @@ class KumikoConsumer(Consumer):
                 outcome = "retry"
             elif settlement.completed:
                 outcome = "completed"
-            reply = self.broker.settle(
-                self.queue_name,
-                rid,
-                outcome,
-                message_id=str(message.message_id),
-                retry=follow_up,
-                run=settlement.run,
-                client=self.broker.thread_client(),
-                slot=message.slot,
-                claimer=self,
-                actor=message.actor_name,
-                dedup=settlement.dedup,
-            )
-            settlement.dedup_follow_up = bool(reply & DEDUP_FOLLOW_UP)
+            while True:
+                reply = self.broker.settle(
+                    self.queue_name,
+                    rid,
+                    outcome,
+                    message_id=str(message.message_id),
+                    retry=follow_up,
+                    run=settlement.run,
+                    client=self.broker.thread_client(),
+                    slot=message.slot,
+                    claimer=self,
+                    actor=message.actor_name,
+                    dedup=settlement.dedup,
+                )
+                if not reply & DEDUP_FOLLOW_UP:
+                    break
+                settlement.hand_over_dedup()  # nothing of it written yet: then settle again
             if not reply & SETTLED_MINE:
                 logger.warning(
                     "message %s was recovered by another worker before its ack; "
@@ -668,18 +671,20 @@ class KumikoConsumer(Consumer):
             if self._lane:
                 delivery = message if isinstance(message, Delivery) else None
                 settlement = None if delivery is None else delivery.settlement
-                reply = self.broker.settle(
-                    self.queue_name,
-                    rid,
-                    "dead",
-                    message_id=str(message.message_id),
-                    run=None if settlement is None else settlement.run,
-                    slot=None if delivery is None else delivery.slot,
-                    claimer=self,
-                    dedup=None if settlement is None else settlement.dedup,
-                )
-                if settlement is not None:
-                    settlement.dedup_follow_up = bool(reply & DEDUP_FOLLOW_UP)
+                while True:
+                    reply = self.broker.settle(
+                        self.queue_name,
+                        rid,
+                        "dead",
+                        message_id=str(message.message_id),
+                        run=None if settlement is None else settlement.run,
+                        slot=None if delivery is None else delivery.slot,
+                        claimer=self,
+                        dedup=None if settlement is None else settlement.dedup,
+                    )
+                    if settlement is None or not reply & DEDUP_FOLLOW_UP:
+                        break
+                    settlement.hand_over_dedup()  # nothing of it written yet: settle again
             else:
                 self.broker.do_nack(self.queue_name, rid)
         except redis.RedisError as exc:

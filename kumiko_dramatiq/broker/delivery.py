@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
@@ -40,9 +41,12 @@ class Settlement:
     like a run cut short by a crash; nothing else is written.
     ``dedup``: the job ended for good holding a dedup key, (the job's index of live keys, the
     message id, the key): the ack frees the key's record if it still points at this message
-    (``lua/settle.lua``), or, if a trigger during the run left a follow-up in it, sets
-    ``dedup_follow_up`` for the worker to enqueue that follow-up after the ack
-    (:class:`~kumiko_dramatiq.middleware.dedup.Dedup`).
+    (``lua/settle.lua``); if a trigger during the run left a follow-up in it, that settle
+    writes nothing of the delivery, and the ack calls :meth:`hand_over_dedup` (which runs
+    ``dedup_hand_over``, set by :class:`~kumiko_dramatiq.middleware.dedup.Dedup`: it enqueues
+    the follow-up and points the key at it) before it settles the delivery again without the
+    key. So a worker killed in between leaves an unacknowledged message, redelivered, never
+    an acknowledged one whose follow-up nobody enqueues.
     """
 
     retry: tuple[Message[Any], int | None] | None = None
@@ -51,7 +55,14 @@ class Settlement:
     run: RunWrite | None = None
     requeue: bool = False
     dedup: tuple[str, str, str] | None = None
-    dedup_follow_up: bool = False
+    dedup_hand_over: Callable[[], None] | None = None
+
+    def hand_over_dedup(self) -> None:
+        """The settle left this delivery for its dedup key's follow-up: hand the key over
+        (``dedup_hand_over``), after which the delivery is settled without ``dedup``."""
+        hand_over, self.dedup, self.dedup_hand_over = self.dedup_hand_over, None, None
+        if hand_over is not None:
+            hand_over()
 
 
 class Delivery(MessageProxy):
@@ -97,7 +108,7 @@ class Delivery(MessageProxy):
 
 
 #: The bits of a delivery's settle reply (``KumikoBroker.settle``): the delivery was (or
-#: became again) this worker's; its dedup key's record holds a follow-up to enqueue.
+#: became again) this worker's; it was left unsettled for its dedup key's follow-up.
 SETTLED_MINE: Final = 1
 DEDUP_FOLLOW_UP: Final = 2
 

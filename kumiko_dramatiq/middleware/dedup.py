@@ -287,9 +287,11 @@ class Dedup(Middleware):
       (every kumiko job's) the delete is written by the delivery's ack, the settle call
       that happens anyway (``Settlement.dedup``, ``lua/settle.lua``: no round trip of its
       own, and atomic with the ack, so a ``kill -9`` between the two cannot free the key of
-      a message that then runs again); only a record holding a follow-up comes back
-      (``Settlement.dedup_follow_up``), and ``after_ack`` / ``after_nack`` enqueue it as
-      above. A failure that will be
+      a message that then runs again); a record holding a follow-up makes that settle write
+      nothing of the delivery, and the ack hands the key over as above
+      (``Settlement.hand_over_dedup``) before it settles the delivery again, so a kill in
+      between leaves the message to be redelivered, never acknowledged with its follow-up
+      not enqueued. A failure that will be
       retried sets ``queued`` (the retry keeps the id); a sequential hand-off
       points the record at the requeued message, ``queued``; a run fenced because its lease
       could not be renewed leaves the record as it is (the message runs again on its id,
@@ -364,29 +366,16 @@ class Dedup(Middleware):
             and self.runtime.broker.is_lane(message.fetched_from)
         ):
             # a lane delivery's ack is a settle call: it frees the key (lua/settle.lua), no
-            # round trip of its own; a follow-up left in the record is enqueued after it
+            # round trip of its own; a key holding a follow-up is handed over first, by the
+            # ack (Settlement.hand_over_dedup), before the delivery is settled
             job, dedup_key = keyed
-            message.settlement.dedup = (self._index(job), execution.message_id, dedup_key)
+            message_id = execution.message_id
+            message.settlement.dedup = (self._index(job), message_id, dedup_key)
+            message.settlement.dedup_hand_over = lambda: self._transition(
+                job, dedup_key, message_id, "end", execution
+            )
             return
         self._transition(*keyed, execution.message_id, outcome, execution)
-
-    def after_ack(self, broker: Broker, message: MessageProxy) -> None:
-        self._follow_up(message)
-
-    def after_nack(self, broker: Broker, message: MessageProxy) -> None:
-        self._follow_up(message)
-
-    def _follow_up(self, message: MessageProxy) -> None:
-        """The ack found the ended job's key holding a follow-up: hand the key to it."""
-        if not isinstance(message, Delivery) or not message.settlement.dedup_follow_up:
-            return
-        message.settlement.dedup_follow_up = False
-        execution = execution_of(message)
-        if execution is None:
-            return
-        keyed = self._keyed(execution.job, execution.is_wrapper, execution.options.dedup_key)
-        if keyed is not None:
-            self._transition(*keyed, execution.message_id, "end", execution)
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         execution = execution_of(message)

@@ -23,11 +23,13 @@
 --   forget_bodies in include/counts.lua)   +10 the dedup key the delivery's job ended with
 --   for good (include/dedup_index.lua), "<index key>\t<message id>\t<dedup key>", or "":
 --   iff the key's record still points at that message id, it is freed (deleted, with its
---   index entry) unless a trigger during the run left a follow-up in it (fid): that record
---   is left as it is and the delivery's reply has 2 added, for the worker to hand the key
---   to its follow-up (lua/dedup_finish.lua, lua/dedup_handover.lua). Whoever's delivery it
---   is now: the job ended for good either way, and the owner check makes a second settle a
---   no-op.
+--   index entry), whoever's delivery it is now (the job ended for good either way; the owner
+--   check makes a second settle a no-op); unless a trigger during the run left a follow-up
+--   in it (fid): then nothing of that delivery is written (not its ack, record or marker)
+--   and its reply is 2, for the worker to hand the key to the follow-up first
+--   (lua/dedup_finish.lua, lua/dedup_handover.lua) and then settle it again without +10, so
+--   a worker killed in between leaves the delivery to be redelivered, as before the key
+--   moved on: the follow-up is never lost behind an acknowledged message.
 -- Each delivery as if settled alone, in order: writes its run record (with the deliveries
 -- count when more than one); then, iff the delivery is this worker's: removes its in-flight
 -- entry; "ack" and "completed" forget the message, "retry" forgets it and enqueues its retry
@@ -53,8 +55,8 @@
 -- whose job has waiters is offered to this claim first (the doorbell rings for them only if
 -- the claim could not take them), so a freed slot's oldest waiter goes to the consumer that
 -- has just freed a worker thread: the fastest hand-over there is (no doorbell, no fetch).
--- Returns one number per delivery: 1 if it was (or became again) this worker's, else 0, plus
--- 2 if its dedup key's record holds a follow-up (+10); with a claim, {those, fetch_lane's
+-- Returns one number per delivery: 1 if it was (or became again) this worker's, else 0; 2
+-- if it was left for its dedup key's follow-up (+10); with a claim, {those, fetch_lane's
 -- reply}.
 -- @include lane_claim
 -- @include dispatch
@@ -103,7 +105,7 @@ for i, rid in ipairs(rids) do
 end
 -- the dedup records of jobs that ended for good: read here too (a record that is not a hash
 -- fails the call before it writes anything)
-local dedup_ends = {}
+local dedup_ends, deferred = {}, {}
 for i = 1, count do
     local field = ARGV[4 + (i - 1) * FIELDS + 10]
     if field ~= "" then
@@ -115,13 +117,15 @@ for i = 1, count do
         local record = head .. "dedup:" .. job .. ":" .. key
         local live = redis.call("hmget", record, "id", "fid")
         if live[1] == mid then
-            dedup_ends[i] = {record, index, key, live[2]}
+            dedup_ends[i] = {record, index, key}
+            deferred[i] = live[2] ~= false
         end
     end
 end
 for i = 1, count do
     local base = 4 + (i - 1) * FIELDS
-    if (owned[i] or recovered[i]) and string.match(ARGV[base + 1], "^%a+") == "retry" then
+    if (owned[i] or recovered[i]) and not deferred[i]
+        and string.match(ARGV[base + 1], "^%a+") == "retry" then
         local retry_list = namespace .. ":" .. ARGV[base + 6]
         enqueue_message(retry_list .. ".msgs", retry_list, ARGV[base + 7], ARGV[base + 8])
     end
@@ -131,85 +135,87 @@ local acked, forgotten, forgotten_actors, out_of_flight, results = {}, {}, {}, {
 local head_now, dead_count = now, 0
 local indexed_job = nil
 for i, rid in ipairs(rids) do
-    local base = 4 + (i - 1) * FIELDS
-    local outcome, header = ARGV[base + 1], ARGV[base + 3]
-    local slot_key, slot_token = nil, nil
-    if string.find(outcome, " ", 1, true) then
-        outcome, slot_key, slot_token = string.match(outcome, "^(%a+) (%S+) (%S+)$")
-        if claiming then
-            released[#released + 1] = caps_release(slot_key, slot_token, nil)
-        else
-            caps_release(slot_key, slot_token, queue_list)
-        end
-    end
-    local mine = owned[i] or recovered[i] ~= nil
-    local entry = nil
-    if mine then
-        entry = entries[i] or nil
-        out_of_flight[#out_of_flight + 1] = rid
-    end
-    if outcome == "completed" then
-        redis.call("set", ARGV[base + 2], "1", "PX", marker_ttl)
-    end
-    local root, mid, attempt, job, status, tenant, origin, score
-    if header ~= "" then
-        root, mid, attempt, job, status, tenant, origin, score = string.match(header,
-            "^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(%d*)$")
-        if not root then
-            error("kumiko: malformed run record header " .. header)
-        end
-    end
-    if root and status == "malformed" then
-        local claimed_by = entry and string.match(entry, "^%d+|%d+|(.+)$")
-        local run = run_of(root, redis.call("hget", queue_messages, rid), claimed_by or worker)
-        if run then
-            run.s, run.en, run.et, run.em = "dead", now, "MalformedMessage", ARGV[base + 4]
-            if inflight_count(entry) > 1 then
-                run.n = inflight_count(entry)
-            end
-            put_run(root, run.m, run.a, run.j, "dead", run.t or "", run.o, run.q or now,
-                cjson.encode(run), completed_ttl, failed_ttl, now)
-        end
-    elseif root and status ~= "" then
-        local record = ARGV[base + 4]
-        local deliveries = inflight_count(entry)
-        if deliveries > 1 then
-            record = string.sub(record, 1, -2) .. ',"n":' .. deliveries .. "}"
-        end
-        put_run(root, mid, attempt, job, status, tenant, origin, score ~= "" and score or now, record,
-            completed_ttl, failed_ttl, now, owned[i] and deliveries <= 1)
-        indexed_job = indexed_job or job
-    end
-    if mine then
-        results[i] = 1
-        if owned[i] then
-            acked[#acked + 1] = rid
-        else
-            redis.call("lrem", recovered[i], 0, rid)
-        end
-        if outcome == "dead" then
-            -- each dead letter of the batch a millisecond apart, in order: listings page
-            -- the dead letters by time
-            now = head_now + dead_count
-            dead_count = dead_count + 1
-            dead_letter(rid)
-            now = head_now
-            if root and ARGV[base + 5] ~= "" then
-                redis.call("set", root .. "dead:" .. mid, ARGV[base + 5], "PX", dead_ttl)
-            end
-        else
-            forgotten[#forgotten + 1] = rid
-            forgotten_actors[#forgotten] = ARGV[base + 9]
-        end
+    if deferred[i] then
+        results[i] = 2 -- untouched: the worker hands its key over, then settles it again
     else
-        results[i] = 0
+        local base = 4 + (i - 1) * FIELDS
+        local outcome, header = ARGV[base + 1], ARGV[base + 3]
+        local slot_key, slot_token = nil, nil
+        if string.find(outcome, " ", 1, true) then
+            outcome, slot_key, slot_token = string.match(outcome, "^(%a+) (%S+) (%S+)$")
+            if claiming then
+                released[#released + 1] = caps_release(slot_key, slot_token, nil)
+            else
+                caps_release(slot_key, slot_token, queue_list)
+            end
+        end
+        local mine = owned[i] or recovered[i] ~= nil
+        local entry = nil
+        if mine then
+            entry = entries[i] or nil
+            out_of_flight[#out_of_flight + 1] = rid
+        end
+        if outcome == "completed" then
+            redis.call("set", ARGV[base + 2], "1", "PX", marker_ttl)
+        end
+        local root, mid, attempt, job, status, tenant, origin, score
+        if header ~= "" then
+            root, mid, attempt, job, status, tenant, origin, score = string.match(header,
+                "^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(%d*)$")
+            if not root then
+                error("kumiko: malformed run record header " .. header)
+            end
+        end
+        if root and status == "malformed" then
+            local claimed_by = entry and string.match(entry, "^%d+|%d+|(.+)$")
+            local run = run_of(root, redis.call("hget", queue_messages, rid), claimed_by or worker)
+            if run then
+                run.s, run.en, run.et, run.em = "dead", now, "MalformedMessage", ARGV[base + 4]
+                if inflight_count(entry) > 1 then
+                    run.n = inflight_count(entry)
+                end
+                put_run(root, run.m, run.a, run.j, "dead", run.t or "", run.o, run.q or now,
+                    cjson.encode(run), completed_ttl, failed_ttl, now)
+            end
+        elseif root and status ~= "" then
+            local record = ARGV[base + 4]
+            local deliveries = inflight_count(entry)
+            if deliveries > 1 then
+                record = string.sub(record, 1, -2) .. ',"n":' .. deliveries .. "}"
+            end
+            put_run(root, mid, attempt, job, status, tenant, origin, score ~= "" and score or now, record,
+                completed_ttl, failed_ttl, now, owned[i] and deliveries <= 1)
+            indexed_job = indexed_job or job
+        end
+        if mine then
+            results[i] = 1
+            if owned[i] then
+                acked[#acked + 1] = rid
+            else
+                redis.call("lrem", recovered[i], 0, rid)
+            end
+            if outcome == "dead" then
+                -- each dead letter of the batch a millisecond apart, in order: listings page
+                -- the dead letters by time
+                now = head_now + dead_count
+                dead_count = dead_count + 1
+                dead_letter(rid)
+                now = head_now
+                if root and ARGV[base + 5] ~= "" then
+                    redis.call("set", root .. "dead:" .. mid, ARGV[base + 5], "PX", dead_ttl)
+                end
+            else
+                forgotten[#forgotten + 1] = rid
+                forgotten_actors[#forgotten] = ARGV[base + 9]
+            end
+        else
+            results[i] = 0
+        end
     end
 end
 for i = 1, count do
     local ended = dedup_ends[i]
-    if ended and ended[4] then
-        results[i] = results[i] + 2 -- a follow-up waits: the worker hands the key to it
-    elseif ended then
+    if ended and not deferred[i] then
         redis.call("del", ended[1])
         redis.call("zrem", ended[2], ended[3])
     end
