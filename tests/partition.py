@@ -97,8 +97,13 @@ class TcpProxy:
         if upstream is not None:
             peers[upstream] = client
         with selectors.DefaultSelector() as selector:
-            for sock in peers:
-                selector.register(sock, selectors.EVENT_READ)
+            try:
+                for sock in peers:
+                    selector.register(sock, selectors.EVENT_READ)
+            except (OSError, ValueError):  # the link was cut before this thread started
+                for sock in peers:
+                    _close(sock)
+                return
             for source in _readable(selector):
                 try:
                     data = source.recv(65536)
