@@ -29,7 +29,10 @@
 --   and its reply is 2, for the worker to hand the key to the follow-up first
 --   (lua/dedup_finish.lua, lua/dedup_handover.lua) and then settle it again without +10, so
 --   a worker killed in between leaves the delivery to be redelivered, as before the key
---   moved on: the follow-up is never lost behind an acknowledged message.
+--   moved on: the follow-up is never lost behind an acknowledged message. Such a delivery
+--   recovered by maintenance meanwhile is taken back (its waiting copy removed, its ack set
+--   entry restored); one whose copy another worker took is settled as usual, its record left
+--   to that run.
 -- Each delivery as if settled alone, in order: writes its run record (with the deliveries
 -- count when more than one); then, iff the delivery is this worker's: removes its in-flight
 -- entry; "ack" and "completed" forget the message, "retry" forgets it and enqueues its retry
@@ -128,6 +131,21 @@ for i = 1, count do
         and string.match(ARGV[base + 1], "^%a+") == "retry" then
         local retry_list = namespace .. ":" .. ARGV[base + 6]
         enqueue_message(retry_list .. ".msgs", retry_list, ARGV[base + 7], ARGV[base + 8])
+    end
+end
+-- A delivery left for its key's follow-up stays this worker's: one recovered meanwhile has its
+-- waiting copy taken back now (so neither this call's claim nor another consumer runs it while
+-- the key is handed over); one whose copy another worker took is not left: that run ends the
+-- key, so this one leaves its record alone.
+for i = 1, count do
+    if deferred[i] and not owned[i] then
+        if recovered[i] then
+            redis.call("lrem", recovered[i], 0, rids[i])
+            redis.call("sadd", queue_acks, rids[i])
+            owned[i], recovered[i] = true, nil
+        else
+            deferred[i], dedup_ends[i] = nil, nil
+        end
     end
 end
 

@@ -369,6 +369,46 @@ def test_settle_leaves_a_delivery_whose_dedup_key_has_a_follow_up(env: Env, outc
     assert not env.client.sismember(env.key(ACKS), "r1")
 
 
+# A delivery left for its key's follow-up that maintenance recovered meanwhile is taken back
+# (its waiting copy out of the queue or the suspects list, r1 in w1's ack set again), so no
+# claim runs the copy while the key is handed over; one whose copy w2 took is settled as usual
+# (reply 0), its record left to w2's run of the copy.
+@pytest.mark.parametrize(
+    ("given", "waits_in"),
+    [
+        pytest.param({LIST: ["r0", "r1"], MSGS: {"r0": "b0", "r1": "b1"}}, LIST, id="queue"),
+        pytest.param({SUSPECTS: ["r2", "r1"], MSGS: {"r1": "b1"}}, SUSPECTS, id="suspects"),
+    ],
+)
+def test_settle_takes_back_a_recovered_delivery_left_for_a_follow_up(
+    env: Env, given: State, waits_in: str
+) -> None:
+    follow_up = {"id": "m1", "state": "running", **FOLLOW_UP}
+    env.seed({**given, INFLIGHT: {"r1": entry(1)}, RECORD: follow_up})
+    key_end = env.key(DEDUP_INDEX) + "\tm1\tk1"
+
+    assert env.settle("completed", dedup=key_end) == 2
+
+    assert b"r1" not in env.client.lrange(env.key(waits_in), 0, -1)
+    assert env.client.sismember(env.key(ACKS), "r1")
+    assert text(env.client.hgetall(env.key(RECORD))) == follow_up
+    assert not env.client.exists(env.key(DONE_M1))
+    # the key handed over, the delivery settles as its worker's
+    env.client.hset(env.key(RECORD), mapping={"id": "m7", "state": "queued"})
+    assert env.settle("completed") == 1
+
+
+def test_settle_leaves_the_key_of_a_delivery_whose_copy_another_worker_took(env: Env) -> None:
+    follow_up = {"id": "m1", "state": "running", **FOLLOW_UP}
+    env.seed({**TAKEN_BY_W2, RECORD: follow_up})
+    key_end = env.key(DEDUP_INDEX) + "\tm1\tk1"
+
+    assert env.settle("completed", dedup=key_end) == 0
+
+    assert text(env.client.hgetall(env.key(RECORD))) == follow_up
+    assert env.client.sismember(env.key(ACKS_W2), "r1")
+
+
 def test_settle_retry_sent_twice_enqueues_once(env: Env) -> None:
     # Given: r1 claimed by w1
     env.seed({MSGS: {"r1": "b1"}, ACKS: {"r1"}, INFLIGHT: {"r1": entry(1)}})
