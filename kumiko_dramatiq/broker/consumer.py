@@ -23,6 +23,7 @@ from kumiko_dramatiq.broker.delivery import (
     LaneFetch,
     Outcome,
     RunWrite,
+    Settlement,
 )
 from kumiko_dramatiq.broker.keys import consumer_acks, is_delay_queue, queue_bell
 from kumiko_dramatiq.broker.outage import Outage
@@ -631,23 +632,16 @@ class KumikoConsumer(Consumer):
                 outcome = "retry"
             elif settlement.completed:
                 outcome = "completed"
-            while True:
-                reply = self.broker.settle(
-                    self.queue_name,
-                    rid,
-                    outcome,
-                    message_id=str(message.message_id),
-                    retry=follow_up,
-                    run=settlement.run,
-                    client=self.broker.thread_client(),
-                    slot=message.slot,
-                    claimer=self,
-                    actor=message.actor_name,
-                    dedup=settlement.dedup,
-                )
-                if not reply & DEDUP_FOLLOW_UP:
-                    break
-                settlement.hand_over_dedup()  # nothing of it written yet: then settle again
+            reply = self._settle(
+                rid,
+                outcome,
+                message,
+                settlement,
+                retry=follow_up,
+                client=self.broker.thread_client(),
+                slot=message.slot,
+                actor=message.actor_name,
+            )
             if not reply & SETTLED_MINE:
                 logger.warning(
                     "message %s was recovered by another worker before its ack; "
@@ -670,21 +664,13 @@ class KumikoConsumer(Consumer):
         try:
             if self._lane:
                 delivery = message if isinstance(message, Delivery) else None
-                settlement = None if delivery is None else delivery.settlement
-                while True:
-                    reply = self.broker.settle(
-                        self.queue_name,
-                        rid,
-                        "dead",
-                        message_id=str(message.message_id),
-                        run=None if settlement is None else settlement.run,
-                        slot=None if delivery is None else delivery.slot,
-                        claimer=self,
-                        dedup=None if settlement is None else settlement.dedup,
-                    )
-                    if settlement is None or not reply & DEDUP_FOLLOW_UP:
-                        break
-                    settlement.hand_over_dedup()  # nothing of it written yet: settle again
+                self._settle(
+                    rid,
+                    "dead",
+                    message,
+                    None if delivery is None else delivery.settlement,
+                    slot=None if delivery is None else delivery.slot,
+                )
             else:
                 self.broker.do_nack(self.queue_name, rid)
         except redis.RedisError as exc:
@@ -696,6 +682,34 @@ class KumikoConsumer(Consumer):
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         finally:
             self._done(rid, settled=settled)
+
+    def _settle(
+        self,
+        rid: str,
+        outcome: Outcome,
+        message: MessageProxy,
+        settlement: Settlement | None,
+        **options: Any,
+    ) -> int:
+        """Settle one delivery of this lane (:meth:`KumikoBroker.settle`, ``options`` passed
+        on) with its settlement's run record and dedup key; a reply of
+        :data:`DEDUP_FOLLOW_UP` (nothing of the delivery written: its key holds a follow-up)
+        hands the key over first (:meth:`Settlement.hand_over_dedup`), then settles again
+        without the key. Returns the final reply."""
+        while True:
+            reply = self.broker.settle(
+                self.queue_name,
+                rid,
+                outcome,
+                message_id=str(message.message_id),
+                run=None if settlement is None else settlement.run,
+                claimer=self,
+                dedup=None if settlement is None else settlement.dedup,
+                **options,
+            )
+            if settlement is None or not reply & DEDUP_FOLLOW_UP:
+                return reply
+            settlement.hand_over_dedup()
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """Put ``messages`` (and what this consumer fetched but did not hand out) back on
