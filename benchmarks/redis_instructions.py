@@ -13,8 +13,8 @@ The calls are the ones each broker makes per job, replayed from one client (kumi
 hot scripts as the broker runs them: ``FCALL`` of the function library; an export from before
 the library, by ``EVALSHA``):
 
-- enqueue: kumiko's ``guarded_enqueue`` (the message behind its "sent" marker, its per-job
-  count, the doorbell) vs Dramatiq's ``enqueue`` (``dispatch.lua``), a typical no-op job's body
+- enqueue: kumiko's ``guarded_enqueue`` (the message unless its body or its "sent" key is
+  there, its per-job count, the doorbell) vs Dramatiq's ``enqueue`` (``dispatch.lua``), a typical no-op job's body
   each;
 - drain: kumiko's ``fetch_lane`` of ``--batch`` messages then one ``settle`` of them all
   (completed, run record and marker, counts ready) vs Dramatiq's ``fetch`` of ``--batch`` then
@@ -186,6 +186,10 @@ class Kumiko:
         counted = "KEYS[4]" in (lua_dir / "guarded_enqueue.lua").read_text()
         self.counts_key = [f"dramatiq:{QUEUE}:counts"] if counted else []
         self.counts_field = [f"q:{JOB}"] if counted else []
+        # a lane message's "sent" key only read (guard TTL 0), as the broker sends it since
+        # the scripts knew it; before, set for the resend window
+        guarded = (lua_dir / "include" / "guarded.lua").read_text()
+        self.sent_ttl = 0 if 'guard_ttl_ms == "0"' in guarded else 60000
 
     def enqueue(self, n: int, offset: int) -> None:
         for i, (rid, mid) in enumerate(zip(ids(n, offset), ids(n, 10**9 + offset), strict=True)):
@@ -194,7 +198,7 @@ class Kumiko:
                 3 + len(self.counts_key),
                 *(f"dramatiq:{QUEUE}.msgs", f"dramatiq:{QUEUE}", f"{ROOT}sent:{rid}"),
                 *self.counts_key,
-                *(rid, KUMIKO_BODY % (i, rid, mid), 60000, "1"),
+                *(rid, KUMIKO_BODY % (i, rid, mid), self.sent_ttl, "1"),
                 *self.counts_field,
             )
 

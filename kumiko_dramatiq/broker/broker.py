@@ -19,10 +19,15 @@ What kumiko adds on top of that layout, each in the same Lua call as the command
   admin's ``cancel`` finds a waiting message by reading a few hash fields, and no index of
   message ids is written on the hot path. Plain Dramatiq messages, and a written copy enqueued
   again, keep random ids;
-- **idempotent enqueue** (:meth:`KumikoBroker.enqueue`): each write leaves a "sent" marker of
-  its redis message id (``keys.sent``), and a write whose marker exists does nothing. The pool
-  re-sends a command once when a connection drops; if the first send had executed, Dramatiq's
-  enqueue would store the message twice;
+- **idempotent enqueue** (:meth:`KumikoBroker.enqueue`): the pool re-sends a command once when
+  a connection drops; if the first send had executed, Dramatiq's enqueue would store the
+  message twice. A new message on a lane queue is written only if neither its body nor the
+  "sent" key of its redis message id (``keys.sent``) exists: while it waits or runs its body
+  is there; where it ends, the same Lua call leaves the key for the resend window (a
+  completion its "already completed" marker instead, which makes the fetch drop a copy). So
+  the hot path writes no key of its own. Elsewhere (a delay queue, whose due move deletes the
+  body, and a plain actor's queue) each write sets that key for the window, and a write that
+  finds it does nothing;
 - **delayed messages on a schedule** (:meth:`KumikoBroker.encode`, :meth:`KumikoBroker.move_due`):
   where Dramatiq appends a delayed message to its ``<queue>.DQ`` list, which every worker reads
   into memory and holds until due, kumiko's enqueue puts its id on the queue's schedule, a
@@ -122,7 +127,8 @@ from kumiko_dramatiq.options import LANES, lane_queue
 logger = logging.getLogger("kumiko_dramatiq")
 
 
-#: How long the "sent" marker of a freshly enqueued message lives: the window in which a
+#: How long a "sent" key lives (the marker of a new message off the lane queues, the tombstone
+#: of a lane message whose body ended otherwise than completed): the window in which a
 #: re-sent write is recognised (redis-py re-sends within a second). The "already completed"
 #: markers live as long by default: the one window in which a second copy of a completed
 #: message could still be written (see :mod:`kumiko_dramatiq.middleware.history`).
@@ -144,7 +150,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
 
     ``lua`` holds every kumiko script, registered on the broker's client. ``queue_prefix``
     names the dataset and ``lane`` the lane its workers consume (``None``: no lane rule);
-    ``resend_window_ms`` is the lifetime of the "sent" markers and ``completed_ttl_ms`` that of
+    ``resend_window_ms`` is the lifetime of the "sent" keys and ``completed_ttl_ms`` that of
     the "already completed" markers (both :data:`RESEND_WINDOW_MS` unless given; public
     attributes, so a test can shorten them). Dramatiq's maintenance (a dead worker's messages
     back to their queue) runs on a broker
@@ -507,7 +513,9 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         entry: list[Any] = [
             redis_message_id,
             outcome if slot is None else f"{outcome} {slot[0]} {slot[1]}",
-            keys.completed(self.queue_prefix, message_id) if outcome == "completed" else "",
+            keys.completed(self.queue_prefix, message_id)
+            if outcome == "completed"
+            else keys.sent(self.queue_prefix, redis_message_id),
             header,
             record,
             note,
@@ -560,7 +568,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             args: list[Any] = [
                 *self._head(queue_name, maintenance=claim is not None),
                 f"{len(entries)} {self.completed_ttl_ms} {completed_ttl} {failed_ttl} "
-                f"{self.history_cap} {trim}",
+                f"{self.history_cap} {trim} {self.resend_window_ms}",
             ]
             for entry in entries:
                 args.extend(entry)
@@ -686,10 +694,14 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         return message
 
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
-        """Dramatiq's enqueue, made idempotent: written behind its "sent" marker
-        (``keys.sent``, kept :data:`RESEND_WINDOW_MS`): the pool re-sends a command once when a
+        """Dramatiq's enqueue, made idempotent: the pool re-sends a command once when a
         connection drops, and if the first send had executed, Dramatiq's enqueue would store
-        the message twice. A delayed message goes on its queue's schedule (:meth:`encode`)."""
+        the message twice. On a lane queue the message is written unless its body is there
+        already or its "sent" key (``keys.sent``) holds the tombstone its end left for
+        :attr:`resend_window_ms` (``lua/include/guarded.lua``): no key of its own on the hot
+        path. Elsewhere (a delay queue, a plain actor's queue) it is written behind that key,
+        set for the window. A delayed message goes on its queue's schedule
+        (:meth:`encode`)."""
         prepared = self.prepare(message, delay)
         rid = prepared.options["redis_message_id"]
         self.emit_before("enqueue", prepared, delay)
@@ -701,7 +713,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             args=[
                 rid,
                 self.encode(prepared, delay),
-                self.resend_window_ms,
+                self._sent_ttl(message.queue_name, delay),
                 "1",
                 f"{kind}:{prepared.actor_name}",
             ],
@@ -867,14 +879,20 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
 
     def enqueue_many(self, messages: Sequence[Message[Any]], *, delay: int | None = None) -> None:
         """:meth:`enqueue` for many new messages of ONE queue: one Lua call, each message
-        behind its own "sent" marker as :meth:`enqueue` writes it."""
+        guarded by its own "sent" key as :meth:`enqueue` writes it."""
         self.enqueue_guarded_batch(
             messages,
             lambda message: keys.sent(self.queue_prefix, message.options["redis_message_id"]),
-            guard_ttl_ms=self.resend_window_ms,
+            guard_ttl_ms=self._sent_ttl(messages[0].queue_name if messages else "", delay),
             guard_value="1",
             delay=delay,
         )
+
+    def _sent_ttl(self, queue_name: str, delay: int | None) -> int:
+        """The guard TTL of the "sent" key of a new message for ``queue_name``: 0 if it goes
+        straight onto a lane queue (the key is only read there: the tombstone a body's end
+        leaves, see ``lua/include/guarded.lua``), else the resend window."""
+        return 0 if delay is None and self.is_lane(queue_name) else self.resend_window_ms
 
     def _counts_of(self, queue_name: str) -> tuple[str, str]:
         """The per-job counts hash of the queue a message is written to (its delay queue's

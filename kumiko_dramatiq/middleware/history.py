@@ -14,16 +14,19 @@ the same Lua call as the step that could leave it behind:
   (``lua/settle.lua``), so a redelivered message never finds its own follow-up already out;
 - a delivery recovered by maintenance from a worker presumed dead that then finished it
   takes its recovered copy back at its ack if no other worker took it yet (``settle.lua``);
-- every other write of a new message sits behind a "sent" marker for the resend window
+- every other write of a new message is guarded for the resend window
   (:data:`~kumiko_dramatiq.broker.broker.RESEND_WINDOW_MS`), so a command re-sent after a dropped
-  connection writes nothing twice.
+  connection writes nothing twice: on a lane queue by its body while it waits or runs, then by
+  the "sent" tombstone its end leaves (a retry, a hand-off, a dead letter, a cancel; a
+  completion leaves the marker below instead); elsewhere by a "sent" marker set when written.
 
 What remains is at-least-once delivery itself: a worker killed after a handler returned but
 before its ack re-runs that message once, and a copy recovered from a worker presumed dead
 (``heartbeat_timeout_ms`` of silence) and taken by another worker before the first one's ack
 runs on both. No marker can stop those (the second run starts before the first ends).
 
-As a safety net for copies written within the resend window, the ack of a completed run
+As the guard of a completed message (and a safety net for other copies written within the
+resend window), the ack of a completed run
 also writes ``keys.completed(prefix, message id)`` (:func:`mark_completed`, same Lua call, no
 round trip of its own), kept ``KumikoBroker.completed_ttl_ms`` (the resend window, one
 minute), and every fetch from a lane queue acks unrun a message whose id carries one (logged

@@ -1057,6 +1057,7 @@ class Admin:
                 completed_ttl,
                 failed_ttl,
                 self.settings.heartbeat_timeout_ms + 3_600_000,
+                self.broker.resend_window_ms,
                 *places,
             ],
         )

@@ -3,8 +3,9 @@
 -- ARGV[1] kumiko root "kumiko:<prefix>:"   ARGV[2] the message id (or the id a sequential
 -- hand-off carries on as its origin)   ARGV[3] now (ms)   ARGV[4] TTL (ms) of completed and
 -- cancelled run records   ARGV[5] TTL (ms) of failed ones   ARGV[6] how long past its due
--- time a delayed message held in a worker's memory may still be moved (ms)
--- ARGV[7..] pairs: a queue (a lane queue or its delay queue) and a redis id the message may
+-- time a delayed message held in a worker's memory may still be moved (ms)   ARGV[7] how long
+-- the "sent" tombstone of a message taken off a lane queue lives (ms: the resend window)
+-- ARGV[8..] pairs: a queue (a lane queue or its delay queue) and a redis id the message may
 -- have there (ids.redis_id_candidates: kumiko derives a message's redis ids from its id)
 -- Looks the message up by those ids only (a few HGETs, never a search of a queue). Not
 -- found: {0, "ended"} if the id has a run record or a dead letter note (it completed, died or
@@ -25,12 +26,15 @@
 -- worker's memory, waiting to come due: the cancel marker "<root>cancel:<message id>" is set
 -- until it is due plus ARGV[6], and its move drops it (a second cancel then finds the
 -- marker: {0, "ended"}).
--- Either way its run record says "cancelled" and a dedup key it held is freed (and leaves
--- its job's index, include/dedup_index.lua).
+-- A message taken off a lane queue leaves its "sent" tombstone "<root>sent:<redis id>" for
+-- ARGV[7] ms, so a re-sent enqueue of its first write does not bring it back (see
+-- include/guarded.lua). Either way its run record says "cancelled" and a dedup key it held
+-- is freed (and leaves its job's index, include/dedup_index.lua).
 -- Returns {1, queue, redis id} (cancelled) or {0, reason}.
 -- @include history
 -- @include dedup_index
 -- @include counts
+-- @include ttl
 local namespace, root, wanted = KEYS[1], ARGV[1], ARGV[2]
 local now = tonumber(ARGV[3])
 
@@ -91,7 +95,8 @@ local function claimed(queue, rid)
     return false
 end
 
-for i = 7, #ARGV, 2 do
+ttl_ms(ARGV[7], "sent tombstone")
+for i = 8, #ARGV, 2 do
     local queue, rid = ARGV[i], ARGV[i + 1]
     local list = namespace .. ":" .. queue
     local body = redis.call("hget", list .. ".msgs", rid)
@@ -118,6 +123,7 @@ for i = 7, #ARGV, 2 do
             uncount(list .. ".msgs", rid)
             redis.call("hdel", list .. ".msgs", rid)
             if not delayed then
+                redis.call("set", root .. "sent:" .. rid, "1", "PX", ARGV[7])
                 redis.call("hdel", root .. "inflight", rid)
                 if message.actor_name == job and unwait(queue, job, message.options, rid) then
                     -- it waited for a cap: off that list already

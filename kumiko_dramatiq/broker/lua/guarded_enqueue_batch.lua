@@ -1,6 +1,7 @@
 -- guarded_enqueue_batch: many messages of ONE queue, each behind its own guard, in one call.
 -- KEYS[1] queue messages hash   KEYS[2] queue list
--- ARGV[1] guard TTL (ms)   ARGV[2] guard value
+-- ARGV[1] guard TTL (ms), or "0": "sent" keys only read (include/guarded.lua)   ARGV[2] guard
+-- value
 -- then per message the triple (guard key, redis message id, encoded message)
 -- Guard keys travel in ARGV (as Dramatiq's own scripts build their keys), so this targets a
 -- single Redis, not a cluster. Returns one 1 (enqueued) or 0 (guard existed) per message.

@@ -19,7 +19,7 @@ local specs = {
     fcall = {"kumikofn_probe", "1", K}, ["function|load"] = {"#!lua name=kumikofn_probe"},
     get = {K}, hdel = {K, "f"}, hexists = {K, "f"}, hget = {K, "f"}, hgetall = {K}, hincrby = {K, "f", "1"},
     hkeys = {K}, hlen = {K}, info = {"memory"}, hmget = {K, "f"}, hscan = {K, "0"}, incr = {K},
-    hset = {K, "f", "v"}, keys = {"kumiko-probe"}, lindex = {K, "0"}, llen = {K}, lpop = {K},
+    hset = {K, "f", "v"}, hsetnx = {K, "f", "v"}, keys = {"kumiko-probe"}, lindex = {K, "0"}, llen = {K}, lpop = {K},
     lpos = {K, "v"},
     lpush = {K, "v"}, lrange = {K, "0", "0"}, lrem = {K, "0", "v"}, mget = {K}, multi = {},
     pexpire = {K, "60000"}, ping = {}, pttl = {K}, role = {}, rpop = {K}, rpush = {K, "v"},

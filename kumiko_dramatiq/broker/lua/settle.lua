@@ -3,15 +3,19 @@
 -- list (see fetch_lane)
 -- ARGV[1..2] dispatch head (see include/dispatch.lua)
 -- ARGV[3] "<deliveries> <marker TTL ms> <TTL ms of completed and cancelled run records>
---         <TTL ms of failed ones> <record cap> <trim budget>": trim budget 0, or how many
---         records beyond the cap to drop now (about once per 32 records written, see trim_runs)
+--         <TTL ms of failed ones> <record cap> <trim budget> [<tombstone TTL ms>]": trim budget
+--         0, or how many records beyond the cap to drop now (about once per 32 records
+--         written, see trim_runs); the tombstone TTL (the resend window) defaults to the
+--         marker's
 -- Then 11 arguments per delivery, from ARGV[4]:
 --   +0 redis message id   +1 outcome: "ack" | "completed" | "retry" (a failed attempt's
 --   retry, or a sequential hand-off) | "dead", followed by " <slots key> <owner token>" for a
 --   run holding a capped job's slot (include/caps.lua): the slot is given back, whoever's
 --   delivery it is now (the token is this delivery's own), and the job's waiters are looked
---   at at once   +2 its "already completed" marker key
---   (outcome "completed")   +3 the run record's header, tab-separated, or "" for none: kumiko
+--   at at once   +2 the key its end writes: its "already completed" marker (outcome
+--   "completed"), else its "sent" tombstone, written iff the delivery is this worker's (its
+--   body goes: a re-sent enqueue of its first write must not write it again, see
+--   include/guarded.lua), or "" for none   +3 the run record's header, tab-separated, or "" for none: kumiko
 --   root "kumiko:<prefix>:", message id, attempt, job, status, tenant ("" = none), origin id,
 --   order score (the attempt's start, ms). Status "" writes no record (a sequential hand-off:
 --   no attempt happened); "malformed": the message is dead-lettered unrun, and if its body
@@ -68,13 +72,17 @@
 -- @include ttl
 -- @include history
 -- @include caps_release
-local count, marker_ttl, completed_ttl, failed_ttl, cap, trim =
-    string.match(ARGV[3], "^(%d+) (%S+) (%S+) (%S+) (%d+) (%d+)$")
+local count, marker_ttl, completed_ttl, failed_ttl, cap, trim, tombstone_ttl =
+    string.match(ARGV[3], "^(%d+) (%S+) (%S+) (%S+) (%d+) (%d+) ?(%S*)$")
 if not count then
     error("kumiko: malformed settle batch head " .. tostring(ARGV[3]))
 end
 count = tonumber(count)
 ttl_ms(marker_ttl, "completed marker")
+if tombstone_ttl == "" then
+    tombstone_ttl = marker_ttl
+end
+ttl_ms(tombstone_ttl, "sent tombstone")
 completed_ttl = ttl_ms(completed_ttl, "completed run record")
 failed_ttl = ttl_ms(failed_ttl, "failed run record")
 local FIELDS = 11
@@ -207,6 +215,9 @@ for i, rid in ipairs(rids) do
         end
         if mine then
             results[i] = 1
+            if outcome ~= "completed" and ARGV[base + 2] ~= "" then
+                redis.call("set", ARGV[base + 2], "1", "PX", tombstone_ttl)
+            end
             if owned[i] then
                 acked[#acked + 1] = rid
             else

@@ -461,6 +461,7 @@ class Env:
         now: int = NOW,
         actor: str = "",
         dedup: str = "",
+        tombstone_ttl: int | None = None,
     ) -> Any:
         """settle (of r1, message m1) as the broker calls it, a batch of one: ARGV[3] the
         batch head ("1 <marker TTL> <completed TTL> <failed TTL> <cap> <trim>", the TTLs, cap
@@ -468,7 +469,9 @@ class Env:
         delivery's 11 arguments: redis id, outcome, marker key, record header (root ..
         origin, order score "" = now), record, dead note, retry (queue, redis id, body), the
         message's actor name ("" = not known), the dedup key it ended ("<index>\t<message
-        id>\t<key>", keys unprefixed, or "")."""
+        id>\t<key>", keys unprefixed, or ""). With ``tombstone_ttl`` the head ends with it and
+        an outcome other than "completed" carries r1's "sent" key (:data:`SENT`) as the broker
+        sends it; without, "" (no tombstone)."""
         completed_ttl, failed_ttl, cap, trim = COMPLETED_TTL, FAILED_TTL, CAP, 0
         record_header = ""
         if run_header:
@@ -477,10 +480,13 @@ class Env:
             record_header = "\t".join([*fields[:7], ""])
         args = [
             *self.head(worker=worker, now=now),
-            f"1 {marker_ttl} {completed_ttl} {failed_ttl} {cap} {trim}",
+            f"1 {marker_ttl} {completed_ttl} {failed_ttl} {cap} {trim}"
+            + ("" if tombstone_ttl is None else f" {tombstone_ttl}"),
             rid,
             outcome,
-            self.key(DONE_M1) if outcome == "completed" else "",
+            self.key(DONE_M1)
+            if outcome == "completed"
+            else ("" if tombstone_ttl is None else self.key(SENT)),
             self.key(record_header),
             self.encode(run),
             self.encode(note),

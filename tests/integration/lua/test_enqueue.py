@@ -391,6 +391,57 @@ def test_guarded_enqueue_behind_a_sent_marker_is_written_once(env: Env) -> None:
     env.assert_ttls({SENT: TTL, BELL: BELL_TTL})
 
 
+# guarded_enqueue with guard TTL 0 (KumikoBroker.enqueue on a lane queue): the "sent" key is
+# only read. The message is written unless its body is there (a re-sent command while the
+# first copy waits or runs) or the key holds the tombstone a body's end left (retry, dead
+# letter, plain ack, cancel); nothing of its own is set but the doorbell.
+@pytest.mark.parametrize(
+    ("given", "reply", "after"),
+    [
+        pytest.param(
+            {},
+            [1],
+            {LIST: ["r1"], MSGS: {"r1": "body"}, BELL: ["1"]},
+            id="new-written-no-key-set",
+        ),
+        pytest.param(
+            {LIST: ["r1"], MSGS: {"r1": "first"}},
+            [0],
+            {LIST: ["r1"], MSGS: {"r1": "first"}},
+            id="body-there-a-resend-writes-nothing",
+        ),
+        pytest.param(
+            {SENT: "1"},
+            [0],
+            {SENT: "1"},
+            id="tombstone-a-resend-after-its-end-writes-nothing",
+        ),
+    ],
+)
+def test_guarded_enqueue_on_a_lane_only_reads_its_sent_key(
+    env: Env, given: State, reply: list[int], after: State
+) -> None:
+    env.seed(given)
+
+    result = env.lua.guarded_enqueue(
+        keys=[env.key(MSGS), env.key(LIST), env.key(SENT)], args=["r1", "body", 0, "1"]
+    )
+
+    assert result == reply
+    env.assert_state(after)
+
+
+def test_guarded_enqueue_refuses_ttl_0_on_a_delay_queue(env: Env) -> None:
+    # A delayed body leaves its hash when it moves to its queue: it keeps its marker, so a
+    # TTL of 0 there is refused before anything is written.
+    with pytest.raises(redis.ResponseError, match="guard TTL must be an integer"):
+        env.lua.guarded_enqueue(
+            keys=[env.key(DQ_MSGS), env.key(DQ_LIST), env.key(SENT)],
+            args=["r1", "5000 moved", 0, "1"],
+        )
+    env.assert_state({})
+
+
 @pytest.mark.parametrize(
     ("given", "triples", "reply", "after", "ttls"),
     [

@@ -290,6 +290,9 @@ def test_qsize_of_nothing_is_zero(env: Env) -> None:
 # until due gets the cancel marker until due + GRACE (its move drops it); either way its run
 # record says "cancelled" (no worker) and a dedup key it holds is freed. Claimed from the lane
 # queue: it runs, nothing changes.
+RESEND_WINDOW = 60_000
+SENT_R1 = "kumiko:{p}:sent:r1"  # the tombstone of a message taken off a lane queue
+SENT_R5 = "kumiko:{p}:sent:r5"
 GRACE = 3_600_000
 DEDUP_M1 = "kumiko:{p}:dedup:app:job:sync:k1"
 KEYED_M1 = kumiko_message("m1", dedup_key="k1")
@@ -337,9 +340,10 @@ CANCELLED_M5 = record("m5", 1, "cancelled", q=ENQUEUED_AT, en=NOW, o="m1", tr="r
                 LIST: ["r0", "r1"],
                 MSGS: {"r0": "b0"},
                 WITHDRAWN: {"r1"},
+                SENT_R1: "1",
                 **indexed(CANCELLED_M1, ENQUEUED_AT),
             },
-            {run_hash("m1"): COMPLETED_TTL},
+            {run_hash("m1"): COMPLETED_TTL, SENT_R1: RESEND_WINDOW},
             id="waiting-in-the-queue-body-deleted-id-withdrawn-record-cancelled",
         ),
         pytest.param(
@@ -353,9 +357,10 @@ CANCELLED_M5 = record("m5", 1, "cancelled", q=ENQUEUED_AT, en=NOW, o="m1", tr="r
                 SUSPECTS: ["r1"],
                 WITHDRAWN: {"r1"},
                 INFLIGHT: {"r2": entry(1)},
+                SENT_R1: "1",
                 **indexed(CANCELLED_M1, ENQUEUED_AT),
             },
-            {run_hash("m1"): COMPLETED_TTL},
+            {run_hash("m1"): COMPLETED_TTL, SENT_R1: RESEND_WINDOW},
             id="waiting-suspect-withdrawn-with-its-in-flight-entry",
         ),
         pytest.param(
@@ -366,9 +371,10 @@ CANCELLED_M5 = record("m5", 1, "cancelled", q=ENQUEUED_AT, en=NOW, o="m1", tr="r
                 PARKED: ["r1", "r2"],
                 PARKED_WITHDRAWN: {"r1"},
                 MSGS: {"r2": "b2"},
+                SENT_R1: "1",
                 **indexed(CANCELLED_M1, ENQUEUED_AT),
             },
-            {run_hash("m1"): COMPLETED_TTL},
+            {run_hash("m1"): COMPLETED_TTL, SENT_R1: RESEND_WINDOW},
             id="parked-withdrawn-from-its-job",
         ),
         pytest.param(
@@ -423,9 +429,10 @@ CANCELLED_M5 = record("m5", 1, "cancelled", q=ENQUEUED_AT, en=NOW, o="m1", tr="r
                 LIST: ["r1"],
                 WITHDRAWN: {"r1"},
                 DEDUP_M1_INDEX: Z({"k2": 6}),
+                SENT_R1: "1",
                 **indexed(J({**CANCELLED_M1, "dk": "k1"}), ENQUEUED_AT),
             },
-            {run_hash("m1"): COMPLETED_TTL},
+            {run_hash("m1"): COMPLETED_TTL, SENT_R1: RESEND_WINDOW},
             id="its-dedup-key-is-freed-and-out-of-the-index",
         ),
         pytest.param(
@@ -441,16 +448,17 @@ CANCELLED_M5 = record("m5", 1, "cancelled", q=ENQUEUED_AT, en=NOW, o="m1", tr="r
                 WITHDRAWN: {"r1"},
                 DEDUP_M1: {"id": "m7", "state": "queued"},
                 DEDUP_M1_INDEX: Z({"k1": 5}),
+                SENT_R1: "1",
                 **indexed(J({**CANCELLED_M1, "dk": "k1"}), ENQUEUED_AT),
             },
-            {run_hash("m1"): COMPLETED_TTL},
+            {run_hash("m1"): COMPLETED_TTL, SENT_R1: RESEND_WINDOW},
             id="a-dedup-key-now-another-ids-is-kept",
         ),
         pytest.param(
             {LIST: ["r5"], MSGS: {"r5": HANDOFF_M5}},
             [1, QUEUE, "r5"],
-            {LIST: ["r5"], WITHDRAWN: {"r5"}, **indexed(CANCELLED_M5, ENQUEUED_AT)},
-            {run_hash("m5"): COMPLETED_TTL, by_origin("m1"): LONG_TTL},
+            {LIST: ["r5"], WITHDRAWN: {"r5"}, SENT_R5: "1", **indexed(CANCELLED_M5, ENQUEUED_AT)},
+            {run_hash("m5"): COMPLETED_TTL, by_origin("m1"): LONG_TTL, SENT_R5: RESEND_WINDOW},
             id="a-hand-off-carrying-the-id-on-is-cancelled",
         ),
     ],
@@ -470,6 +478,7 @@ def test_cancel(
             COMPLETED_TTL,
             FAILED_TTL,
             GRACE,
+            RESEND_WINDOW,
             *(env.key(place) for place in PLACES),
         ],
     )

@@ -39,6 +39,7 @@ from tests.integration.lua.tables import (
     RECORD,
     RUN_WORKER,
     SECOND_ATTEMPT,
+    SENT,
     SUSPECTS,
     TENANT_JOB,
     TTL,
@@ -248,6 +249,41 @@ def test_settle(
     env.assert_state(after)
     env.assert_expiry(expiry)
     assert env.heartbeat("w1") == NOW
+
+
+# The broker sends r1's "sent" key with every outcome but "completed": a delivery of this
+# worker's whose body goes otherwise (a retry or hand-off, a dead letter, a plain ack) leaves
+# it as a tombstone for the resend window, so a re-sent enqueue of r1's first write finds it
+# (include/guarded.lua); one no longer this worker's writes none (its body is not deleted
+# here); a completed one writes its "already completed" marker instead.
+TOMBSTONE_TTL = 90_000
+
+
+@pytest.mark.parametrize(
+    ("given", "outcome", "tombstone"),
+    [
+        pytest.param(SETTLE_OWNED, "ack", True, id="ack-owned"),
+        pytest.param(SETTLE_OWNED, "retry", True, id="retry-owned"),
+        pytest.param(SETTLE_OWNED, "dead", True, id="dead-owned"),
+        pytest.param(SETTLE_FOREIGN, "ack", False, id="ack-not-owned"),
+        pytest.param(SETTLE_FOREIGN, "dead", False, id="dead-not-owned"),
+        pytest.param(SETTLE_OWNED, "completed", False, id="completed-marker-instead"),
+    ],
+)
+def test_settle_leaves_a_sent_tombstone_where_a_body_ends_otherwise(
+    env: Env, given: State, outcome: str, tombstone: bool
+) -> None:
+    env.seed(given)
+    retry = (QUEUE, "r3", "retry") if outcome == "retry" else None
+
+    env.settle(outcome, retry=retry, tombstone_ttl=TOMBSTONE_TTL)
+
+    if tombstone:
+        assert env.client.get(env.key(SENT)) == b"1"
+        env.assert_ttls({SENT: TOMBSTONE_TTL})
+    else:
+        assert not env.client.exists(env.key(SENT))
+    assert bool(env.client.exists(env.key(DONE_M1))) == (outcome == "completed")
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,8 @@
 --   goes on Dramatiq's list as Dramatiq writes it (lua/schedule_legacy.lua moves it later).
 -- write_message(messages, list, rid, body): Dramatiq's write, whatever the queue (the
 --   "enqueue" command, Dramatiq's own, uses it).
+-- push_message(messages, list, rid, body): the rest of write_message once the body is in
+--   `messages`: its count, its id on the list, the doorbell.
 -- @include bell
 -- @include counts
 local function schedule_message(messages, list, rid, delay_ms, body, counted)
@@ -35,12 +37,16 @@ end
 -- (fetch_lane), and an idle consumer's wait is the backstop.
 local RING_UNTIL = 16
 
-local function write_message(messages, list, rid, body, counted)
-    redis.call("hset", messages, rid, body)
+local function push_message(messages, list, rid, body, counted)
     count_body(messages, rid, body, 1, counted)
     if redis.call("rpush", list, rid) <= RING_UNTIL then
         ring(list)
     end
+end
+
+local function write_message(messages, list, rid, body, counted)
+    redis.call("hset", messages, rid, body)
+    push_message(messages, list, rid, body, counted)
 end
 
 local function enqueue_message(messages, list, rid, body, counted)
