@@ -14,8 +14,8 @@ hot scripts as the broker runs them: ``FCALL`` of the function library; an expor
 the library, by ``EVALSHA``):
 
 - enqueue: kumiko's ``guarded_enqueue`` (the message unless its body or its "sent" key is
-  there, its per-job count, the doorbell) vs Dramatiq's ``enqueue`` (``dispatch.lua``), a typical no-op job's body
-  each;
+  there, its per-job count, the doorbell) vs Dramatiq's ``enqueue`` (``dispatch.lua``), a
+  typical no-op job's body each;
 - drain: kumiko's ``fetch_lane`` of ``--batch`` messages then one ``settle`` of them all
   (completed, run record and marker, counts ready) vs Dramatiq's ``fetch`` of ``--batch`` then
   one ``ack`` per message;
