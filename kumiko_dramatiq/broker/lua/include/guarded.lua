@@ -14,6 +14,10 @@
 -- (the fetch drops a copy of a completed message id), else a "sent" tombstone (settle.lua:
 -- a retry, a sequential hand-off, a dead letter, a plain ack; cancel.lua). So the hot path
 -- writes no key of its own; the tombstones are written only where a body ends otherwise.
+-- Two ends leave none: a purge (a million tombstones would fill Redis; docs/operations.md),
+-- and the fetch's dead letter of a message delivered max_deliveries times (each redelivery
+-- follows a worker silent for heartbeat_timeout_ms, a minute by default: the resend window
+-- is long past).
 -- @include enqueue
 -- @include ttl
 local function enqueue_unless_guarded(messages, list, rid, body, guard, guard_value, guard_ttl_ms,
