@@ -7,17 +7,17 @@
 -- for good.
 -- Guard TTL "0": the guard is a "sent" key that is only read, never set here (a new message
 -- on a kumiko lane queue, not delayed: KumikoBroker.enqueue; on a delay queue "0" is refused
--- as any TTL below 1 ms: its move to the queue deletes its body, so it keeps its marker). The message is written unless
--- that key exists or its body does (HSETNX): a command re-sent after a dropped connection
--- finds the body of its first write while that copy waits or runs; once it has run, the key
--- its end wrote for the resend window: the "already completed" marker for a completed run
--- (the fetch drops a copy of a completed message id), else a "sent" tombstone (settle.lua:
--- a retry, a sequential hand-off, a dead letter, a plain ack; cancel.lua). So the hot path
--- writes no key of its own; the tombstones are written only where a body ends otherwise.
--- Two ends leave none: a purge (a million tombstones would fill Redis; docs/operations.md),
--- and the fetch's dead letter of a message delivered max_deliveries times (each redelivery
--- follows a worker silent for heartbeat_timeout_ms, a minute by default: the resend window
--- is long past).
+-- as any TTL below 1 ms: its move to the queue deletes its body, so it keeps its marker).
+-- The message is written unless that key exists or its body does (HSETNX): a command re-sent
+-- after a dropped connection finds the body of its first write while that copy waits or runs;
+-- once it has run, the key its end wrote for the resend window: the "already completed" marker
+-- for a completed run (the fetch drops a copy of a completed message id), else a "sent"
+-- tombstone (settle.lua: a retry, a sequential hand-off, a dead letter, a plain ack;
+-- cancel.lua). So the hot path writes no key of its own; the tombstones are written only where
+-- a body ends otherwise. Two ends leave none: a purge (a million tombstones would fill Redis;
+-- docs/operations.md), and the fetch's dead letter of a message delivered max_deliveries times
+-- (each redelivery follows a worker silent for heartbeat_timeout_ms, a minute by default: the
+-- resend window is long past).
 -- @include enqueue
 -- @include ttl
 local function enqueue_unless_guarded(messages, list, rid, body, guard, guard_value, guard_ttl_ms,
