@@ -68,11 +68,13 @@ def drive(ctx: Context) -> dict[str, Any]:
         retried_once.send()
         asks_for_retry.send()
         big_failure.send()
+        # each last attempt's "processed" event: recorded after the actor's own record (and
+        # a dead letter's after its "processed" one), so the worker may stop once they are in
         seen = ctx.wait(
             lambda s: (
-                len(of(s, "flaky_done")) == 1
-                and len(of(s, "exhausted")) == 1
-                and len(of(s, "retry_done")) == 1
+                len(of(s, "processed", actor="flaky", error=None)) == 1
+                and len(of(s, "processed", actor="exhausted")) == 1
+                and len(of(s, "processed", actor="asks_for_retry", error=None)) == 1
                 and len(of(s, "dead")) == 4
             ),
             "every actor's last attempt",
