@@ -477,6 +477,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         claimer: KumikoConsumer | None = None,
         actor: str = "",
         dedup: tuple[str, str, str] | None = None,
+        tombstone: bool = True,
     ) -> int:
         """The outcome of one delivery from a lane queue (``lua/settle.lua``), sent together
         with the settles of the other deliveries of ``queue_name`` that end at about the same
@@ -494,7 +495,10 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         is sent without waiting to gather others. ``claimer``: the consumer the delivery came
         from, whose next messages the call may claim too (:meth:`settle_batch`). ``actor``: the
         message's actor name as decoded at fetch ("" if not known): its per-job count is then
-        kept without reading its body back into the script."""
+        kept without reading its body back into the script. ``tombstone``: whether an outcome
+        other than "completed" leaves the "sent" tombstone of ``redis_message_id`` (see
+        :meth:`enqueue`); ``False`` for a copy a settle wrote (a retry, a hand-off), whose
+        redis id no enqueue command carries."""
         header, record, note = "", "", ""
         if run is not None:
             header = "\t".join(
@@ -515,7 +519,9 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             outcome if slot is None else f"{outcome} {slot[0]} {slot[1]}",
             keys.completed(self.queue_prefix, message_id)
             if outcome == "completed"
-            else keys.sent(self.queue_prefix, redis_message_id),
+            else keys.sent(self.queue_prefix, redis_message_id)
+            if tombstone
+            else "",
             header,
             record,
             note,

@@ -29,6 +29,7 @@ from kumiko_dramatiq.broker.keys import consumer_acks, is_delay_queue, queue_bel
 from kumiko_dramatiq.broker.outage import Outage
 from kumiko_dramatiq.broker.replies import text
 from kumiko_dramatiq.broker.seam import work_handoff
+from kumiko_dramatiq.codec import FAILURES, TRIGGER
 
 if TYPE_CHECKING:
     from kumiko_dramatiq.broker.broker import KumikoBroker
@@ -705,6 +706,7 @@ class KumikoConsumer(Consumer):
                 run=None if settlement is None else settlement.run,
                 claimer=self,
                 dedup=None if settlement is None else settlement.dedup,
+                tombstone=_written_by_enqueue(message),
                 **options,
             )
             if settlement is None or not reply & DEDUP_FOLLOW_UP:
@@ -754,3 +756,11 @@ def _redis_id(message: MessageProxy) -> str:
     if isinstance(message, Delivery):
         return message.redis_message_id
     return str(message.options["redis_message_id"])
+
+
+def _written_by_enqueue(message: MessageProxy) -> bool:
+    """Whether ``message`` may have been written by an enqueue command, whose re-send its end
+    must leave a tombstone for: not a retry (``kumiko_failures`` > 0) or a sequential
+    hand-off (trigger "requeue"), which the settle of the delivery before wrote."""
+    options = message.options
+    return not options.get(FAILURES) and options.get(TRIGGER) != "requeue"

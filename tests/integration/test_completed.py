@@ -1,4 +1,5 @@
-"""The "already completed" marker: a message id that completed never runs again."""
+"""The "already completed" marker: a message id that completed never runs again; a command
+re-sent after a dropped connection writes nothing twice."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import redis
 from dramatiq.middleware import Middleware
 
 from kumiko_dramatiq import Feature, JobContext, Registry
+from kumiko_dramatiq.ids import redis_message_id
 from tests.conftest import Recorder, RunnerFactory, wait_for
 
 
@@ -18,6 +20,8 @@ def registry(**options: Any) -> Registry:
     def send(payload: dict[str, Any], ctx: JobContext) -> None:
         if payload.get("fail_first") and ctx.attempt == 1:
             raise RuntimeError("first attempt fails")
+        if ctx.attempt < payload.get("succeed_on", 1):
+            raise RuntimeError(f"attempt {ctx.attempt} fails")
 
     return Registry([feature])
 
@@ -150,3 +154,18 @@ def test_an_enqueue_resent_after_completion_is_dropped_unrun_at_the_fetch(
     recorder.wait_until(lambda r: len(r.of("complete")) == 2)
     runner.broker.join(f"{prefix}-worker")
     assert started(recorder) == [(message_id, 1), (fresh, 1)]
+
+
+def test_only_a_first_write_leaves_a_tombstone_not_the_retries_a_settle_wrote(
+    make_runner: RunnerFactory, recorder: Recorder, redis_client: redis.Redis, prefix: str
+) -> None:
+    runner = make_runner(registry(retries=2), **recorder.hooks())
+    runner.start()
+    message_id = runner.dispatch("billing:job:send", {"succeed_on": 3})
+    recorder.wait_until(lambda r: len(r.of("complete")) == 1)
+    assert [e.meta.attempt for e in recorder.of("start")] == [1, 2, 3]
+    # the first write's redis id was carried by an enqueue command: its end left the
+    # tombstone; the retry of attempt 2 was written by the settle of attempt 1: none
+    sent = f"kumiko:{prefix}:sent:"
+    assert redis_client.exists(sent + redis_message_id(message_id))
+    assert not redis_client.exists(sent + redis_message_id(message_id, 2))
