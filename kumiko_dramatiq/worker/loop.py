@@ -66,11 +66,18 @@ class EventLoopThread:
             task.add_done_callback(settle)
 
         def cancel() -> None:
+            # runs after start() if that was scheduled (the loop runs callbacks in order): an
+            # interruption that landed before it was leaves no task, and nothing to wait for
+            if not tasks:
+                coro.close()
+                ended.set()
             for task in tasks:
                 task.cancel()
 
-        loop.call_soon_threadsafe(start)
         try:
+            # inside the try: an interruption landing right after the task was scheduled, as
+            # it starts, still cancels it and waits for its end
+            loop.call_soon_threadsafe(start)
             while not outcome.done():
                 concurrent.futures.wait([outcome], timeout=_WAIT_SLICE_S)
             return outcome.result()

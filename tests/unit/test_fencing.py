@@ -142,6 +142,52 @@ def test_an_async_handler_is_cancelled_and_has_ended_when_the_wait_returns() -> 
         loop.stop()
 
 
+async def _tasks_besides_this() -> int:
+    return len(asyncio.all_tasks() - {asyncio.current_task()})
+
+
+def test_an_interruption_landing_as_the_task_is_scheduled_still_cancels_it() -> None:
+    # The asynchronous exception lands at the first bytecode after the handler's task was
+    # scheduled (here: raised by the scheduling call itself, once it scheduled): the task
+    # is cancelled and has ended when the wait returns, as for one landing later.
+    loop, started = EventLoopThread("test"), threading.Event()
+    cleaned: list[str] = []
+    real = loop._ensure_started()
+
+    class LandsAfterScheduling:
+        def __init__(self) -> None:
+            self.first = True
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def call_soon_threadsafe(self, callback: Any, *args: Any) -> Any:
+            handle = real.call_soon_threadsafe(callback, *args)
+            if self.first:
+                self.first = False
+                raise Stop()
+            return handle
+
+    async def handler() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        finally:
+            cleaned.append("finally ran")
+
+    loop._ensure_started = LandsAfterScheduling  # type: ignore[assignment, method-assign]
+    try:
+        with pytest.raises(Stop):
+            loop.run(handler())
+        # no task of the handler is left running (with the exception landing outside the
+        # wait, it would sleep on)
+        assert asyncio.run_coroutine_threadsafe(_tasks_besides_this(), real).result(10) == 0
+        assert cleaned == (["finally ran"] if started.is_set() else [])
+    finally:
+        loop._ensure_started = lambda: real  # type: ignore[method-assign]
+        loop.stop()
+
+
 def test_an_async_handler_returns_its_result_and_raises_its_error() -> None:
     loop = EventLoopThread("test")
 
