@@ -151,7 +151,11 @@ def settle_entry(rid: str, message_id: str, fields: int = 11) -> list[str]:
         | {"s": "completed", "q": NOW - 700, "st": NOW, "en": NOW, "w": "host:1"},
         separators=(",", ":"),
     )
-    entry = [rid, "completed", f"{ROOT}done:{message_id}", header, record, "", "", "", ""]
+    marker = f"{ROOT}done:{message_id}"
+    if fields >= 18:  # the header as separate arguments, the origin "" (= the message id)
+        head = [ROOT, message_id, "1", JOB, "completed", "", "", str(NOW)]
+        return [rid, "completed", marker, *head, record, "", "", "", "", JOB, ""]
+    entry = [rid, "completed", marker, header, record, "", "", "", ""]
     # the actor, then the dedup key ended: not in exports from before they were
     return entry + [JOB, ""][: fields - len(entry)]
 

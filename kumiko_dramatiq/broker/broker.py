@@ -81,7 +81,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 from uuid import UUID, uuid4, uuid5
 
 import redis
@@ -140,6 +140,9 @@ MAINTENANCE_SCALE = 1_000_000
 #: One settle call in this many also trims the run history (ages and cap), dropping at most
 #: this many records beyond the cap: the trimming keeps pace with the writes at a shared cost.
 TRIM_BUDGET = 32
+
+#: A settle's run-record header when it writes no record (``lua/settle.lua``, +3 .. +10).
+NO_RECORD: Final = ("",) * 8
 
 
 _MOVED_NAMESPACE = UUID("9d4b7e0c-2f5a-5c8e-b1d3-7a6f4c2e9b01")
@@ -499,19 +502,18 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         other than "completed" leaves the "sent" tombstone of ``redis_message_id`` (see
         :meth:`enqueue`); ``False`` for a copy a settle wrote (a retry, a hand-off), whose
         redis id no enqueue command carries."""
-        header, record, note = "", "", ""
+        header: tuple[str, ...] = NO_RECORD
+        record, note = "", ""
         if run is not None:
-            header = "\t".join(
-                (
-                    keys.root(self.queue_prefix),
-                    run.message_id,
-                    str(run.attempt),
-                    run.job,
-                    run.status,
-                    run.tenant,
-                    run.origin,
-                    "" if run.started_ms is None else str(run.started_ms),
-                )
+            header = (
+                keys.root(self.queue_prefix),
+                run.message_id,
+                str(run.attempt),
+                run.job,
+                run.status,
+                run.tenant,
+                "" if run.origin == run.message_id else run.origin,
+                "" if run.started_ms is None else str(run.started_ms),
             )
             record, note = run.record, run.dead_note
         entry: list[Any] = [
@@ -522,7 +524,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             else keys.sent(self.queue_prefix, redis_message_id)
             if tombstone
             else "",
-            header,
+            *header,
             record,
             note,
         ]
@@ -551,7 +553,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         client: redis.Redis | None,
         claimers: Sequence[object | None] = (),
     ) -> list[int]:
-        """One call of ``lua/settle.lua`` for ``entries`` (each the 11 arguments of one
+        """One call of ``lua/settle.lua`` for ``entries`` (each the 18 arguments of one
         delivery); one reply per entry. When the first of ``claimers`` (the consumers the
         deliveries came from) has room once they are settled, the same call claims its next
         messages (:meth:`KumikoConsumer.begin_claim`), as its own fetch would: a steadily

@@ -7,7 +7,7 @@
 --         0, or how many records beyond the cap to drop now (about once per 32 records
 --         written, see trim_runs); the tombstone TTL (the resend window) defaults to the
 --         marker's
--- Then 11 arguments per delivery, from ARGV[4]:
+-- Then 18 arguments per delivery, from ARGV[4]:
 --   +0 redis message id   +1 outcome: "ack" | "completed" | "retry" (a failed attempt's
 --   retry, or a sequential hand-off) | "dead", followed by " <slots key> <owner token>" for a
 --   run holding a capped job's slot (include/caps.lua): the slot is given back, whoever's
@@ -15,23 +15,26 @@
 --   at at once   +2 the key its end writes: its "already completed" marker (outcome
 --   "completed"), else its "sent" tombstone, written iff the delivery is this worker's (its
 --   body goes: a re-sent enqueue of its first write must not write it again, see
---   include/guarded.lua), or "" for none   +3 the run record's header, tab-separated, or "" for none: kumiko
---   root "kumiko:<prefix>:", message id, attempt, job, status, tenant ("" = none), origin id,
---   order score (the attempt's start, ms). Status "" writes no record (a sequential hand-off:
---   no attempt happened); "malformed": the message is dead-lettered unrun, and if its body
---   reads as kumiko's, its attempt's record says "dead" with the reason in +4
---   +4 the run record (JSON)   +5 the dead letter's note (JSON, outcome "dead"; "" = none),
---   kept as long as dead letters   +6 retry queue (a delay queue if delayed)   +7 retry redis
---   id   +8 the encoded retry (outcome "retry" only; else "")   +9 the actor name of the
---   delivered message as the worker decoded it ("" = not known: read off its body; see
---   forget_bodies in include/counts.lua)   +10 the dedup key the delivery's job ended with
+--   include/guarded.lua), or "" for none   +3 .. +10 the run record's header: kumiko root
+--   "kumiko:<prefix>:" ("" = no record; the rest of the header is then ""), message id,
+--   attempt, job, status, tenant ("" = none), origin id ("" = the message id), order score
+--   (the attempt's start, ms, digits; "" = now); separate arguments, not one to split: a
+--   pattern over a header costs Redis's Lua about 12,000 instructions, more than the
+--   arguments' own. Status "" writes no record (a sequential hand-off: no attempt
+--   happened); "malformed": the message is dead-lettered unrun, and if its body reads as
+--   kumiko's, its attempt's record says "dead" with the reason in +11
+--   +11 the run record (JSON)   +12 the dead letter's note (JSON, outcome "dead"; "" =
+--   none), kept as long as dead letters   +13 retry queue (a delay queue if delayed)   +14
+--   retry redis id   +15 the encoded retry (outcome "retry" only; else "")   +16 the actor
+--   name of the delivered message as the worker decoded it ("" = not known: read off its
+--   body; see forget_bodies in include/counts.lua)   +17 the dedup key the delivery's job ended with
 --   for good (include/dedup_index.lua), "<index key>\t<message id>\t<dedup key>", or "":
 --   iff the key's record still points at that message id, it is freed (deleted, with its
 --   index entry), whoever's delivery it is now (the job ended for good either way; the owner
 --   check makes a second settle a no-op); unless a trigger during the run left a follow-up
 --   in it (fid): then nothing of that delivery is written (not its ack, record or marker)
 --   and its reply is 2, for the worker to hand the key to the follow-up first
---   (lua/dedup_finish.lua, lua/dedup_handover.lua) and then settle it again without +10, so
+--   (lua/dedup_finish.lua, lua/dedup_handover.lua) and then settle it again without +17, so
 --   a worker killed in between leaves the delivery to be redelivered, as before the key
 --   moved on: the follow-up is never lost behind an acknowledged message. Such a delivery
 --   recovered by maintenance meanwhile is taken back (its waiting copy removed, its ack set
@@ -53,7 +56,7 @@
 -- The writes common to the batch are one command each (ack set, message hash, in-flight
 -- hash, each run index, each stats counter).
 -- After the deliveries, optionally, the claim of the settling consumer's next messages (a
--- steadily draining consumer then sends no fetch of its own): ARGV[4 + 11 * deliveries ..] as
+-- steadily draining consumer then sends no fetch of its own): ARGV[4 + 18 * deliveries ..] as
 -- fetch_lane's ARGV[3..7] (claim head "<N> <messages the consumer holds once these are
 -- settled> <max deliveries> <completed TTL> <failed TTL>", "already completed" marker
 -- prefix, kumiko root, "host:pid", the slots' lease TTL ms on a lane with capped jobs).
@@ -63,7 +66,7 @@
 -- the claim could not take them), so a freed slot's oldest waiter goes to the consumer that
 -- has just freed a worker thread: the fastest hand-over there is (no doorbell, no fetch).
 -- Returns one number per delivery: 1 if it was (or became again) this worker's, else 0; 2
--- if it was left for its dedup key's follow-up (+10); with a claim, {those, fetch_lane's
+-- if it was left for its dedup key's follow-up (+17); with a claim, {those, fetch_lane's
 -- reply}.
 -- @include lane_claim
 -- @include dispatch
@@ -85,7 +88,7 @@ end
 ttl_ms(tombstone_ttl, "sent tombstone")
 completed_ttl = ttl_ms(completed_ttl, "completed run record")
 failed_ttl = ttl_ms(failed_ttl, "failed run record")
-local FIELDS = 11
+local FIELDS = 18
 local claim_at = 4 + count * FIELDS
 local claiming = ARGV[claim_at] ~= nil
 local released = {}
@@ -118,7 +121,7 @@ end
 -- fails the call before it writes anything)
 local dedup_ends, deferred = {}, {}
 for i = 1, count do
-    local field = ARGV[4 + (i - 1) * FIELDS + 10]
+    local field = ARGV[4 + (i - 1) * FIELDS + 17]
     if field ~= "" then
         local index, mid, key = string.match(field, "^([^\t]*)\t([^\t]*)\t(.*)$")
         local head, job = string.match(index or "", "^(.-)dedupidx:(.*)$")
@@ -135,10 +138,11 @@ for i = 1, count do
 end
 for i = 1, count do
     local base = 4 + (i - 1) * FIELDS
-    if (owned[i] or recovered[i]) and not deferred[i]
+    -- (an encoded retry comes with outcome "retry" only: the common case reads no outcome)
+    if ARGV[base + 15] ~= "" and (owned[i] or recovered[i]) and not deferred[i]
         and string.match(ARGV[base + 1], "^%a+") == "retry" then
-        local retry_list = namespace .. ":" .. ARGV[base + 6]
-        enqueue_message(retry_list .. ".msgs", retry_list, ARGV[base + 7], ARGV[base + 8])
+        local retry_list = namespace .. ":" .. ARGV[base + 13]
+        enqueue_message(retry_list .. ".msgs", retry_list, ARGV[base + 14], ARGV[base + 15])
     end
 end
 -- A delivery left for its key's follow-up stays this worker's: one recovered meanwhile has its
@@ -165,9 +169,9 @@ for i, rid in ipairs(rids) do
         results[i] = 2 -- untouched: the worker hands its key over, then settles it again
     else
         local base = 4 + (i - 1) * FIELDS
-        local outcome, header = ARGV[base + 1], ARGV[base + 3]
+        local outcome, root = ARGV[base + 1], ARGV[base + 3]
         local slot_key, slot_token = nil, nil
-        if string.find(outcome, " ", 1, true) then
+        if #outcome > 9 and string.find(outcome, " ", 1, true) then -- longer than "completed"
             outcome, slot_key, slot_token = string.match(outcome, "^(%a+) (%S+) (%S+)$")
             if claiming then
                 released[#released + 1] = caps_release(slot_key, slot_token, nil)
@@ -184,27 +188,30 @@ for i, rid in ipairs(rids) do
         if outcome == "completed" then
             redis.call("set", ARGV[base + 2], "1", "PX", marker_ttl)
         end
-        local root, mid, attempt, job, status, tenant, origin, score
-        if header ~= "" then
-            root, mid, attempt, job, status, tenant, origin, score = string.match(header,
-                "^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(%d*)$")
-            if not root then
-                error("kumiko: malformed run record header " .. header)
+        local mid, attempt, job, status, tenant, origin, score
+        if root == "" then
+            root = nil
+        else
+            mid, attempt, job, status = ARGV[base + 4], ARGV[base + 5], ARGV[base + 6], ARGV[base + 7]
+            tenant, origin, score = ARGV[base + 8], ARGV[base + 9], ARGV[base + 10]
+            if origin == "" then
+                origin = mid
             end
         end
         if root and status == "malformed" then
             local claimed_by = entry and string.match(entry, "^%d+|%d+|(.+)$")
             local run = run_of(root, redis.call("hget", queue_messages, rid), claimed_by or worker)
             if run then
-                run.s, run.en, run.et, run.em = "dead", now, "MalformedMessage", ARGV[base + 4]
-                if inflight_count(entry) > 1 then
-                    run.n = inflight_count(entry)
+                run.s, run.en, run.et, run.em = "dead", now, "MalformedMessage", ARGV[base + 11]
+                local deliveries = inflight_count(entry)
+                if deliveries > 1 then
+                    run.n = deliveries
                 end
                 put_run(root, run.m, run.a, run.j, "dead", run.t or "", run.o, run.q or now,
                     cjson.encode(run), completed_ttl, failed_ttl, now)
             end
         elseif root and status ~= "" then
-            local record = ARGV[base + 4]
+            local record = ARGV[base + 11]
             local deliveries = inflight_count(entry)
             if deliveries > 1 then
                 record = string.sub(record, 1, -2) .. ',"n":' .. deliveries .. "}"
@@ -230,12 +237,12 @@ for i, rid in ipairs(rids) do
                 dead_count = dead_count + 1
                 dead_letter(rid)
                 now = head_now
-                if root and ARGV[base + 5] ~= "" then
-                    redis.call("set", root .. "dead:" .. mid, ARGV[base + 5], "PX", dead_ttl)
+                if root and ARGV[base + 12] ~= "" then
+                    redis.call("set", root .. "dead:" .. mid, ARGV[base + 12], "PX", dead_ttl)
                 end
             else
                 forgotten[#forgotten + 1] = rid
-                forgotten_actors[#forgotten] = ARGV[base + 9]
+                forgotten_actors[#forgotten] = ARGV[base + 16]
             end
         else
             results[i] = 0
@@ -258,9 +265,8 @@ end
 forget_bodies(queue_messages, forgotten, forgotten_actors)
 flush_runs()
 if tonumber(trim) > 0 then
-    local header = ARGV[4 + 3]
-    local root = string.match(header, "^([^\t]*)\t")
-    if root then
+    local root = ARGV[4 + 3]
+    if root ~= "" then
         trim_runs(root, tonumber(cap), tonumber(trim), completed_ttl, failed_ttl, now,
             indexed_job)
     end

@@ -466,18 +466,18 @@ class Env:
         """settle (of r1, message m1) as the broker calls it, a batch of one: ARGV[3] the
         batch head ("1 <marker TTL> <completed TTL> <failed TTL> <cap> <trim>", the TTLs, cap
         and trim from ``run_header``, :func:`header`'s old single-settle layout), then the
-        delivery's 11 arguments: redis id, outcome, marker key, record header (root ..
-        origin, order score "" = now), record, dead note, retry (queue, redis id, body), the
-        message's actor name ("" = not known), the dedup key it ended ("<index>\t<message
-        id>\t<key>", keys unprefixed, or ""). With ``tombstone_ttl`` the head ends with it and
-        an outcome other than "completed" carries r1's "sent" key (:data:`SENT`) as the broker
-        sends it; without, "" (no tombstone)."""
+        delivery's 18 arguments: redis id, outcome, marker key, record header (8 arguments:
+        root .. origin, order score "" = now; all "" without ``run_header``), record, dead
+        note, retry (queue, redis id, body), the message's actor name ("" = not known), the
+        dedup key it ended ("<index>\t<message id>\t<key>", keys unprefixed, or ""). With
+        ``tombstone_ttl`` the head ends with it and an outcome other than "completed" carries
+        r1's "sent" key (:data:`SENT`) as the broker sends it; without, "" (no tombstone)."""
         completed_ttl, failed_ttl, cap, trim = COMPLETED_TTL, FAILED_TTL, CAP, 0
-        record_header = ""
+        record_header = [""] * 8
         if run_header:
             fields = run_header.split("\t")
             completed_ttl, failed_ttl, cap, trim = (int(f) for f in fields[7:11])
-            record_header = "\t".join([*fields[:7], ""])
+            record_header = [*(self.key(field) for field in fields[:7]), ""]
         args = [
             *self.head(worker=worker, now=now),
             f"1 {marker_ttl} {completed_ttl} {failed_ttl} {cap} {trim}"
@@ -487,7 +487,7 @@ class Env:
             self.key(DONE_M1)
             if outcome == "completed"
             else ("" if tombstone_ttl is None else self.key(SENT)),
-            self.key(record_header),
+            *record_header,
             self.encode(run),
             self.encode(note),
         ]

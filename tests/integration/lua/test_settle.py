@@ -331,7 +331,7 @@ def test_settle_uncounts_the_bodies_it_deletes(
     args: list[str | int] = [*env.head(), f"2 {TTL} {COMPLETED_TTL} {FAILED_TTL} 100 0"]
     for rid in ("r1", "r2"):
         actor = bodies.get(rid, "a") if actors_known else ""
-        args += [rid, "ack", "", "", "", "", "", "", "", actor, ""]
+        args += [rid, "ack", "", *[""] * 8, "", "", "", "", "", actor, ""]
     replies = env.lua.settle(keys=[NAMESPACE, env.key(INFLIGHT), env.key(SUSPECTS)], args=args)
 
     # Then the bodies are gone, each counted down iff it was there and counted

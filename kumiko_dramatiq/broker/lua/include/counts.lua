@@ -147,11 +147,12 @@ end
 
 -- forget_bodies(messages, rids, actors): delete the bodies of rids (distinct) from
 -- `messages`, uncounting each one that was there. actors[i] is rid's actor name as the
--- caller decoded it from that body, or "" if not known: a known one's body is not read (an
--- HDEL of its own says whether it was there; it may not be, a cancel or a purge deletes the
--- body of a message out with a worker), an unknown one's is, as uncount_many reads it. A
--- body is about 12 instructions a byte to bring into Lua: reading it costs more than the
--- HDELs.
+-- caller decoded it from that body, or "" if not known: a known one's body is not read (one
+-- HDEL per actor says how many of its bodies were there, with ready counts; one per body
+-- while a backfill runs, which looks at each; a body may be gone, a cancel or a purge
+-- deletes the body of a message out with a worker), an unknown one's is, as uncount_many
+-- reads it. A body is about 12 instructions a byte to bring into Lua: reading it costs more
+-- than the HDELs.
 local function forget_bodies(messages, rids, actors)
     if #rids == 0 then
         return
@@ -163,15 +164,41 @@ local function forget_bodies(messages, rids, actors)
         return
     end
     local unknown, deltas = {}, {}
-    for i, rid in ipairs(rids) do
-        local actor = actors[i]
-        if actor == "" then
-            unknown[#unknown + 1] = rid
-        elseif redis.call("hdel", messages, rid) == 1 then
-            note_uncount(deltas, counts, kind, mode, rid, actor)
+    if mode == "b" then
+        for i, rid in ipairs(rids) do
+            local actor = actors[i]
+            if actor == "" then
+                unknown[#unknown + 1] = rid
+            elseif redis.call("hdel", messages, rid) == 1 then
+                note_uncount(deltas, counts, kind, mode, rid, actor)
+            end
+        end
+        write_deltas(counts, deltas)
+    else
+        -- ready counts: one HDEL per actor (its reply is how many of that actor's bodies were
+        -- there), not one per body
+        local of_actor, order = {}, {}
+        for i, rid in ipairs(rids) do
+            local actor = actors[i]
+            if actor == "" then
+                unknown[#unknown + 1] = rid
+            else
+                local list = of_actor[actor]
+                if not list then
+                    list = {}
+                    of_actor[actor] = list
+                    order[#order + 1] = actor
+                end
+                list[#list + 1] = rid
+            end
+        end
+        for _, actor in ipairs(order) do
+            local gone = redis.call("hdel", messages, unpack(of_actor[actor]))
+            if gone > 0 then
+                redis.call("hincrby", counts, kind .. ":" .. actor, string.format("%d", -gone))
+            end
         end
     end
-    write_deltas(counts, deltas)
     if #unknown > 0 then
         uncount_many(messages, unknown)
         redis.call("hdel", messages, unpack(unknown))

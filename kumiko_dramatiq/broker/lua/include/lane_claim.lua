@@ -70,7 +70,9 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
     -- claim(rid, seen, body): take rid for this consumer unless it was withdrawn or its job is
     -- paused; its "already completed" check and its writes are done for all claims at once
     -- (finish_claims)
-    local candidates = {}
+    -- the candidates in parallel lists (a table per candidate costs more than its claim)
+    local cand_rids, cand_seen, cand_bodies = {}, {}, {}
+    local first_entry = nil
     local function claim(rid, seen, body)
         if not body and withdrawn(rid) then
             redis.call("hdel", inflight, rid)
@@ -83,23 +85,25 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
                 return false
             end
         end
-        candidates[#candidates + 1] = {rid, seen, body}
+        local n = #cand_rids + 1
+        cand_rids[n], cand_seen[n], cand_bodies[n] = rid, seen, body
         return true
     end
 
     local function finish_claims()
-        if #candidates == 0 then
+        if #cand_rids == 0 then
             return
         end
-        local done = {}
+        local done, message_ids = {}, {}
         if done_prefix ~= "" then
             local markers, at = {}, {}
-            for i, c in ipairs(candidates) do
-                local message_id = c[3] and message_id_of(c[3])
+            for i = 1, #cand_rids do
+                local body = cand_bodies[i]
+                local message_id = body and message_id_of(body)
                 if message_id then
                     markers[#markers + 1] = done_prefix .. message_id
                     at[#markers] = i
-                    c[4] = message_id
+                    message_ids[i] = message_id
                 end
             end
             if #markers > 0 then
@@ -111,20 +115,29 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
             end
         end
         local acks, entries, gone = {}, {}, {}
-        for i, c in ipairs(candidates) do
+        for i, rid in ipairs(cand_rids) do
             if done[i] then
-                count_body(queue_messages, c[1], c[3], -1)
-                gone[#gone + 1] = c[1]
-                dropped[#dropped + 1] = c[4]
+                count_body(queue_messages, rid, cand_bodies[i], -1)
+                gone[#gone + 1] = rid
+                dropped[#dropped + 1] = message_ids[i]
             else
-                acks[#acks + 1] = c[1]
-                entries[#entries + 1] = c[1]
+                acks[#acks + 1] = rid
+                entries[#entries + 1] = rid
                 -- text, not numbers: Lua formats a number with sprintf, about 3,000
-                -- instructions each (head_now is the dispatch head's text of now)
-                local deliveries = c[2] == 0 and "1" or tostring(c[2] + 1)
-                entries[#entries + 1] = deliveries .. "|" .. head_now .. "|" .. run_worker
-                fetched[#fetched + 1] = c[1]
-                fetched[#fetched + 1] = c[3]
+                -- instructions each (head_now is the dispatch head's text of now); a first
+                -- delivery's entry is the same for every claim of the call, built once
+                local seen = cand_seen[i]
+                if seen == 0 then
+                    if not first_entry then
+                        first_entry = "1|" .. head_now .. "|" .. run_worker
+                    end
+                    entries[#entries + 1] = first_entry
+                else
+                    entries[#entries + 1] = tostring(seen + 1) .. "|" .. head_now .. "|"
+                        .. run_worker
+                end
+                fetched[#fetched + 1] = rid
+                fetched[#fetched + 1] = cand_bodies[i]
             end
         end
         if #gone > 0 then
@@ -135,7 +148,7 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
             redis.call("sadd", queue_acks, unpack(acks))
             redis.call("hset", inflight, unpack(entries))
         end
-        candidates = {}
+        cand_rids, cand_seen, cand_bodies = {}, {}, {}
     end
 
     if caps_ttl then
@@ -171,7 +184,7 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
         end
 
         local has_room = function()
-            return alone == 0 and (#fetched / 2 + #candidates) < wanted
+            return alone == 0 and (#fetched / 2 + #cand_rids) < wanted
         end
 
         -- the oldest waiters of group, claimed while their caps and this fetch have room
@@ -246,7 +259,7 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
                     ma = run.ma, et = "WorkerDied", em = reason, at = now,
                 }), "PX", dead_ttl)
             end
-        elseif idle and #fetched == 0 and #candidates == 0 and alone == 0 then
+        elseif idle and #fetched == 0 and #cand_rids == 0 and alone == 0 then
             local body = redis.call("hget", queue_messages, rid)
             local claimed
             if caps_ttl then
