@@ -144,24 +144,29 @@ def ids(n: int, offset: int = 0) -> list[str]:
     return [str(uuid.UUID(int=offset + i + 1)) for i in range(n)]
 
 
-def settle_entry(rid: str, message_id: str, fields: int = 11) -> list[str]:
-    header = "\t".join((ROOT, message_id, "1", JOB, "completed", "", message_id, str(NOW)))
+def settle_entry(rid: str, message_id: str, fields: int = 11, compact: bool = True) -> list[str]:
+    """One completed delivery's settle arguments: ``compact``, the layout since the header's
+    fields are arguments of their own and the rare ones extras (the root once per call);
+    else the older layout of ``fields`` arguments, the header one tab-separated argument."""
     record = json.dumps(
         {"d": 0, "j": JOB, "m": message_id, "o": message_id, "tr": "manual", "a": 1, "ma": 1}
         | {"s": "completed", "q": NOW - 700, "st": NOW, "en": NOW, "w": "host:1"},
         separators=(",", ":"),
     )
     marker = f"{ROOT}done:{message_id}"
-    if fields >= 18:  # the header as separate arguments, the origin "" (= the message id)
-        head = [ROOT, message_id, "1", JOB, "completed", "", "", str(NOW)]
-        return [rid, "completed", marker, *head, record, "", "", "", "", JOB, ""]
+    if compact:
+        header_fields = [message_id, "1", JOB, "completed", str(NOW)]
+        return [rid, "completed", marker, *header_fields, record, JOB, ""]
+    header = "\t".join((ROOT, message_id, "1", JOB, "completed", "", message_id, str(NOW)))
     entry = [rid, "completed", marker, header, record, "", "", "", ""]
     # the actor, then the dedup key ended: not in exports from before they were
     return entry + [JOB, ""][: fields - len(entry)]
 
 
-def settle_args(entries: list[list[str]]) -> list[str]:
+def settle_args(entries: list[list[str]], compact: bool = True) -> list[str]:
     args = [QUEUE, HEAD, f"{len(entries)} 60000 86400000 604800000 100000 0"]
+    if compact:
+        args.append(ROOT)
     for entry in entries:
         args += entry
     return args
@@ -184,8 +189,10 @@ class Kumiko:
                 self.run[name] = partial(client.evalsha, client.script_load(source(lua_dir, name)))
         client.hset(f"dramatiq:{QUEUE}:counts", "~mode", "r")
         self.message_ids: dict[str, str] = {}
-        found = re.search(r"^local FIELDS = (\d+)$", (lua_dir / "settle.lua").read_text(), re.M)
+        settle = (lua_dir / "settle.lua").read_text()
+        found = re.search(r"^local FIELDS = (\d+)$", settle, re.M)
         self.fields = int(found.group(1)) if found else 9
+        self.compact = "local FIELDS, EXTRAS = " in settle
         # the count's names, as the broker passes them (not in an export before it did)
         counted = "KEYS[4]" in (lua_dir / "guarded_enqueue.lua").read_text()
         self.counts_key = [f"dramatiq:{QUEUE}:counts"] if counted else []
@@ -218,13 +225,15 @@ class Kumiko:
             rids = [fetched[i].decode() for i in range(0, len(fetched), 2)]
             if not rids:
                 raise RuntimeError("the queue ran dry")
-            entries = [settle_entry(rid, self.message_ids[rid], self.fields) for rid in rids]
+            entries = [
+                settle_entry(rid, self.message_ids[rid], self.fields, self.compact) for rid in rids
+            ]
             self.settle(entries)
             done += len(rids)
 
     def settle(self, entries: list[list[str]]) -> None:
         keys = ("dramatiq", f"{ROOT}inflight", f"{ROOT}suspects:{QUEUE}")
-        replies = self.run["settle"](3, *keys, *settle_args(entries))
+        replies = self.run["settle"](3, *keys, *settle_args(entries, self.compact))
         if replies != [1] * len(entries):
             raise RuntimeError(f"settle replied {replies}")
 
@@ -237,7 +246,7 @@ class Kumiko:
             pipe.hincrby(f"dramatiq:{QUEUE}:counts", f"q:{JOB}", 1)
             pipe.sadd(f"dramatiq:__acks__.{WORKER}.{QUEUE}", rid)
             pipe.hset(f"{ROOT}inflight", rid, f"1|{NOW}|host:1")
-            entries.append(settle_entry(rid, mid, self.fields))
+            entries.append(settle_entry(rid, mid, self.fields, self.compact))
         pipe.execute()
         return [entries[i : i + self.batch] for i in range(0, n, self.batch)]
 

@@ -141,8 +141,11 @@ MAINTENANCE_SCALE = 1_000_000
 #: this many records beyond the cap: the trimming keeps pace with the writes at a shared cost.
 TRIM_BUDGET = 32
 
-#: A settle's run-record header when it writes no record (``lua/settle.lua``, +3 .. +10).
-NO_RECORD: Final = ("",) * 8
+#: The arguments of one delivery in a ``lua/settle.lua`` call; a delivery's extras (its tenant,
+#: origin, dead letter's note, retry and dedup end: :data:`NO_EXTRAS` for most) follow all
+#: of the call's deliveries.
+SETTLE_FIELDS: Final = 11
+NO_EXTRAS: Final = ("",) * 7
 
 
 _MOVED_NAMESPACE = UUID("9d4b7e0c-2f5a-5c8e-b1d3-7a6f4c2e9b01")
@@ -502,20 +505,27 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         other than "completed" leaves the "sent" tombstone of ``redis_message_id`` (see
         :meth:`enqueue`); ``False`` for a copy a settle wrote (a retry, a hand-off), whose
         redis id no enqueue command carries."""
-        header: tuple[str, ...] = NO_RECORD
-        record, note = "", ""
+        header: tuple[str, ...] = ("", "", "", "", "")
+        record = tenant = origin = note = ""
         if run is not None:
             header = (
-                keys.root(self.queue_prefix),
                 run.message_id,
                 str(run.attempt),
                 run.job,
                 run.status,
-                run.tenant,
-                "" if run.origin == run.message_id else run.origin,
                 "" if run.started_ms is None else str(run.started_ms),
             )
-            record, note = run.record, run.dead_note
+            record, tenant, note = run.record, run.tenant, run.dead_note
+            origin = "" if run.origin == run.message_id else run.origin
+        retried: tuple[Any, ...] = ("", "", "")
+        if retry is not None:
+            message, delay = retry
+            retried = (
+                message.queue_name,
+                message.options["redis_message_id"],
+                self.encode(message, delay),
+            )
+        extras = (tenant, origin, note, *retried, "" if dedup is None else "\t".join(dedup))
         entry: list[Any] = [
             redis_message_id,
             outcome if slot is None else f"{outcome} {slot[0]} {slot[1]}",
@@ -526,19 +536,12 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             else "",
             *header,
             record,
-            note,
+            actor,
         ]
-        if retry is not None:
-            message, delay = retry
-            entry += [
-                message.queue_name,
-                message.options["redis_message_id"],
-                self.encode(message, delay),
-            ]
+        if extras == NO_EXTRAS:
+            entry.append("")
         else:
-            entry += ["", "", ""]
-        entry.append(actor)
-        entry.append("" if dedup is None else "\t".join(dedup))
+            entry += ["+", *extras]
         done = self.settler.settle(
             queue_name, entry, client, claimer=claimer, urgent=slot is not None
         )
@@ -553,10 +556,11 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         client: redis.Redis | None,
         claimers: Sequence[object | None] = (),
     ) -> list[int]:
-        """One call of ``lua/settle.lua`` for ``entries`` (each the 18 arguments of one
-        delivery); one reply per entry. When the first of ``claimers`` (the consumers the
-        deliveries came from) has room once they are settled, the same call claims its next
-        messages (:meth:`KumikoConsumer.begin_claim`), as its own fetch would: a steadily
+        """One call of ``lua/settle.lua`` for ``entries`` (each the :data:`SETTLE_FIELDS`
+        arguments of one delivery, then its extras if it has them: those go after every
+        delivery's fields); one reply per entry. When the first of ``claimers`` (the consumers
+        the deliveries came from) has room once they are settled, the same call claims its
+        next messages (:meth:`KumikoConsumer.begin_claim`), as its own fetch would: a steadily
         draining consumer sends no fetch of its own, and a capped job's slot given back here
         goes to the waiter that this consumer can start at once. That call also runs
         maintenance when due (the consumer's fetches, which did, become rare)."""
@@ -577,9 +581,13 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
                 *self._head(queue_name, maintenance=claim is not None),
                 f"{len(entries)} {self.completed_ttl_ms} {completed_ttl} {failed_ttl} "
                 f"{self.history_cap} {trim} {self.resend_window_ms}",
+                keys.root(self.queue_prefix),
             ]
+            extras: list[Any] = []
             for entry in entries:
-                args.extend(entry)
+                args.extend(entry[:SETTLE_FIELDS])
+                extras.extend(entry[SETTLE_FIELDS:])
+            args.extend(extras)
             if claim is not None:
                 room, held = claim
                 args.extend(self._claim_args(queue_name, room, held))

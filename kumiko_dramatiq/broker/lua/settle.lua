@@ -7,7 +7,8 @@
 --         0, or how many records beyond the cap to drop now (about once per 32 records
 --         written, see trim_runs); the tombstone TTL (the resend window) defaults to the
 --         marker's
--- Then 18 arguments per delivery, from ARGV[4]:
+-- ARGV[4] the kumiko root "kumiko:<prefix>:" of the run records
+-- Then 11 arguments per delivery, from ARGV[5]:
 --   +0 redis message id   +1 outcome: "ack" | "completed" | "retry" (a failed attempt's
 --   retry, or a sequential hand-off) | "dead", followed by " <slots key> <owner token>" for a
 --   run holding a capped job's slot (include/caps.lua): the slot is given back, whoever's
@@ -15,26 +16,29 @@
 --   at at once   +2 the key its end writes: its "already completed" marker (outcome
 --   "completed"), else its "sent" tombstone, written iff the delivery is this worker's (its
 --   body goes: a re-sent enqueue of its first write must not write it again, see
---   include/guarded.lua), or "" for none   +3 .. +10 the run record's header: kumiko root
---   "kumiko:<prefix>:" ("" = no record; the rest of the header is then ""), message id,
---   attempt, job, status, tenant ("" = none), origin id ("" = the message id), order score
---   (the attempt's start, ms, digits; "" = now); separate arguments, not one to split: a
---   pattern over a header costs Redis's Lua about 12,000 instructions, more than the
---   arguments' own. Status "" writes no record (a sequential hand-off: no attempt
---   happened); "malformed": the message is dead-lettered unrun, and if its body reads as
---   kumiko's, its attempt's record says "dead" with the reason in +11
---   +11 the run record (JSON)   +12 the dead letter's note (JSON, outcome "dead"; "" =
---   none), kept as long as dead letters   +13 retry queue (a delay queue if delayed)   +14
---   retry redis id   +15 the encoded retry (outcome "retry" only; else "")   +16 the actor
---   name of the delivered message as the worker decoded it ("" = not known: read off its
---   body; see forget_bodies in include/counts.lua)   +17 the dedup key the delivery's job ended with
---   for good (include/dedup_index.lua), "<index key>\t<message id>\t<dedup key>", or "":
+--   include/guarded.lua), or "" for none   +3 .. +7 the run record's header: message id (""
+--   = no record; the rest of the header is then ""), attempt, job, status, order score (the
+--   attempt's start, ms, digits; "" = now). Status "" writes no record (a sequential
+--   hand-off: no attempt happened); "malformed": the message is dead-lettered unrun, and if
+--   its body reads as kumiko's, its attempt's record says "dead" with the reason in +8
+--   +8 the run record (JSON)   +9 the actor name of the delivered message as the worker
+--   decoded it ("" = not known: read off its body; see forget_bodies in include/counts.lua)
+--   +10 "+" if the delivery's 7 extra arguments follow the deliveries, else "" (they are
+--   then all "": most deliveries have none, and an argument costs Redis's Lua about 1,000
+--   instructions however short; a header in one argument to split, about 12,000): the
+--   extras of the deliveries that have them, in the deliveries' order, from ARGV[5 + 11 *
+--   deliveries]:
+--   +0 tenant ("" = none)   +1 origin id ("" = the message id)   +2 the dead letter's note
+--   (JSON, outcome "dead"; "" = none), kept as long as dead letters   +3 retry queue (a delay
+--   queue if delayed)   +4 retry redis id   +5 the encoded retry (outcome "retry" only; else
+--   "")   +6 the dedup key the delivery's job ended with for good
+--   (include/dedup_index.lua), "<index key>\t<message id>\t<dedup key>", or "":
 --   iff the key's record still points at that message id, it is freed (deleted, with its
 --   index entry), whoever's delivery it is now (the job ended for good either way; the owner
 --   check makes a second settle a no-op); unless a trigger during the run left a follow-up
 --   in it (fid): then nothing of that delivery is written (not its ack, record or marker)
 --   and its reply is 2, for the worker to hand the key to the follow-up first
---   (lua/dedup_finish.lua, lua/dedup_handover.lua) and then settle it again without +17, so
+--   (lua/dedup_finish.lua, lua/dedup_handover.lua) and then settle it again without it, so
 --   a worker killed in between leaves the delivery to be redelivered, as before the key
 --   moved on: the follow-up is never lost behind an acknowledged message. Such a delivery
 --   recovered by maintenance meanwhile is taken back (its waiting copy removed, its ack set
@@ -56,7 +60,7 @@
 -- The writes common to the batch are one command each (ack set, message hash, in-flight
 -- hash, each run index, each stats counter).
 -- After the deliveries, optionally, the claim of the settling consumer's next messages (a
--- steadily draining consumer then sends no fetch of its own): ARGV[4 + 18 * deliveries ..] as
+-- steadily draining consumer then sends no fetch of its own): the arguments after the extras, as
 -- fetch_lane's ARGV[3..7] (claim head "<N> <messages the consumer holds once these are
 -- settled> <max deliveries> <completed TTL> <failed TTL>", "already completed" marker
 -- prefix, kumiko root, "host:pid", the slots' lease TTL ms on a lane with capped jobs).
@@ -66,7 +70,7 @@
 -- the claim could not take them), so a freed slot's oldest waiter goes to the consumer that
 -- has just freed a worker thread: the fastest hand-over there is (no doorbell, no fetch).
 -- Returns one number per delivery: 1 if it was (or became again) this worker's, else 0; 2
--- if it was left for its dedup key's follow-up (+17); with a claim, {those, fetch_lane's
+-- if it was left for its dedup key's follow-up (extra +6); with a claim, {those, fetch_lane's
 -- reply}.
 -- @include lane_claim
 -- @include dispatch
@@ -88,17 +92,25 @@ end
 ttl_ms(tombstone_ttl, "sent tombstone")
 completed_ttl = ttl_ms(completed_ttl, "completed run record")
 failed_ttl = ttl_ms(failed_ttl, "failed run record")
-local FIELDS = 18
-local claim_at = 4 + count * FIELDS
+local FIELDS, EXTRAS = 11, 7
+local root_of_runs = ARGV[4]
+-- each delivery's redis id, and where its extras are (extra_at[i], or nil: none)
+local rids, extra_at = {}, {}
+local tail = 5 + count * FIELDS
+for i = 1, count do
+    local base = 5 + (i - 1) * FIELDS
+    rids[i] = ARGV[base]
+    if ARGV[base + 10] ~= "" then
+        extra_at[i] = tail
+        tail = tail + EXTRAS
+    end
+end
+local claim_at = tail
 local claiming = ARGV[claim_at] ~= nil
 local released = {}
 
 -- Whose deliveries are they? Read first: nothing is written before the follow-ups, the one
 -- write that can fail on a key it does not own.
-local rids = {}
-for i = 1, count do
-    rids[i] = ARGV[4 + (i - 1) * FIELDS]
-end
 local members = redis.call("smismember", queue_acks, unpack(rids))
 local entries = redis.call("hmget", KEYS[2], unpack(rids))
 local owned, recovered, seen = {}, {}, {}
@@ -121,7 +133,7 @@ end
 -- fails the call before it writes anything)
 local dedup_ends, deferred = {}, {}
 for i = 1, count do
-    local field = ARGV[4 + (i - 1) * FIELDS + 17]
+    local field = extra_at[i] and ARGV[extra_at[i] + 6] or ""
     if field ~= "" then
         local index, mid, key = string.match(field, "^([^\t]*)\t([^\t]*)\t(.*)$")
         local head, job = string.match(index or "", "^(.-)dedupidx:(.*)$")
@@ -137,12 +149,12 @@ for i = 1, count do
     end
 end
 for i = 1, count do
-    local base = 4 + (i - 1) * FIELDS
+    local at = extra_at[i]
     -- (an encoded retry comes with outcome "retry" only: the common case reads no outcome)
-    if ARGV[base + 15] ~= "" and (owned[i] or recovered[i]) and not deferred[i]
-        and string.match(ARGV[base + 1], "^%a+") == "retry" then
-        local retry_list = namespace .. ":" .. ARGV[base + 13]
-        enqueue_message(retry_list .. ".msgs", retry_list, ARGV[base + 14], ARGV[base + 15])
+    if at and ARGV[at + 5] ~= "" and (owned[i] or recovered[i]) and not deferred[i]
+        and string.match(ARGV[5 + (i - 1) * FIELDS + 1], "^%a+") == "retry" then
+        local retry_list = namespace .. ":" .. ARGV[at + 3]
+        enqueue_message(retry_list .. ".msgs", retry_list, ARGV[at + 4], ARGV[at + 5])
     end
 end
 -- A delivery left for its key's follow-up stays this worker's: one recovered meanwhile has its
@@ -168,8 +180,9 @@ for i, rid in ipairs(rids) do
     if deferred[i] then
         results[i] = 2 -- untouched: the worker hands its key over, then settles it again
     else
-        local base = 4 + (i - 1) * FIELDS
-        local outcome, root = ARGV[base + 1], ARGV[base + 3]
+        local base = 5 + (i - 1) * FIELDS
+        local at = extra_at[i]
+        local outcome = ARGV[base + 1]
         local slot_key, slot_token = nil, nil
         if #outcome > 9 and string.find(outcome, " ", 1, true) then -- longer than "completed"
             outcome, slot_key, slot_token = string.match(outcome, "^(%a+) (%S+) (%S+)$")
@@ -188,21 +201,23 @@ for i, rid in ipairs(rids) do
         if outcome == "completed" then
             redis.call("set", ARGV[base + 2], "1", "PX", marker_ttl)
         end
-        local mid, attempt, job, status, tenant, origin, score
-        if root == "" then
-            root = nil
-        else
-            mid, attempt, job, status = ARGV[base + 4], ARGV[base + 5], ARGV[base + 6], ARGV[base + 7]
-            tenant, origin, score = ARGV[base + 8], ARGV[base + 9], ARGV[base + 10]
-            if origin == "" then
-                origin = mid
+        local root, mid, attempt, job, status, tenant, origin, score
+        if ARGV[base + 3] ~= "" then
+            root, mid, attempt = root_of_runs, ARGV[base + 3], ARGV[base + 4]
+            job, status, score = ARGV[base + 5], ARGV[base + 6], ARGV[base + 7]
+            tenant, origin = "", mid
+            if at then
+                tenant = ARGV[at]
+                if ARGV[at + 1] ~= "" then
+                    origin = ARGV[at + 1]
+                end
             end
         end
         if root and status == "malformed" then
             local claimed_by = entry and string.match(entry, "^%d+|%d+|(.+)$")
             local run = run_of(root, redis.call("hget", queue_messages, rid), claimed_by or worker)
             if run then
-                run.s, run.en, run.et, run.em = "dead", now, "MalformedMessage", ARGV[base + 11]
+                run.s, run.en, run.et, run.em = "dead", now, "MalformedMessage", ARGV[base + 8]
                 local deliveries = inflight_count(entry)
                 if deliveries > 1 then
                     run.n = deliveries
@@ -211,7 +226,7 @@ for i, rid in ipairs(rids) do
                     cjson.encode(run), completed_ttl, failed_ttl, now)
             end
         elseif root and status ~= "" then
-            local record = ARGV[base + 11]
+            local record = ARGV[base + 8]
             local deliveries = inflight_count(entry)
             if deliveries > 1 then
                 record = string.sub(record, 1, -2) .. ',"n":' .. deliveries .. "}"
@@ -237,12 +252,12 @@ for i, rid in ipairs(rids) do
                 dead_count = dead_count + 1
                 dead_letter(rid)
                 now = head_now
-                if root and ARGV[base + 12] ~= "" then
-                    redis.call("set", root .. "dead:" .. mid, ARGV[base + 12], "PX", dead_ttl)
+                if root and at and ARGV[at + 2] ~= "" then
+                    redis.call("set", root .. "dead:" .. mid, ARGV[at + 2], "PX", dead_ttl)
                 end
             else
                 forgotten[#forgotten + 1] = rid
-                forgotten_actors[#forgotten] = ARGV[base + 16]
+                forgotten_actors[#forgotten] = ARGV[base + 9]
             end
         else
             results[i] = 0
@@ -265,9 +280,8 @@ end
 forget_bodies(queue_messages, forgotten, forgotten_actors)
 flush_runs()
 if tonumber(trim) > 0 then
-    local root = ARGV[4 + 3]
-    if root ~= "" then
-        trim_runs(root, tonumber(cap), tonumber(trim), completed_ttl, failed_ttl, now,
+    if root_of_runs ~= "" then
+        trim_runs(root_of_runs, tonumber(cap), tonumber(trim), completed_ttl, failed_ttl, now,
             indexed_job)
     end
 end

@@ -466,22 +466,27 @@ class Env:
         """settle (of r1, message m1) as the broker calls it, a batch of one: ARGV[3] the
         batch head ("1 <marker TTL> <completed TTL> <failed TTL> <cap> <trim>", the TTLs, cap
         and trim from ``run_header``, :func:`header`'s old single-settle layout), then the
-        delivery's 18 arguments: redis id, outcome, marker key, record header (8 arguments:
-        root .. origin, order score "" = now; all "" without ``run_header``), record, dead
-        note, retry (queue, redis id, body), the message's actor name ("" = not known), the
-        dedup key it ended ("<index>\t<message id>\t<key>", keys unprefixed, or ""). With
-        ``tombstone_ttl`` the head ends with it and an outcome other than "completed" carries
-        r1's "sent" key (:data:`SENT`) as the broker sends it; without, "" (no tombstone)."""
+        kumiko root, then the delivery's 11 arguments: redis id, outcome, marker key, record
+        header (message id, attempt, job, status, order score "" = now; all "" without
+        ``run_header``), record, the message's actor name ("" = not known), "+" if its 7
+        extras follow (as the broker sends them: only when one is not ""): tenant, origin,
+        dead note, retry (queue, redis id, body), the dedup key it ended ("<index>\t<message
+        id>\t<key>", keys unprefixed, or ""). With ``tombstone_ttl`` the head ends with it and
+        an outcome other than "completed" carries r1's "sent" key (:data:`SENT`) as the broker
+        sends it; without, "" (no tombstone)."""
         completed_ttl, failed_ttl, cap, trim = COMPLETED_TTL, FAILED_TTL, CAP, 0
-        record_header = [""] * 8
+        root, record_header, tenant, origin = self.key(ROOT), [""] * 5, "", ""
         if run_header:
-            fields = run_header.split("\t")
+            fields = [self.key(field) for field in run_header.split("\t")]
             completed_ttl, failed_ttl, cap, trim = (int(f) for f in fields[7:11])
-            record_header = [*(self.key(field) for field in fields[:7]), ""]
+            root, record_header, tenant, origin = fields[0], [*fields[1:5], ""], *fields[5:7]
+        retried = ["", "", ""] if retry is None else [self.key(retry[0]), retry[1], retry[2]]
+        extras = [tenant, origin, self.encode(note), *retried, dedup]
         args = [
             *self.head(worker=worker, now=now),
             f"1 {marker_ttl} {completed_ttl} {failed_ttl} {cap} {trim}"
             + ("" if tombstone_ttl is None else f" {tombstone_ttl}"),
+            root,
             rid,
             outcome,
             self.key(DONE_M1)
@@ -489,13 +494,9 @@ class Env:
             else ("" if tombstone_ttl is None else self.key(SENT)),
             *record_header,
             self.encode(run),
-            self.encode(note),
+            actor,
+            *(["+", *extras] if any(extras) else [""]),
         ]
-        if retry is not None:
-            args += [self.key(retry[0]), retry[1], retry[2]]
-        else:
-            args += ["", "", ""]
-        args += [actor, dedup]
         return self.lua.settle(keys=[NAMESPACE, self.key(INFLIGHT), self.key(SUSPECTS)], args=args)[
             0
         ]

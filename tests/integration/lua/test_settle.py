@@ -328,10 +328,10 @@ def test_settle_uncounts_the_bodies_it_deletes(
 
     # When both are acked in one settle call, with the actor names the worker decoded (as
     # it had them before a body went: "a" for one gone) or without
-    args: list[str | int] = [*env.head(), f"2 {TTL} {COMPLETED_TTL} {FAILED_TTL} 100 0"]
+    args: list[str | int] = [*env.head(), f"2 {TTL} {COMPLETED_TTL} {FAILED_TTL} 100 0", ""]
     for rid in ("r1", "r2"):
         actor = bodies.get(rid, "a") if actors_known else ""
-        args += [rid, "ack", "", *[""] * 8, "", "", "", "", "", actor, ""]
+        args += [rid, "ack", "", *[""] * 5, "", actor, ""]
     replies = env.lua.settle(keys=[NAMESPACE, env.key(INFLIGHT), env.key(SUSPECTS)], args=args)
 
     # Then the bodies are gone, each counted down iff it was there and counted
