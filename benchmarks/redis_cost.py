@@ -1,7 +1,7 @@
 """Redis CPU per job: kumiko vs plain Dramatiq on one private redis-server (issue 32).
 
-``python -m benchmarks.redis_cost [--rounds 3] [--messages 10000] [--feature-messages 2000]``
-(or ``bash benchmarks/run.sh --only redis_cost``)
+``python -m benchmarks.redis_cost [--rounds 3] [--messages 10000] [--feature-messages 2000]
+[--no-pin]`` (or ``bash benchmarks/run.sh --only redis_cost``)
 
 Each round enqueues ``--messages`` no-op jobs, then drains them with one worker of 8 threads
 (kumiko's queue as one in use: its per-job counts made ready before the enqueue, so every
@@ -15,6 +15,11 @@ features, kumiko only, each beside plain Dramatiq's plain case: a dedup key per 
 sequential job (its waiting runs' hand-offs included), per-tenant children (per child, the
 wrapper included) and a retry (a first attempt that fails, retried at once; per job, both
 attempts included).
+
+On a machine of two cores or more the server runs alone on the last core and this process
+(the client and the worker's threads) on the others, as a deployment runs Redis apart from its
+workers; ``--no-pin`` leaves both to the scheduler (then they take turns on one core's caches,
+and the figures include that).
 """
 
 from __future__ import annotations
@@ -255,9 +260,20 @@ def table(result: dict[str, Any], uptime: str) -> str:
 
 
 @contextmanager
-def _server() -> Iterator[str]:
+def _server(pin: bool) -> Iterator[str]:
+    """A private redis-server; with ``pin`` (and two cores or more), the server alone on the
+    last core and this process (the client and the worker's threads) on the others, so the
+    two do not take turns on one core's caches and the rounds spread less."""
     with private_redis_server() as url:
-        yield url
+        cores = sorted(os.sched_getaffinity(0))
+        if pin and len(cores) >= 2:
+            pid = int(redis.Redis.from_url(url).info("server")["process_id"])
+            os.sched_setaffinity(pid, {cores[-1]})
+            os.sched_setaffinity(0, set(cores[:-1]))
+        try:
+            yield url
+        finally:
+            os.sched_setaffinity(0, set(cores))
 
 
 FEATURES = ["dedup key", "sequential", "per-tenant child", "retry"]
@@ -268,9 +284,10 @@ def suite(
     messages: int = 10_000,
     feature_messages: int = 2_000,
     features: list[str] | None = None,
+    pin: bool = True,
 ) -> str:
     uptime = os.popen("uptime").read().strip()
-    with _server() as url:
+    with _server(pin) as url:
         bench = RedisCost(url, messages, feature_messages, rounds)
         result = bench.run(FEATURES if features is None else features)
     text = "\n".join(
@@ -305,10 +322,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=10_000)
     parser.add_argument("--feature-messages", type=int, default=2_000)
     parser.add_argument("--features", default=",".join(FEATURES), help="'' for none")
+    parser.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="leave the server and the worker on any core (default: one core for the server)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     features = [f for f in args.features.split(",") if f]
-    print(suite(args.rounds, args.messages, args.feature_messages, features))
+    print(suite(args.rounds, args.messages, args.feature_messages, features, not args.no_pin))
     return 0
 
 
