@@ -24,23 +24,31 @@ local function run_status_index(root, status)
     return root .. "runs:status:" .. status
 end
 
--- The index keys of a record, each built once per script call (a Lua string costs Redis's Lua
--- about 12 instructions a byte and a concatenation about 1,000 more; a table lookup about 100):
--- index_keys[root][job][status] -> {job index, status index}
+-- cache_of(cache, a, b): the table cache[a][b], made on first use. The keys a script call builds
+-- for every record (index keys, stats keys) are built once per call and looked up after: a Lua
+-- string costs Redis's Lua about 12 instructions a byte and a concatenation about 1,000 more, a
+-- table lookup about 100.
+local function cache_of(cache, a, b)
+    local level = cache[a]
+    if not level then
+        level = {}
+        cache[a] = level
+    end
+    local found = level[b]
+    if not found then
+        found = {}
+        level[b] = found
+    end
+    return found
+end
+
+-- record_indexes(root, job, status): {job index, status index} of a record (index_keys[root][job]
+-- [status], once per call)
 -- @per-call
 local index_keys = {}
 -- @end per-call
 local function record_indexes(root, job, status)
-    local of_root = index_keys[root]
-    if not of_root then
-        of_root = {}
-        index_keys[root] = of_root
-    end
-    local of_job = of_root[job]
-    if not of_job then
-        of_job = {}
-        of_root[job] = of_job
-    end
+    local of_job = cache_of(index_keys, root, job)
     local found = of_job[status]
     if not found then
         found = {run_job_index(root, job, status), run_status_index(root, status)}
@@ -148,16 +156,7 @@ local function stats_hash(root, job, now)
         hour = int_text(math.floor(now / 3600000))
         stats_hours[now] = hour
     end
-    local of_hour = stats_keys[hour]
-    if not of_hour then
-        of_hour = {}
-        stats_keys[hour] = of_hour
-    end
-    local of_root = of_hour[root]
-    if not of_root then
-        of_root = {}
-        of_hour[root] = of_root
-    end
+    local of_root = cache_of(stats_keys, hour, root)
     local hash = of_root[job]
     if not hash then
         hash = root .. "stats:" .. job .. ":" .. hour
