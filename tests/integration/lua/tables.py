@@ -344,9 +344,11 @@ def header(
     cap: int = CAP,
     trim: int = 0,
 ) -> str:
-    """settle's ARGV[5], the run record's header as the broker joins it (tab-separated):
-    root, message id, attempt, job, status, tenant, origin, completed TTL, failed TTL, cap,
-    trim budget. A template (ROOT): :meth:`Env.key` fills it."""
+    """A run record's header for :meth:`Env.settle`, its fields tab-joined: root, message id,
+    attempt, job, status, tenant, origin, completed TTL, failed TTL, cap, trim budget
+    (:meth:`Env.settle` sends them where settle takes them: the root once per call, the
+    header's fields with the delivery, tenant and origin among its extras, the TTLs, cap and
+    trim in the batch head). A template (ROOT): :meth:`Env.key` fills it."""
     fields = (
         ROOT,
         message_id,
