@@ -1,6 +1,7 @@
 """Redis instructions per job: kumiko's scripts vs plain Dramatiq's, counted, not timed (issue 32).
 
-``python -m benchmarks.redis_instructions [--jobs 800] [--batch 8] [--lua-dir DIR ...]``
+``python -m benchmarks.redis_instructions [--jobs 800] [--batch 8] [--lua-dir DIR ...]
+[--keep DIR]``
 
 The server's CPU per job (``benchmarks.redis_cost``) moves by ±15% between rounds on a shared
 machine, more than most single changes to a script save. This counts instead: a private
@@ -24,6 +25,13 @@ the library, by ``EVALSHA``):
 ``--lua-dir`` (repeatable) counts kumiko's scripts from other directories too (for example an
 export of the previous commit's ``kumiko_dramatiq/broker/lua``), in the same run: the A/B of a
 script change. Needs ``valgrind`` (``callgrind_control``, ``callgrind_annotate``).
+
+Where the instructions go: ``--keep DIR`` keeps each count's callgrind output
+(``DIR/<scripts>-<case>.callgrind``) for ``callgrind_annotate --inclusive=yes`` (or
+``--tree=caller``). Debian's ``redis-server`` is stripped, so the Lua VM's functions show as
+addresses; a server built from the same source with symbols names them (``apt-get source
+redis`` with a ``deb-src`` line, ``make`` in it, then this with ``PATH=<its src>:$PATH``):
+counts on that build run 1-2 % lower than on Debian's.
 """
 
 from __future__ import annotations
@@ -90,9 +98,12 @@ def source(lua_dir: Path, name: str) -> str:
 
 
 @contextmanager
-def counted_server() -> Iterator[tuple[redis.Redis, Callable[[bool], None], list[int]]]:
+def counted_server(
+    keep: Path | None = None,
+) -> Iterator[tuple[redis.Redis, Callable[[bool], None], list[int]]]:
     """A private redis-server under callgrind: (client, instrument(on), a list that holds the
-    instructions counted once the server stopped)."""
+    instructions counted once the server stopped). ``keep``: where to copy callgrind's output
+    (for ``callgrind_annotate --inclusive=yes``)."""
     base = Path(tempfile.mkdtemp(prefix="kumiko-cg"))
     sock, out = base / "redis.sock", base / "callgrind.out"
     process = subprocess.Popen(
@@ -137,6 +148,8 @@ def counted_server() -> Iterator[tuple[redis.Redis, Callable[[bool], None], list
         ).stdout
         found = _TOTAL.search(annotated)
         totals.append(int(found.group(1).replace(",", "")) if found else 0)
+        if keep is not None and out.exists():
+            shutil.copyfile(out, keep)
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -277,9 +290,10 @@ class Plain:
             done += len(bodies)
 
 
-def count(measure: Callable[[redis.Redis], Callable[[], None]]) -> int:
-    """Instructions of the server while the callable ``measure(client)`` returns runs."""
-    with counted_server() as (client, instrument, totals):
+def count(measure: Callable[[redis.Redis], Callable[[], None]], keep: Path | None = None) -> int:
+    """Instructions of the server while the callable ``measure(client)`` returns runs;
+    callgrind's output copied to ``keep`` if given."""
+    with counted_server(keep) as (client, instrument, totals):
         run = measure(client)
         instrument(True)
         run()
@@ -287,7 +301,16 @@ def count(measure: Callable[[redis.Redis], Callable[[], None]]) -> int:
     return totals[0]
 
 
-def suite(jobs: int, batch: int, lua_dirs: list[Path]) -> dict[str, dict[str, float]]:
+def suite(
+    jobs: int, batch: int, lua_dirs: list[Path], keep: Path | None = None
+) -> dict[str, dict[str, float]]:
+    """Instructions per job of each case; with ``keep`` (a directory), each count's callgrind
+    output is kept there as ``<scripts>-<case>.callgrind`` (scripts: "plain" or the index of
+    the ``lua_dirs`` entry)."""
+
+    def kept(name: str) -> Path | None:
+        return None if keep is None else keep / f"{name}.callgrind"
+
     warm = 10 * batch
     results: dict[str, dict[str, float]] = {}
 
@@ -303,10 +326,10 @@ def suite(jobs: int, batch: int, lua_dirs: list[Path]) -> dict[str, dict[str, fl
         return lambda: plain.drain(jobs)
 
     results["plain Dramatiq"] = {
-        "enqueue": count(plain_enqueue) / jobs,
-        "drain": count(plain_drain) / jobs,
+        "enqueue": count(plain_enqueue, kept("plain-enqueue")) / jobs,
+        "drain": count(plain_drain, kept("plain-drain")) / jobs,
     }
-    for lua_dir in lua_dirs:
+    for index, lua_dir in enumerate(lua_dirs):
 
         def enqueue(client: redis.Redis, lua_dir: Path = lua_dir) -> Callable[[], None]:
             kumiko = Kumiko(client, lua_dir, jobs, batch)
@@ -332,9 +355,9 @@ def suite(jobs: int, batch: int, lua_dirs: list[Path]) -> dict[str, dict[str, fl
             return run
 
         results[f"kumiko ({lua_dir})"] = {
-            "enqueue": count(enqueue) / jobs,
-            "drain": count(drain) / jobs,
-            "settle": count(settle) / jobs,
+            "enqueue": count(enqueue, kept(f"{index}-enqueue")) / jobs,
+            "drain": count(drain, kept(f"{index}-drain")) / jobs,
+            "settle": count(settle, kept(f"{index}-settle")) / jobs,
         }
     return results
 
@@ -362,12 +385,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=800)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lua-dir", type=Path, action="append", default=[])
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        help="a directory to keep each count's callgrind output in (see the module docstring)",
+    )
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None:
         print("needs valgrind (callgrind)", file=sys.stderr)
         return 2
     lua_dirs = [LUA, *args.lua_dir]
-    results = suite(args.jobs, args.batch, lua_dirs)
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+    results = suite(args.jobs, args.batch, lua_dirs, args.keep)
     print(f"Redis instructions per job (callgrind), {args.jobs:,} jobs, {os.cpu_count()} cores")
     print()
     print(table(results, args.batch))
