@@ -12,6 +12,7 @@
 -- ("<counts>:seen"; it leaves the set it was in, so both hold live bodies only, also if a
 -- backfill is cut short and not taken up for a while), so every body is counted exactly once. The actor is read off the body
 -- (Dramatiq writes "actor_name" before the payload), never by decoding it whole.
+-- @include group
 
 local function counts_of(messages)
     -- suffix checks, not patterns: this runs for every body written or deleted
@@ -183,13 +184,7 @@ local function forget_bodies(messages, rids, actors)
             if actor == "" then
                 unknown[#unknown + 1] = rid
             else
-                local list = of_actor[actor]
-                if not list then
-                    list = {}
-                    of_actor[actor] = list
-                    order[#order + 1] = actor
-                end
-                list[#list + 1] = rid
+                group_add(of_actor, order, actor, rid)
             end
         end
         for _, actor in ipairs(order) do

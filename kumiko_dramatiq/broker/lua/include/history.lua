@@ -13,6 +13,7 @@
 --   stats:<job>:<hour>        hash, per-job counters of the hour (see put_run)
 -- trim_runs drops index entries older than their status age and records beyond the cap; the
 -- writers call it on about one write in 32, so its cost is shared.
+-- @include group
 
 local RUN_STATUSES = {"running", "completed", "failed", "dead", "cancelled"}
 
@@ -281,13 +282,7 @@ local function drop_runs(root, status, members)
     redis.call("zrem", run_status_index(root, status), unpack(members))
     local unindex, unindex_keys = {}, {}
     local function drop_from(index, member)
-        local list = unindex[index]
-        if not list then
-            list = {}
-            unindex[index] = list
-            unindex_keys[#unindex_keys + 1] = index
-        end
-        list[#list + 1] = member
+        group_add(unindex, unindex_keys, index, member)
     end
     for _, member in ipairs(members) do
         local mid, attempt = string.match(member, "^(.*):(%d+)$")
