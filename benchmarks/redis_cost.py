@@ -1,11 +1,12 @@
 """Redis CPU per job: kumiko vs plain Dramatiq on one private redis-server (issue 32).
 
 ``python -m benchmarks.redis_cost [--rounds 3] [--messages 10000] [--feature-messages 2000]
-[--no-pin]`` (or ``bash benchmarks/run.sh --only redis_cost``)
+[--no-pin] [--job-ms 0]`` (or ``bash benchmarks/run.sh --only redis_cost``)
 
-Each round enqueues ``--messages`` no-op jobs, then drains them with one worker of 8 threads
-(kumiko's queue as one in use: its per-job counts made ready before the enqueue, so every
-enqueue and ack keeps them, not a one-off backfill of the whole backlog at the worker's start);
+Each round enqueues ``--messages`` no-op jobs (or jobs that wait ``--job-ms`` each), then
+drains them with one worker of 8 threads (kumiko's queue as one in use: its per-job counts made
+ready before the enqueue, so every enqueue and ack keeps them, not a one-off backfill of the
+whole backlog at the worker's start);
 the server's own CPU (``INFO cpu``: ``used_cpu_user + used_cpu_sys``) is read before the
 enqueue, between enqueue and drain, and once the queue's message hash is empty. Kumiko's plain
 case (no dedup key, not sequential, run history and metrics on) and plain Dramatiq's
@@ -20,6 +21,11 @@ On a machine of two cores or more the server runs alone on the last core and thi
 (the client and the worker's threads) on the others, as a deployment runs Redis apart from its
 workers; ``--no-pin`` leaves both to the scheduler (then they take turns on one core's caches,
 and the figures include that).
+
+No-op jobs end in bursts, so each settle call acks several deliveries at once (about 7 here)
+and its fixed cost is shared; jobs that take a while (``--job-ms 2``: the threads end them one
+by one) are settled one per call, the case of most deployments, and its rows are the ones to
+size with.
 """
 
 from __future__ import annotations
@@ -98,8 +104,11 @@ def wait_empty(client: redis.Redis, messages_key: str, timeout_s: float = 600) -
 
 
 class RedisCost:
-    def __init__(self, url: str, messages: int, feature_messages: int, rounds: int) -> None:
+    def __init__(
+        self, url: str, messages: int, feature_messages: int, rounds: int, job_ms: float = 0
+    ) -> None:
         self.url = url
+        self.job_ms = job_ms
         self.messages = messages
         self.feature_messages = feature_messages
         self.rounds = rounds
@@ -108,6 +117,12 @@ class RedisCost:
 
     def flush(self) -> None:
         self.client.flushdb()
+
+    def work(self) -> None:
+        """A job's body: nothing, or ``job_ms`` of waiting (I/O, as a job that calls a
+        service): then the threads end their jobs one by one, not in bursts."""
+        if self.job_ms:
+            time.sleep(self.job_ms / 1000)
 
     def _measure(
         self,
@@ -158,6 +173,7 @@ class RedisCost:
         def noop(payload: dict[str, Any], ctx: JobContext) -> None:
             if case == "retry" and ctx.attempt == 1:
                 raise RuntimeError("first attempt fails")
+            self.work()
             countdown.hit()
 
         runner = JobRunner(
@@ -198,6 +214,7 @@ class RedisCost:
         broker = RedisBroker(url=self.url)  # type: ignore[no-untyped-call]
 
         def noop(payload: dict[str, Any]) -> None:
+            self.work()
             countdown.hit()
 
         actor = dramatiq.Actor(
@@ -285,15 +302,17 @@ def suite(
     feature_messages: int = 2_000,
     features: list[str] | None = None,
     pin: bool = True,
+    job_ms: float = 0,
 ) -> str:
     uptime = os.popen("uptime").read().strip()
     with _server(pin) as url:
-        bench = RedisCost(url, messages, feature_messages, rounds)
+        bench = RedisCost(url, messages, feature_messages, rounds, job_ms)
         result = bench.run(FEATURES if features is None else features)
     text = "\n".join(
         [
             f"Redis CPU per job (server `INFO cpu`), {messages:,} jobs per round"
-            f" ({feature_messages:,} for the features), 8 worker threads, medians",
+            f" ({feature_messages:,} for the features), 8 worker threads,"
+            f" {f'jobs of {job_ms:g} ms' if job_ms else 'no-op jobs'}, medians",
             "",
             table(result, uptime),
         ]
@@ -304,6 +323,7 @@ def suite(
             {
                 "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "uptime": uptime,
+                "job_ms": job_ms,
                 "series": {
                     s.name: [s2.__dict__ for s2 in s.samples]
                     for s in [*result["rows"], result["plain"]]
@@ -327,10 +347,25 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="leave the server and the worker on any core (default: one core for the server)",
     )
+    parser.add_argument(
+        "--job-ms",
+        type=float,
+        default=0,
+        help="each job waits this long (default 0: no-op jobs, whose settles come in batches)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     features = [f for f in args.features.split(",") if f]
-    print(suite(args.rounds, args.messages, args.feature_messages, features, not args.no_pin))
+    print(
+        suite(
+            args.rounds,
+            args.messages,
+            args.feature_messages,
+            features,
+            not args.no_pin,
+            args.job_ms,
+        )
+    )
     return 0
 
 

@@ -176,8 +176,12 @@ def settle_entry(rid: str, message_id: str, fields: int = 11, compact: bool = Tr
     return entry + [JOB, ""][: fields - len(entry)]
 
 
-def settle_args(entries: list[list[str]], compact: bool = True) -> list[str]:
-    args = [QUEUE, HEAD, f"{len(entries)} 60000 86400000 604800000 100000 0"]
+def settle_args(entries: list[list[str]], compact: bool = True, vouching: bool = True) -> list[str]:
+    """A settle call's arguments; ``vouching``: the head ends with the resend window and "1"
+    (the broker refreshed the job's and status's indexes less than a minute ago, as it has
+    for nearly every settle of a steady stream), for scripts that know it."""
+    head = f"{len(entries)} 60000 86400000 604800000 100000 0"
+    args = [QUEUE, HEAD, head + (" 60000 1" if vouching else "")]
     if compact:
         args.append(ROOT)
     for entry in entries:
@@ -206,6 +210,7 @@ class Kumiko:
         found = re.search(r"^local FIELDS = (\d+)$", settle, re.M)
         self.fields = int(found.group(1)) if found else 9
         self.compact = "local FIELDS, EXTRAS = " in settle
+        self.vouching = "tombstone_ttl, vouched =" in settle
         # the count's names, as the broker passes them (not in an export before it did)
         counted = "KEYS[4]" in (lua_dir / "guarded_enqueue.lua").read_text()
         self.counts_key = [f"dramatiq:{QUEUE}:counts"] if counted else []
@@ -246,7 +251,7 @@ class Kumiko:
 
     def settle(self, entries: list[list[str]]) -> None:
         keys = ("dramatiq", f"{ROOT}inflight", f"{ROOT}suspects:{QUEUE}")
-        replies = self.run["settle"](3, *keys, *settle_args(entries, self.compact))
+        replies = self.run["settle"](3, *keys, *settle_args(entries, self.compact, self.vouching))
         if replies != [1] * len(entries):
             raise RuntimeError(f"settle replied {replies}")
 

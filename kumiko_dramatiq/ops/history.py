@@ -31,7 +31,9 @@ attempt (:meth:`RunHistory.put`).
 - **Keys** (``kumiko:{prefix}:``): ``run:{message id}`` (hash attempt -> record),
   ``runs:job:{job}:{status}``, ``runs:status:{status}``, ``runs:tenant:{tenant}``,
   ``runs:origin:{origin}`` (sorted sets of run ids ``"{message id}:{attempt}"`` by the
-  attempt's start, ms; each expires with the longest record age after its last write),
+  attempt's start, ms; each outlives the records written to it: it expires 2 minutes after
+  the longest record age from its last TTL refresh, which a writer does at least once a
+  minute while it writes to it),
   ``stats:{job}:{hour}`` (:mod:`kumiko_dramatiq.ops.stats`), ``dead:{message id}`` (a
   dead letter's error, for ``kumiko dead``).
 """

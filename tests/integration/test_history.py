@@ -25,6 +25,7 @@ from kumiko_dramatiq import (
     Registry,
     Retention,
 )
+from kumiko_dramatiq.broker import broker as broker_module
 from kumiko_dramatiq.errors import BootGateError
 from kumiko_dramatiq.ops.history import JobRun, record_write
 from kumiko_dramatiq.scheduler import Scheduler
@@ -363,6 +364,39 @@ def test_every_run_history_index_expires(make_runner: RunnerFactory) -> None:
     assert any(b":runs:origin:" in key for key in indexes)
     for key in indexes:
         assert client.pttl(key) > 0, key
+
+
+def test_a_worker_refreshes_an_index_ttl_once_a_minute_not_on_every_settle(
+    make_runner: RunnerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = make_runner(app_registry(), get_active_tenant_ids=lambda: [])
+    runner.start()
+    client = runner.broker.client
+    indexes = [
+        f"{runner.history.root}runs:job:hist:job:ok:completed",
+        f"{runner.history.root}runs:status:completed",
+    ]
+
+    def run_one(count: int) -> None:
+        runner.dispatch("hist:job:ok")
+        wait_for(
+            lambda: len(runner.runs("hist:job:ok", status="completed")) == count,
+            what=f"{count} runs to complete",
+        )
+
+    # Given a first run, whose settle set both indexes' TTLs (the longest record age and 2
+    # minutes), cut to a minute
+    run_one(1)
+    assert all(client.pttl(index) > 60_000 for index in indexes)
+    for index in indexes:
+        client.pexpire(index, 60_000)
+    # When a second run ends within the minute, its settle vouches for them: left as they are
+    run_one(2)
+    assert all(0 < client.pttl(index) <= 60_000 for index in indexes)
+    # Then once a minute has passed (here: no vouching), the next settle refreshes them
+    monkeypatch.setattr(broker_module, "INDEX_VOUCH_S", 0.0)
+    run_one(3)
+    assert all(client.pttl(index) > 60_000 for index in indexes)
 
 
 @pytest.mark.slow

@@ -3,10 +3,12 @@
 -- list (see fetch_lane)
 -- ARGV[1..2] dispatch head (see include/dispatch.lua)
 -- ARGV[3] "<deliveries> <marker TTL ms> <TTL ms of completed and cancelled run records>
---         <TTL ms of failed ones> <record cap> <trim budget> [<tombstone TTL ms>]": trim budget
---         0, or how many records beyond the cap to drop now (about once per 32 records
---         written, see trim_runs); the tombstone TTL (the resend window) defaults to the
---         marker's
+--         <TTL ms of failed ones> <record cap> <trim budget> [<tombstone TTL ms> [<vouched>]]":
+--         trim budget 0, or how many records beyond the cap to drop now (about once per 32
+--         records written, see trim_runs); the tombstone TTL (the resend window) defaults to
+--         the marker's; vouched "1": the caller refreshed the TTLs of the job and status
+--         indexes of every record it sends here less than a minute ago (put_run in
+--         include/history.lua): they are not refreshed again (default "0": they are)
 -- ARGV[4] the kumiko root "kumiko:<prefix>:" of the run records
 -- Then 11 arguments per delivery, from ARGV[5]:
 --   +0 redis message id   +1 outcome: "ack" | "completed" | "retry" (a failed attempt's
@@ -79,8 +81,8 @@
 -- @include ttl
 -- @include history
 -- @include caps_release
-local count, marker_ttl, completed_ttl, failed_ttl, cap, trim, tombstone_ttl =
-    string.match(ARGV[3], "^(%d+) (%S+) (%S+) (%S+) (%d+) (%d+) ?(%S*)$")
+local count, marker_ttl, completed_ttl, failed_ttl, cap, trim, tombstone_ttl, vouched =
+    string.match(ARGV[3], "^(%d+) (%S+) (%S+) (%S+) (%d+) (%d+) ?(%S*) ?([01]?)$")
 if not count then
     error("kumiko: malformed settle batch head " .. tostring(ARGV[3]))
 end
@@ -232,7 +234,7 @@ for i, rid in ipairs(rids) do
                 record = string.sub(record, 1, -2) .. ',"n":' .. deliveries .. "}"
             end
             put_run(root, mid, attempt, job, status, tenant, origin, score ~= "" and score or now, record,
-                completed_ttl, failed_ttl, now, owned[i] and deliveries <= 1)
+                completed_ttl, failed_ttl, now, owned[i] and deliveries <= 1, vouched == "1")
             indexed_job = indexed_job or job
         end
         if mine then

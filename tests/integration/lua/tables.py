@@ -91,10 +91,13 @@ TENANT_JOB = "app:job:nightly"  # per tenant, retries=1: 2 attempts at most
 RUN_WORKER = "host-a:101"  # fetch_lane's ARGV[6] ("host:pid"), named in in-flight entries
 OTHER_RUN_WORKER = "host-b:202"  # the worker of an earlier delivery (it died)
 #: TTLs (ms) of completed and cancelled records, and of running, failed and dead ones; the
-#: tenant and origin indexes live as long as the longer of the two.
+#: run indexes live 2 minutes longer than the longer of the two (INDEX_TTL_SLACK_MS in
+#: include/history.lua: a settle that vouches for an index refreshed it less than a minute
+#: ago).
 COMPLETED_TTL = 300_000
 FAILED_TTL = 900_000
-LONG_TTL = max(COMPLETED_TTL, FAILED_TTL)
+INDEX_TTL_SLACK = 120_000
+INDEX_TTL = max(COMPLETED_TTL, FAILED_TTL) + INDEX_TTL_SLACK
 CAP = 100
 #: fetch_lane dead-letters a message delivered this many times without an outcome.
 MAX_DELIVERIES = 3
@@ -464,6 +467,7 @@ class Env:
         actor: str = "",
         dedup: str = "",
         tombstone_ttl: int | None = None,
+        vouched: bool | None = None,
     ) -> Any:
         """settle (of r1, message m1) as the broker calls it, a batch of one: ARGV[3] the
         batch head ("1 <marker TTL> <completed TTL> <failed TTL> <cap> <trim>", the TTLs, cap
@@ -475,7 +479,9 @@ class Env:
         dead note, retry (queue, redis id, body), the dedup key it ended ("<index>\t<message
         id>\t<key>", keys unprefixed, or ""). With ``tombstone_ttl`` the head ends with it and
         an outcome other than "completed" carries r1's "sent" key (:data:`SENT`) as the broker
-        sends it; without, "" (no tombstone)."""
+        sends it; without, "" (no tombstone). With ``vouched``, the head ends with "1" (the
+        caller vouches for the record's job and status indexes: their TTLs are not refreshed)
+        or "0" (after the tombstone TTL, the marker TTL when ``tombstone_ttl`` is None)."""
         completed_ttl, failed_ttl, cap, trim = COMPLETED_TTL, FAILED_TTL, CAP, 0
         root, record_header, tenant, origin = self.key(ROOT), [""] * 5, "", ""
         if run_header:
@@ -487,7 +493,12 @@ class Env:
         args = [
             *self.head(worker=worker, now=now),
             f"1 {marker_ttl} {completed_ttl} {failed_ttl} {cap} {trim}"
-            + ("" if tombstone_ttl is None else f" {tombstone_ttl}"),
+            + ("" if tombstone_ttl is None else f" {tombstone_ttl}")
+            + (
+                ""
+                if vouched is None
+                else f"{'' if tombstone_ttl is not None else f' {marker_ttl}'} {int(vouched)}"
+            ),
             root,
             rid,
             outcome,
@@ -578,8 +589,8 @@ class Env:
     def assert_expiry(self, expected: dict[str, int]) -> None:
         """The TTL of EVERY key of the state: each key of ``expected`` was set to that many ms
         just now (it must exist), every other key has none; a run-history index
-        (``<root>runs:...``) not in ``expected`` expects :data:`LONG_TTL` (every write
-        refreshes it to the longest record age)."""
+        (``<root>runs:...``) not in ``expected`` expects :data:`INDEX_TTL` (a write refreshes
+        it to the longest record age plus the slack)."""
         filled = {self.key(template): ttl for template, ttl in expected.items()}
         present = set(self.state())
         index_prefix = self.key(ROOT) + "runs:"
@@ -588,7 +599,7 @@ class Env:
                 if int(self.client.pttl(key)) == NO_TTL:
                     filled[key] = NO_TTL  # seeded, and not written by the script
                 else:
-                    filled[key] = LONG_TTL
+                    filled[key] = INDEX_TTL
         assert set(filled) <= present, f"no such keys: {sorted(set(filled) - present)}"
         for key in sorted(present):
             ttl = filled.get(key, NO_TTL)

@@ -26,12 +26,13 @@ from tests.integration.lua.tables import (
     ENQUEUED_AT,
     FAILED_M1,
     FAILED_TTL,
+    INDEX_TTL,
     INFLIGHT,
     JOB,
     LIST,
-    LONG_TTL,
     MSGS,
     NAMESPACE,
+    NO_TTL,
     NOW,
     OTHER_RUN_WORKER,
     PAST_COMPLETED_AGE,
@@ -51,6 +52,7 @@ from tests.integration.lua.tables import (
     Z,
     by_job,
     by_origin,
+    by_status,
     by_tenant,
     dead_note,
     earlier,
@@ -665,8 +667,8 @@ W2_ENTRY = entry(3, NOW - 1_000, OTHER_RUN_WORKER)
             {
                 DONE_M1: TTL,
                 run_hash("m1"): COMPLETED_TTL,
-                by_tenant("acme"): LONG_TTL,
-                by_origin("o1"): LONG_TTL,
+                by_tenant("acme"): INDEX_TTL,
+                by_origin("o1"): INDEX_TTL,
             },
             id="tenant-and-origin-indexes-live-the-longer-ttl",
         ),
@@ -730,6 +732,28 @@ def test_settle_writes_the_run_record(
 
     env.assert_state(after)
     env.assert_expiry(expiry)
+
+
+# A settle whose caller vouches for the record's job and status indexes (it refreshed their
+# TTLs less than a minute ago) leaves their TTLs as they are; one that does not (or says
+# nothing) refreshes them to the longest record age plus the slack. A tenant's index is
+# refreshed either way: the broker vouches for the job's and the status's only.
+@pytest.mark.parametrize("vouched", [True, False, None])
+def test_settle_refreshes_the_index_ttls_it_is_not_vouched_for(
+    env: Env, vouched: bool | None
+) -> None:
+    run = ended(t="acme")
+    env.seed({**SETTLE_M1, **indexed(RECENT_COMPLETED, NOW - 5_000)})
+    for index in (by_job("completed"), by_status("completed")):
+        env.client.pexpire(env.key(index), 60_000)
+
+    assert env.settle("completed", run_header=header_of(run), run=run, vouched=vouched) == 1
+
+    env.assert_state(
+        {DONE_M1: "1", **merge(indexed(RECENT_COMPLETED, NOW - 5_000), indexed(run, NOW))}
+    )
+    kept = {by_job("completed"): 60_000, by_status("completed"): 60_000} if vouched else {}
+    env.assert_expiry({DONE_M1: TTL, run_hash("m1"): COMPLETED_TTL, run_hash("c2"): NO_TTL, **kept})
 
 
 # A settle with a trim budget trims after its write: entries older than their status age

@@ -8,8 +8,10 @@
 --   runs:status:<status>      zset, the same members across jobs
 --   runs:tenant:<tenant>      zset, records of a tenant
 --   runs:origin:<origin id>   zset, records of messages whose origin is another id
---                             (every index's TTL is refreshed to the longest record age on
---                             each write, so an index of a job or tenant gone quiet expires)
+--                             (an index's TTL is the longest record age plus INDEX_TTL_SLACK_MS,
+--                             refreshed on each write, so an index of a job or tenant gone
+--                             quiet expires; a job's and a status's index only when the writer
+--                             has not vouched for it, see put_run)
 --   stats:<job>:<hour>        hash, per-job counters of the hour (see put_run)
 -- trim_runs drops index entries older than their status age and records beyond the cap; the
 -- writers call it on about one write in 32, so its cost is shared.
@@ -69,9 +71,10 @@ end
 
 -- Index entries and per-job stats are gathered while a script runs and written once at its
 -- end by flush_runs() (one ZADD per index and one HINCRBY per stats field for a whole batch of
--- records): every script that calls put_run calls flush_runs() before it returns.
+-- records; the indexes to refresh the TTL of in pending_index_refresh): every script that
+-- calls put_run calls flush_runs() before it returns.
 -- @per-call
-local pending_index, pending_index_keys = {}, {}
+local pending_index, pending_index_keys, pending_index_refresh = {}, {}, {}
 local pending_stats, pending_stats_keys = {}, {}
 local pending_index_ttl = 0
 -- @end per-call
@@ -95,8 +98,14 @@ local function int_text(n)
     return text
 end
 
--- index_add(index, score as text, member, ttl)
-local function index_add(index, score, member, ttl)
+-- How much longer than its longest-lived record an index lives: a writer that vouches for an
+-- index (put_run) refreshed its TTL less than a minute ago, so the index still outlives every
+-- record written since.
+local INDEX_TTL_SLACK_MS = 120000
+
+-- index_add(index, score as text, member, ttl, vouched): vouched = the writer refreshed this
+-- index's TTL within the last minute (its own refresh is then skipped)
+local function index_add(index, score, member, ttl, vouched)
     local entries = pending_index[index]
     if not entries then
         entries = {}
@@ -105,6 +114,9 @@ local function index_add(index, score, member, ttl)
     end
     entries[#entries + 1] = score
     entries[#entries + 1] = member
+    if not vouched then
+        pending_index_refresh[index] = true
+    end
     if ttl > pending_index_ttl then
         pending_index_ttl = ttl
     end
@@ -177,7 +189,7 @@ local function stat_add(hash, field)
 end
 
 -- put_run(root, message id, attempt, job, status, tenant or "", origin id, score, record,
---         completed TTL ms, failed TTL ms, now ms, sole writer)
+--         completed TTL ms, failed TTL ms, now ms, sole writer, vouched)
 -- sole writer: true when no other step can have written this attempt's record with another
 -- status (the settle of a delivery still this worker's, delivered once): the old record is
 -- then not read; HSET's reply says whether the record is new, and only if it is not are its
@@ -187,8 +199,11 @@ end
 -- long as the longest-lived of its records: an attempt after the first follows a failed one,
 -- so its hash keeps at least the failed TTL. Writing the same record again (a settle retried
 -- after a lost reply) changes nothing and counts nothing twice in the stats.
+-- vouched: the writer refreshed the TTLs of the job's and the status's index of this record
+-- (job, status) less than a minute ago (the settles of one process, see settle.lua's head):
+-- they are not refreshed again; a tenant's or an origin's index always is.
 local function put_run(root, mid, attempt, job, status, tenant, origin, score, record,
-                       completed_ttl, failed_ttl, now, sole_writer)
+                       completed_ttl, failed_ttl, now, sole_writer, vouched)
     local hash = root .. "run:" .. mid
     local member = mid .. ":" .. attempt
     local fresh = true
@@ -229,8 +244,8 @@ local function put_run(root, mid, attempt, job, status, tenant, origin, score, r
         score = int_text(score)
     end
     local indexes = record_indexes(root, job, status)
-    index_add(indexes[1], score, member, long_ttl)
-    index_add(indexes[2], score, member, long_ttl)
+    index_add(indexes[1], score, member, long_ttl, vouched)
+    index_add(indexes[2], score, member, long_ttl, vouched)
     if tenant ~= "" then
         index_add(root .. "runs:tenant:" .. tenant, score, member, long_ttl)
     end
@@ -249,13 +264,15 @@ local function put_run(root, mid, attempt, job, status, tenant, origin, score, r
     end
 end
 
--- flush_runs(): write what put_run gathered (index entries, with the indexes' TTL refreshed
--- to the longest record age; stats counters, TTL 8 days from the hour's first count: set when
+-- flush_runs(): write what put_run gathered (index entries, with the TTL of the indexes not
+-- vouched for refreshed to the longest record age plus the slack; stats counters, TTL 8 days from the hour's first count: set when
 -- a count creates its field, which the count that creates the hash always does).
 local function flush_runs()
     for _, index in ipairs(pending_index_keys) do
         redis.call("zadd", index, unpack(pending_index[index]))
-        redis.call("pexpire", index, int_text(pending_index_ttl))
+        if pending_index_refresh[index] then
+            redis.call("pexpire", index, int_text(pending_index_ttl + INDEX_TTL_SLACK_MS))
+        end
     end
     for _, hash in ipairs(pending_stats_keys) do
         local created = false
@@ -268,7 +285,7 @@ local function flush_runs()
             redis.call("pexpire", hash, STATS_TTL_MS)
         end
     end
-    pending_index, pending_index_keys = {}, {}
+    pending_index, pending_index_keys, pending_index_refresh = {}, {}, {}
     pending_stats, pending_stats_keys = {}, {}
 end
 
