@@ -3,10 +3,13 @@
 Written by the same Lua calls that write the run records, at a fixed small cost per attempt
 (``put_run`` and ``flush_runs`` in ``lua/include/history.lua``): per job and hour (by the
 attempt's end, UTC), one hash ``keys.job_stats(prefix, job, hour)`` of counters,
-``completed``, ``failed`` (the attempt failed and a retry follows), ``dead`` and
-``cancelled``, and ``b<bucket>`` for each completed attempt's duration (:func:`bucket`: exact
-below 64 ms, then buckets 10% wide, so a percentile read back is within 5%). One ``HINCRBY``
-per counter per settle call (a batch of attempts); the hash's TTL is set to 8 days whenever a
+``failed`` (the attempt failed and a retry follows), ``dead`` and ``cancelled``, and for each
+completed attempt one count: ``c<bucket>`` by its duration (:func:`bucket`: exact below 64 ms,
+then buckets 10% wide, so a percentile read back is within 5%), or ``completed`` if it has
+none; the hour's completed attempts are their sum. (Writers before that layout counted a
+completed attempt twice, in ``completed`` and in ``b<bucket>``: such fields are read as
+they are, the two layouts add up.) One ``HINCRBY`` per counter per settle call (a batch of
+attempts); the hash's TTL is set to 8 days whenever a
 count creates a field (the hour's first count always does), so it lives 8 days from its hour. A
 record written again (a settle retried after a lost reply) counts nothing twice. Reading is
 one ``HGETALL`` per job and hour asked for, in one round trip: no run-history scan.
@@ -107,9 +110,14 @@ def _decode(job: str, hour: int, fields: Iterable[tuple[Any, Any]]) -> JobStats 
     for raw_field, raw_value in fields:
         field, value = text(raw_field), int(raw_value)
         if field in counts:
-            counts[field] = value
-        elif field.startswith("b") and field[1:].isdigit():
-            buckets[int(field[1:])] = value
+            counts[field] += value
+        elif field[:1] in ("b", "c") and field[1:].isdigit():
+            # "c": a completed attempt counted here only; "b": an older writer's, counted in
+            # "completed" too
+            found = int(field[1:])
+            buckets[found] = buckets.get(found, 0) + value
+            if field[0] == "c":
+                counts["completed"] += value
     if not any(counts.values()):
         return None
     return JobStats(

@@ -21,6 +21,7 @@ from kumiko_dramatiq import (
     UnknownJobError,
 )
 from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.broker.replies import text
 from kumiko_dramatiq.ops.stats import bucket, bucket_value
 from tests.conftest import RunnerFactory, wait_for
 
@@ -141,6 +142,31 @@ def test_a_record_written_again_counts_once_and_hours_are_apart(
         runner.broker.client.pttl(keys.job_stats(runner.queue_prefix, "st:job:ok", hour))
         <= 8 * 86_400_000
     )
+
+
+def test_a_completed_attempt_is_one_count_and_an_older_writers_two_add_up(
+    make_runner: RunnerFactory,
+) -> None:
+    runner = make_runner(registry())
+    now_ms = int(time.time() * 1000)
+    hour = now_ms // 3_600_000
+    stats_key = keys.job_stats(runner.queue_prefix, "st:job:ok", hour)
+    client = runner.broker.client
+    # Given two completed attempts of 5 ms written as kumiko writes them now: one field each
+    put(runner, "st:job:ok", "completed", 5, at_ms=now_ms)
+    put(runner, "st:job:ok", "completed", 5, at_ms=now_ms)
+    assert {text(f): int(v) for f, v in client.hgetall(stats_key).items()} == {"c5": 2}
+    # and three of 100 ms counted by a worker of an earlier release (in "completed" and in
+    # their duration's "b" bucket), as during a rolling upgrade
+    client.hincrby(stats_key, "completed", 3)
+    client.hincrby(stats_key, f"b{bucket(100)}", 3)
+    # Then the hour's stats count five completed attempts, their durations all counted
+    (stats,) = runner.stats("st:job:ok", hours=1)
+    assert stats.completed == 5
+    assert stats.p50_ms is not None
+    assert abs(stats.p50_ms - 100) <= 5
+    assert stats.p95_ms is not None
+    assert abs(stats.p95_ms - 100) <= 5
 
 
 def test_bad_arguments_are_refused(make_runner: RunnerFactory) -> None:

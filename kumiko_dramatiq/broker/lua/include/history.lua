@@ -123,9 +123,12 @@ local function index_add(index, score, member, ttl, vouched)
 end
 
 -- Per-job stats (kumiko_dramatiq/ops/stats.py reads them): hash "<root>stats:<job>:<hour>"
--- (hours since the epoch, by the attempt's end), fields "completed", "failed", "dead",
--- "cancelled" (attempts) and "b<bucket>" (completed attempts by duration: bucket d for d <
--- 64 ms, else 64 + floor(log(d / 64) / log(1.1)), so a bucket spans 10%); kept 8 days.
+-- (hours since the epoch, by the attempt's end), fields "failed", "dead", "cancelled"
+-- (attempts), "c<bucket>" (completed attempts by duration: bucket d for d < 64 ms, else 64 +
+-- floor(log(d / 64) / log(1.1)), so a bucket spans 10%) and "completed" (completed attempts
+-- with no duration); kept 8 days. A completed attempt is one count, in one field: the
+-- completed attempts of an hour are "completed" plus every "c<bucket>" (a writer before this
+-- layout counted each in "completed" and in "b<bucket>": the reader adds those as they are).
 local STATS_TTL_MS = "691200000" -- 8 days
 local STATS_BUCKETS_EXACT = 64
 local LOG_STEP = 0.09531017980432493 -- math.log(1.1) (a library may not call math at load)
@@ -137,7 +140,7 @@ local function duration_bucket(d)
     return STATS_BUCKETS_EXACT + math.floor(math.log(d / STATS_BUCKETS_EXACT) / LOG_STEP)
 end
 
--- duration_field(record): the stats field of a completed record's duration ("b<bucket>"), or
+-- duration_field(record): the stats field of a completed record's duration ("c<bucket>"), or
 -- nil if it has none: its first "d" field with digits, found by plain search (a pattern search
 -- over the whole record costs more than all of the record's writes)
 local function duration_field(record)
@@ -150,9 +153,9 @@ local function duration_field(record)
         local digits = string.match(record, "^%d+", at + 4)
         if digits then
             if #digits == 1 or (#digits == 2 and digits < "64" and string.sub(digits, 1, 1) ~= "0") then
-                return "b" .. digits
+                return "c" .. digits
             end
-            return "b" .. int_text(duration_bucket(tonumber(digits)))
+            return "c" .. int_text(duration_bucket(tonumber(digits)))
         end
         from = at + 1
     end
@@ -253,14 +256,7 @@ local function put_run(root, mid, attempt, job, status, tenant, origin, score, r
         index_add(root .. "runs:origin:" .. origin, score, member, long_ttl)
     end
     if fresh and status ~= "running" then
-        local stats = stats_hash(root, job, now)
-        stat_add(stats, status)
-        if status == "completed" then
-            local field = duration_field(record)
-            if field then
-                stat_add(stats, field)
-            end
-        end
+        stat_add(stats_hash(root, job, now), status == "completed" and duration_field(record) or status)
     end
 end
 
