@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from kumiko_dramatiq.broker.settling import SettleBatcher
+from tests.conftest import wait_for
 
 
 class Flushes:
@@ -97,3 +98,65 @@ def test_the_flush_is_handed_each_entrys_claimer() -> None:
     assert batcher.settle("q", ["1"], None, claimer=consumer) == 1
     assert batcher.settle("q", ["2"], None) == 1
     assert seen == [[consumer], [None]]
+
+
+class Gate:
+    """A flush whose first call blocks until released (a call in flight), the rest answer."""
+
+    def __init__(self) -> None:
+        self.flushes = Flushes()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(
+        self, queue: str, entries: Sequence[Sequence[Any]], client: Any, claimers: Any
+    ) -> list[int]:
+        replies = self.flushes(queue, entries, client, claimers)
+        if len(self.flushes.batches) == 1:
+            self.entered.set()
+            assert self.release.wait(timeout=30)
+        return replies
+
+
+def settle_in_thread(batcher: SettleBatcher, rid: str, results: dict[str, Any]) -> threading.Thread:
+    def one() -> None:
+        results[rid] = batcher.settle("q", [rid], None)
+
+    thread = threading.Thread(target=one)
+    thread.start()
+    return thread
+
+
+def test_settles_that_end_while_the_queues_call_is_in_flight_share_the_next_call() -> None:
+    # nothing expected: each settle would go at once, but one call per queue is in flight
+    gate = Gate()
+    batcher = SettleBatcher(gate, lambda queue: 0, linger_s=30)
+    results: dict[str, Any] = {}
+    first = settle_in_thread(batcher, "1", results)
+    assert gate.entered.wait(timeout=30)
+    others = [settle_in_thread(batcher, rid, results) for rid in ("2", "3", "4")]
+    wait_for(
+        lambda: "q" in batcher._open and len(batcher._open["q"].entries) == 3,
+        what="the three settles to gather behind the call in flight",
+    )
+    assert gate.flushes.batches == [["1"]]  # nothing sent beside the call in flight
+    gate.release.set()
+    for thread in (first, *others):
+        thread.join(timeout=30)
+    assert results == {"1": 10, "2": 20, "3": 30, "4": 40}
+    assert gate.flushes.batches[0] == ["1"]
+    assert sorted(gate.flushes.batches[1]) == ["2", "3", "4"]
+    assert len(gate.flushes.batches) == 2
+
+
+def test_an_urgent_settle_goes_beside_the_queues_call_in_flight() -> None:
+    gate = Gate()
+    batcher = SettleBatcher(gate, lambda queue: 0, linger_s=30)
+    results: dict[str, Any] = {}
+    first = settle_in_thread(batcher, "1", results)
+    assert gate.entered.wait(timeout=30)
+    assert batcher.settle("q", ["5"], None, urgent=True) == 50  # while "1" is still out
+    gate.release.set()
+    first.join(timeout=30)
+    assert results == {"1": 10}
+    assert gate.flushes.batches == [["1"], ["5"]]
