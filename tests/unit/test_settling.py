@@ -127,13 +127,20 @@ def settle_in_thread(batcher: SettleBatcher, rid: str, results: dict[str, Any]) 
     return thread
 
 
-def test_settles_that_end_while_the_queues_call_is_in_flight_share_the_next_call() -> None:
-    # nothing expected: each settle would go at once, but one call per queue is in flight
+def call_in_flight() -> tuple[Gate, SettleBatcher, dict[str, Any], threading.Thread]:
+    """A batcher that sends each settle at once (nothing expected), its call of "1" in flight
+    (held by the gate); the results of the settles made in threads."""
     gate = Gate()
     batcher = SettleBatcher(gate, lambda queue: 0, linger_s=30)
     results: dict[str, Any] = {}
     first = settle_in_thread(batcher, "1", results)
     assert gate.entered.wait(timeout=30)
+    return gate, batcher, results, first
+
+
+def test_settles_that_end_while_the_queues_call_is_in_flight_share_the_next_call() -> None:
+    # nothing expected: each settle would go at once, but one call per queue is in flight
+    gate, batcher, results, first = call_in_flight()
     others = [settle_in_thread(batcher, rid, results) for rid in ("2", "3", "4")]
     wait_for(
         lambda: "q" in batcher._open and len(batcher._open["q"].entries) == 3,
@@ -150,11 +157,7 @@ def test_settles_that_end_while_the_queues_call_is_in_flight_share_the_next_call
 
 
 def test_an_urgent_settle_goes_beside_the_queues_call_in_flight() -> None:
-    gate = Gate()
-    batcher = SettleBatcher(gate, lambda queue: 0, linger_s=30)
-    results: dict[str, Any] = {}
-    first = settle_in_thread(batcher, "1", results)
-    assert gate.entered.wait(timeout=30)
+    gate, batcher, results, first = call_in_flight()
     assert batcher.settle("q", ["5"], None, urgent=True) == 50  # while "1" is still out
     gate.release.set()
     first.join(timeout=30)

@@ -106,14 +106,7 @@ local INDEX_TTL_SLACK_MS = 120000
 -- index_add(index, score as text, member, ttl, vouched): vouched = the writer refreshed this
 -- index's TTL within the last minute (its own refresh is then skipped)
 local function index_add(index, score, member, ttl, vouched)
-    local entries = pending_index[index]
-    if not entries then
-        entries = {}
-        pending_index[index] = entries
-        pending_index_keys[#pending_index_keys + 1] = index
-    end
-    entries[#entries + 1] = score
-    entries[#entries + 1] = member
+    group_add(pending_index, pending_index_keys, index, score, member)
     if not vouched then
         pending_index_refresh[index] = true
     end
