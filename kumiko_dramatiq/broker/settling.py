@@ -14,15 +14,16 @@ idle Redis, and the busier Redis is (the longer a call takes), the more deliveri
 settles: the per-call cost, most of what a settle of one delivery costs Redis, is shared just
 when Redis is the bottleneck, however long the jobs run. The price: a settle may wait for the
 call ahead of it, half a round trip on average while calls overlap (Dramatiq's own consumer
-sends its acks one at a time too). A delivery that holds a capped job's
-slot is *urgent*: its batch is sent at once (a waiter may be due that slot, and another run of
-the capped job is what the slot's holder waits for), with what has gathered so far, beside a
-call in flight. Each settle may name the consumer that fetched its delivery (its
-*claimer*): the flush is handed every entry's claimer, so the call can also claim that
-consumer's next messages (``lua/settle.lua``). A thread blocks on its own
-ack as before, so a ``kill -9`` can re-run exactly what it could before (a delivery whose
-handler returned and whose ack had not been answered: at most one per worker thread); the
-batch adds no state that a crash could lose.
+sends its acks one at a time too); measured with jobs of 2 ms and every command delayed 0.5 or
+1 ms (a distant Redis), the drain kept its pace with half the settle calls or fewer. A delivery
+that holds a capped job's slot is *urgent*: its batch is sent at once (a waiter may be due that
+slot, and another run of the capped job is what the slot's holder waits for), with what has
+gathered so far, beside a call in flight. Each settle may name the consumer that fetched its
+delivery (its *claimer*): the flush is handed every entry's claimer, so the call can also claim
+that consumer's next messages (``lua/settle.lua``). A thread blocks on its own ack as before,
+so a ``kill -9`` can re-run exactly what it could before (a delivery whose handler returned and
+whose ack had not been answered: at most one per worker thread); the batch adds no state that
+a crash could lose.
 """
 
 from __future__ import annotations
