@@ -612,10 +612,9 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
                 ],
                 args=args,
             )
-            if not vouched:
-                refreshed = time.monotonic()
+            if not vouched:  # refreshed by the call: no earlier than it was sent
                 for index in indexes:
-                    self._indexes_refreshed[index] = refreshed
+                    self._indexes_refreshed[index] = sent_at
             replies = reply
             if claim is not None and consumer is not None:
                 replies = reply[0]
@@ -630,9 +629,9 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
     def _vouched(self, entries: Sequence[Sequence[Any]]) -> tuple[set[tuple[str, str]], bool]:
         """The (job, status) of each run record among settle ``entries``, and whether this
         process refreshed the TTLs of all their indexes less than :data:`INDEX_VOUCH_S` ago
-        (then the call does not refresh them; when it does, they count as refreshed once it
-        answered). A malformed delivery's record is the job's its body names, not known
-        here: never vouched for."""
+        (then the call does not refresh them; when it does, they count as refreshed when it
+        was sent, once it answered). A malformed delivery's record is the job's its body
+        names, not known here: never vouched for."""
         indexes: set[tuple[str, str]] = set()
         for entry in entries:
             status = entry[6]

@@ -249,13 +249,15 @@ local function put_run(root, mid, attempt, job, status, tenant, origin, score, r
         index_add(root .. "runs:origin:" .. origin, score, member, long_ttl)
     end
     if fresh and status ~= "running" then
-        stat_add(stats_hash(root, job, now), status == "completed" and duration_field(record) or status)
+        local field = status == "completed" and duration_field(record) or status
+        stat_add(stats_hash(root, job, now), field)
     end
 end
 
 -- flush_runs(): write what put_run gathered (index entries, with the TTL of the indexes not
--- vouched for refreshed to the longest record age plus the slack; stats counters, TTL 8 days from the hour's first count: set when
--- a count creates its field, which the count that creates the hash always does).
+-- vouched for refreshed to the longest record age plus the slack; stats counters, TTL 8 days
+-- from the hour's first count: set when a count creates its field, which the count that
+-- creates the hash always does).
 local function flush_runs()
     for _, index in ipairs(pending_index_keys) do
         redis.call("zadd", index, unpack(pending_index[index]))
