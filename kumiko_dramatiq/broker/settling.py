@@ -81,6 +81,9 @@ class SettleBatcher:
         #: queue -> how many of its calls are in flight (more than MAX_IN_FLIGHT only beside
         #: urgent ones and full batches)
         self._in_flight: dict[str, int] = {}
+        #: ``flushing``: how many flushes this thread is inside of (a flush can settle: a claim
+        #: it hands over may dead-letter a message that does not decode)
+        self._local = threading.local()
 
     def settle(
         self,
@@ -93,7 +96,11 @@ class SettleBatcher:
     ) -> int:
         """Settle one delivery of ``queue`` (its settle arguments ``entry``); its reply.
         ``claimer``: the consumer the delivery came from (handed to the flush); ``urgent``:
-        send the batch without waiting for more."""
+        send the batch without waiting for more. A settle made inside a flush (by the thread
+        sending a call) goes alone and at once: a batch it joined, or the call in flight it
+        waited for, would wait for it."""
+        if getattr(self._local, "flushing", 0):
+            return self._flush(queue, [entry], client, [claimer])[0]
         with self._cond:
             batch = self._open.get(queue)
             leader = batch is None
@@ -123,12 +130,14 @@ class SettleBatcher:
                 del self._open[queue]
             batch.closed = True
             self._in_flight[queue] = self._in_flight.get(queue, 0) + 1
+        self._local.flushing = getattr(self._local, "flushing", 0) + 1
         try:
             batch.results = self._flush(queue, batch.entries, client, batch.claimers)
         except BaseException as exc:
             batch.error = exc
             raise
         finally:
+            self._local.flushing -= 1
             with self._cond:
                 left = self._in_flight[queue] - 1
                 if left:

@@ -122,7 +122,7 @@ def settle_in_thread(batcher: SettleBatcher, rid: str, results: dict[str, Any]) 
     def one() -> None:
         results[rid] = batcher.settle("q", [rid], None)
 
-    thread = threading.Thread(target=one)
+    thread = threading.Thread(target=one, daemon=True)
     thread.start()
     return thread
 
@@ -163,3 +163,37 @@ def test_an_urgent_settle_goes_beside_the_queues_call_in_flight() -> None:
     first.join(timeout=30)
     assert results == {"1": 10}
     assert gate.flushes.batches == [["1"], ["5"]]
+
+
+def test_a_settle_made_by_a_flush_goes_alone_at_once() -> None:
+    # a claim handed over by a flush may dead-letter a message that does not decode: a settle
+    # of the same queue from inside the call in flight, while another settle waits behind it
+    calls: list[list[str]] = []
+    behind = threading.Event()
+    nested: dict[str, int] = {}
+
+    def flush(
+        queue: str, entries: Sequence[Sequence[Any]], client: Any, claimers: Any
+    ) -> list[int]:
+        rids = [entry[0] for entry in entries]
+        calls.append(rids)
+        if rids == ["1"]:
+            assert behind.wait(timeout=30)
+            nested["9"] = batcher.settle("q", ["9"], None)
+        return [int(rid) * 10 for rid in rids]
+
+    batcher = SettleBatcher(flush, lambda queue: 0, linger_s=30)
+    results: dict[str, Any] = {}
+    first = settle_in_thread(batcher, "1", results)
+    wait_for(lambda: calls == [["1"]], what="the first call to be in flight")
+    second = settle_in_thread(batcher, "2", results)
+    wait_for(
+        lambda: "q" in batcher._open and len(batcher._open["q"].entries) == 1,
+        what="the second settle to wait behind the call in flight",
+    )
+    behind.set()
+    first.join(timeout=30)
+    second.join(timeout=30)
+    assert results == {"1": 10, "2": 20}
+    assert nested == {"9": 90}
+    assert calls == [["1"], ["9"], ["2"]]
