@@ -144,7 +144,10 @@ TRIM_BUDGET = 32
 #: How long a settle may vouch for the TTLs of the run indexes (a job's and a status's) it
 #: refreshed last: while every record of a settle call goes to indexes this process refreshed
 #: less than this long ago, the call refreshes none (two writes fewer per call; an index
-#: lives 2 minutes longer than its longest-lived record, ``include/history.lua``).
+#: lives 2 minutes longer than its longest-lived record, ``include/history.lua``). An index
+#: that vanishes meanwhile (emptied, a Redis restarted without persistence) comes back without
+#: a TTL until this process's next refresh, within the minute; if the process dies first and
+#: nobody writes that job and status again, the entries of that minute keep no TTL.
 INDEX_VOUCH_S = 60.0
 
 #: The arguments of one delivery in a ``lua/settle.lua`` call; a delivery's extras (its tenant,
