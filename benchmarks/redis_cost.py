@@ -1,31 +1,32 @@
 """Redis CPU per job: kumiko vs plain Dramatiq on one private redis-server (issue 32).
 
 ``python -m benchmarks.redis_cost [--rounds 3] [--messages 10000] [--feature-messages 2000]
-[--no-pin] [--job-ms 0]`` (or ``bash benchmarks/run.sh --only redis_cost``)
+[--no-pin] [--job-ms 0] [--threads 8]`` (or ``bash benchmarks/run.sh --only redis_cost``)
 
 Each round enqueues ``--messages`` no-op jobs (or jobs that wait ``--job-ms`` each), then
-drains them with one worker of 8 threads (kumiko's queue as one in use: its per-job counts made
-ready before the enqueue, so every enqueue and ack keeps them, not a one-off backfill of the
-whole backlog at the worker's start);
-the server's own CPU (``INFO cpu``: ``used_cpu_user + used_cpu_sys``) is read before the
-enqueue, between enqueue and drain, and once the queue's message hash is empty. Kumiko's plain
-case (no dedup key, not sequential, run history and metrics on) and plain Dramatiq's
-``RedisBroker`` run in alternating rounds; the table reports medians per job, the ratio and
-the derived ceiling (jobs per second one Redis core can serve: 1 s / CPU per job). Then the
-features, kumiko only, each beside plain Dramatiq's plain case: a dedup key per dispatch, a
-sequential job (its waiting runs' hand-offs included), per-tenant children (per child, the
-wrapper included) and a retry (a first attempt that fails, retried at once; per job, both
-attempts included).
+drains them with one worker of ``--threads`` threads (kumiko's queue as one in use: its per-job
+counts made ready before the enqueue, so every enqueue and ack keeps them, not a one-off
+backfill of the whole backlog at the worker's start); the server's own CPU (``INFO cpu``:
+``used_cpu_user + used_cpu_sys``) is read before the enqueue, between enqueue and drain, and
+once the queue's message hash is empty. Kumiko's plain case (no dedup key, not sequential, run
+history and metrics on) and plain Dramatiq's ``RedisBroker`` run in alternating rounds; the
+table reports medians per job, the ratio, the derived ceiling (jobs per second one Redis core
+can serve: 1 s / CPU per job) and the drain's pace. Then the features, kumiko only, each
+beside plain Dramatiq's plain case: a dedup key per dispatch, a sequential job (its waiting
+runs' hand-offs included), per-tenant children (per child, the wrapper included) and a retry
+(a first attempt that fails, retried at once; per job, both attempts included).
 
 On a machine of two cores or more the server runs alone on the last core and this process
 (the client and the worker's threads) on the others, as a deployment runs Redis apart from its
 workers; ``--no-pin`` leaves both to the scheduler (then they take turns on one core's caches,
 and the figures include that).
 
-No-op jobs end in bursts, so each settle call acks several deliveries at once (about 7 here)
-and its fixed cost is shared; jobs that take a while (``--job-ms 2``: the threads end them one
-by one) are settled one per call, the case of most deployments, and its rows are the ones to
-size with.
+No-op jobs end in bursts, so each settle call acks several deliveries at once (about 7 of 8
+threads' here) and its fixed cost is shared; jobs that take a while (``--job-ms 2``: the
+threads end them one by one) are settled about two per call with 8 threads, the case of most
+deployments, and its rows are the ones to size with. A settle carries the deliveries that end
+while the previous call of its queue is out, so kumiko's cost per job falls as a worker's
+threads grow (``--threads 32``); plain Dramatiq's, one ack per job, does not.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def command_usec(client: redis.Redis) -> dict[str, tuple[int, int]]:
 class Sample:
     enqueue_us: float
     drain_us: float
+    #: the drain's pace (the worker's start until the last job settled)
+    drain_jobs_s: float = 0.0
 
     @property
     def total_us(self) -> float:
@@ -105,10 +108,17 @@ def wait_empty(client: redis.Redis, messages_key: str, timeout_s: float = 600) -
 
 class RedisCost:
     def __init__(
-        self, url: str, messages: int, feature_messages: int, rounds: int, job_ms: float = 0
+        self,
+        url: str,
+        messages: int,
+        feature_messages: int,
+        rounds: int,
+        job_ms: float = 0,
+        threads: int = WORKER_THREADS,
     ) -> None:
         self.url = url
         self.job_ms = job_ms
+        self.threads = threads
         self.messages = messages
         self.feature_messages = feature_messages
         self.rounds = rounds
@@ -137,8 +147,10 @@ class RedisCost:
         enqueue()
         c1 = server_cpu_s(self.client)
         s1 = command_usec(self.client)
+        started = time.monotonic()
         start()
         done()
+        drained_s = time.monotonic() - started
         c2 = server_cpu_s(self.client)
         s2 = command_usec(self.client)
         stop()
@@ -152,7 +164,7 @@ class RedisCost:
             if calls != s1.get(cmd, (0, 0))[0] and cmd not in {"info", "hlen"}
         }
         self.commands[name] = {k: list(v) for k, v in sorted(delta.items())}
-        return Sample((c1 - c0) / n * 1e6, (c2 - c1) / n * 1e6)
+        return Sample((c1 - c0) / n * 1e6, (c2 - c1) / n * 1e6, n / drained_s)
 
     # -- kumiko ---------------------------------------------------------------
     def kumiko(self, case: str = "plain") -> Sample:
@@ -180,7 +192,7 @@ class RedisCost:
             Registry([feature]),
             redis_url=self.url,
             queue_prefix=prefix,
-            worker_threads=WORKER_THREADS,
+            worker_threads=self.threads,
             get_active_tenant_ids=lambda: tenant_ids,
             sequential_retry_delay_ms=20,
             metrics_port=free_port(),
@@ -220,7 +232,7 @@ class RedisCost:
         actor = dramatiq.Actor(
             noop, broker=broker, actor_name="noop", queue_name=queue, priority=0, options={}
         )
-        worker = Worker(broker, worker_threads=WORKER_THREADS, worker_timeout=WORKER_TIMEOUT_MS)
+        worker = Worker(broker, worker_threads=self.threads, worker_timeout=WORKER_TIMEOUT_MS)
 
         def enqueue() -> None:
             for i in range(n):
@@ -262,15 +274,16 @@ def table(result: dict[str, Any], uptime: str) -> str:
     base = plain.median("total_us")
     lines = [
         "| case | enqueue µs/job | drain µs/job | both µs/job | vs plain Dramatiq | ceiling jobs/s"
-        " per Redis core | rounds |",
-        "|---|---|---|---|---|---|---|",
+        " per Redis core | drain jobs/s | rounds |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for series in [*result["rows"], plain]:
         total = series.median("total_us")
         lines.append(
             f"| {series.name} | {series.median('enqueue_us'):.1f} | {series.median('drain_us'):.1f}"
             f" | {total:.1f} (rounds: {', '.join(f'{s.total_us:.0f}' for s in series.samples)})"
-            f" | {total / base:.2f}x | {1e6 / total:,.0f} | {len(series.samples)} |"
+            f" | {total / base:.2f}x | {1e6 / total:,.0f} | {series.median('drain_jobs_s'):,.0f}"
+            f" | {len(series.samples)} |"
         )
     lines += ["", f"Load (`uptime` before the run): {uptime}"]
     return "\n".join(lines)
@@ -303,15 +316,16 @@ def suite(
     features: list[str] | None = None,
     pin: bool = True,
     job_ms: float = 0,
+    threads: int = WORKER_THREADS,
 ) -> str:
     uptime = os.popen("uptime").read().strip()
     with _server(pin) as url:
-        bench = RedisCost(url, messages, feature_messages, rounds, job_ms)
+        bench = RedisCost(url, messages, feature_messages, rounds, job_ms, threads)
         result = bench.run(FEATURES if features is None else features)
     text = "\n".join(
         [
             f"Redis CPU per job (server `INFO cpu`), {messages:,} jobs per round"
-            f" ({feature_messages:,} for the features), 8 worker threads,"
+            f" ({feature_messages:,} for the features), {threads} worker threads,"
             f" {f'jobs of {job_ms:g} ms' if job_ms else 'no-op jobs'}, medians",
             "",
             table(result, uptime),
@@ -324,6 +338,7 @@ def suite(
                 "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "uptime": uptime,
                 "job_ms": job_ms,
+                "threads": threads,
                 "series": {
                     s.name: [s2.__dict__ for s2 in s.samples]
                     for s in [*result["rows"], result["plain"]]
@@ -353,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="each job waits this long (default 0: no-op jobs, whose settles come in batches)",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=WORKER_THREADS,
+        help="worker threads, kumiko's and plain Dramatiq's alike (default 8)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     features = [f for f in args.features.split(",") if f]
@@ -364,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             features,
             not args.no_pin,
             args.job_ms,
+            args.threads,
         )
     )
     return 0

@@ -12,7 +12,10 @@ flight at a time: a batch ready while the queue's previous call is still out wai
 answer, and the settles that end meanwhile join it (a group commit). So nothing waits on an
 idle Redis, and the busier Redis is (the longer a call takes), the more deliveries each call
 settles: the per-call cost, most of what a settle of one delivery costs Redis, is shared just
-when Redis is the bottleneck, however long the jobs run. The price: a settle may wait for the
+when Redis is the bottleneck, however long the jobs run. Up to one delivery per worker thread:
+a thread waits for its own settle, whose call claims its next message (a kumiko worker holds
+no message its threads have not started, so ``cancel`` stops every one that has not), so the
+more threads a process runs, the more a call can carry. The price: a settle may wait for the
 call ahead of it, half a round trip on average while calls overlap (Dramatiq's own consumer
 sends its acks one at a time too); measured with jobs of 2 ms and every command delayed 0.5 or
 1 ms (a distant Redis), the drain kept its pace with half the settle calls or fewer. A delivery
