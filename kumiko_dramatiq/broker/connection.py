@@ -255,7 +255,7 @@ def connection_pool(
         )
     # one try per sentinel per discovery: a dead sentinel costs one refused connection
     sentinel_kwargs = {**target.sentinel_auth, **settings, "retry": Retry(NoBackoff(), 0)}
-    sentinel = KumikoSentinel(  # type: ignore[no-untyped-call]
+    sentinel = KumikoSentinel(  # type: ignore[no-untyped-call, unused-ignore]
         list(target.sentinels), sentinel_kwargs=sentinel_kwargs
     )
     master = target.master

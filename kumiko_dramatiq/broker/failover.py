@@ -266,7 +266,7 @@ class PrimaryWatch:
         backoff = RECONNECT_S[0]
         while not stop.is_set():
             client = redis.Redis(host=host, port=port, **self.sentinel_kwargs)
-            pubsub = client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+            pubsub = client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call, unused-ignore]
             with self._lock:
                 self._pubsubs.append(pubsub)
             try:

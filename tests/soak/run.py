@@ -181,7 +181,7 @@ class DoneMarkers(threading.Thread):
     def run(self) -> None:
         while not self.stopping.is_set():
             client = redis.Redis.from_url(self.url, socket_timeout=5)
-            pubsub = client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+            pubsub = client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call, unused-ignore]
             try:
                 pubsub.psubscribe(self.pattern)
                 self.ready.set()
