@@ -67,7 +67,8 @@ CLIENT_COMMANDS: Final[dict[str, str]] = {
     "multi": "drain's consistent count of pending work",
     "exec": "drain's consistent count of pending work",
     # idle consumers
-    "blpop": "an idle consumer waits on its queue's doorbell",
+    "blpop": "an idle consumer waits on its queue's doorbell; a worker's keeper waits for "
+    "asks about what it holds; cancel, purge, pause and stop_run wait for their answers",
     "client|id": "names the doorbell connection, so that shutdown can wake it",
     "client|setname": "names the doorbell connection (kumiko-bell:<queue>) for CLIENT LIST",
     "client|unblock": "wakes consumers waiting on a doorbell at shutdown, or when a settle "
@@ -199,7 +200,15 @@ def sample_keys(broker: KumikoBroker) -> dict[str, str]:
     queues += sorted(
         {q_name(queue) for queue in broker.get_declared_queues()} - set(queues),
     )
-    found = [keys.probe(prefix), keys.inflight(prefix), namespace, keys.heartbeats(namespace)]
+    found = [
+        keys.probe(prefix),
+        keys.inflight(prefix),
+        keys.hold_asks(prefix, broker.broker_id),
+        keys.hold_bell(prefix, broker.broker_id),
+        keys.hold_answer(prefix, "probe"),
+        namespace,
+        keys.heartbeats(namespace),
+    ]
     for queue in queues:
         for each in (queue, dq_name(queue)):
             found += [

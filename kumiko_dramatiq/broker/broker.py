@@ -81,14 +81,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Final, NamedTuple
-from uuid import UUID, uuid4, uuid5
+from typing import Any
 
 import redis
 from dramatiq.brokers.redis import RedisBroker
-from dramatiq.common import current_millis, dq_name, q_name
-from dramatiq.message import Message
-from dramatiq.middleware import Middleware
+from dramatiq.common import current_millis, q_name
+from dramatiq.middleware import Middleware, SkipMessage
 from dramatiq.worker import Worker
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import Script
@@ -97,31 +95,23 @@ from redis.retry import Retry
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.connection import connection_pool
 from kumiko_dramatiq.broker.consumer import KumikoConsumer
-from kumiko_dramatiq.broker.delivery import (
-    SETTLED_MINE,
-    Delivery,
-    LaneFetch,
-    MessagePolicy,
-    Outcome,
-    RunWrite,
-)
-from kumiko_dramatiq.broker.keys import queue_list, queue_messages
+from kumiko_dramatiq.broker.delivery import Delivery, LaneFetch, MessagePolicy
+from kumiko_dramatiq.broker.enqueueing import Enqueueing
+from kumiko_dramatiq.broker.holds import HoldReply, Holds
+from kumiko_dramatiq.broker.keys import queue_list
 from kumiko_dramatiq.broker.lua import LuaFunction, LuaScripts
-from kumiko_dramatiq.broker.replies import as_list, text
+from kumiko_dramatiq.broker.replies import text
 from kumiko_dramatiq.broker.seam import (
     HookTable,
     NoCommandFallback,
     consumed_queues,
-    copy_message,
     emit_after,
     emit_before,
-    encode_message,
     set_consumed_queues,
     worker_thread_count,
 )
-from kumiko_dramatiq.broker.settling import LINGER_S, SettleBatcher
-from kumiko_dramatiq.codec import TRIGGER
-from kumiko_dramatiq.ids import redis_message_id as derived_redis_id
+from kumiko_dramatiq.broker.settling import Claim, SettleCalls
+from kumiko_dramatiq.broker.wakeups import Wakeups
 from kumiko_dramatiq.options import LANES, lane_queue
 
 logger = logging.getLogger("kumiko_dramatiq")
@@ -137,30 +127,8 @@ RESEND_WINDOW_MS = 60_000
 #: Dramatiq's maintenance chance is counted per this many broker calls.
 MAINTENANCE_SCALE = 1_000_000
 
-#: One settle call in this many also trims the run history (ages and cap), dropping at most
-#: this many records beyond the cap: the trimming keeps pace with the writes at a shared cost.
-TRIM_BUDGET = 32
 
-#: How long a settle may vouch for the TTLs of the run indexes (a job's and a status's) it
-#: refreshed last: while every record of a settle call goes to indexes this process refreshed
-#: less than this long ago, the call refreshes none (two writes fewer per call; an index
-#: lives 2 minutes longer than its longest-lived record, ``include/history.lua``). An index
-#: that vanishes meanwhile (emptied, a Redis restarted without persistence) comes back without
-#: a TTL until this process's next refresh, within the minute; if the process dies first and
-#: nobody writes that job and status again, the entries of that minute keep no TTL.
-INDEX_VOUCH_S = 60.0
-
-#: The arguments of one delivery in a ``lua/settle.lua`` call; a delivery's extras (its tenant,
-#: origin, dead letter's note, retry and dedup end: :data:`NO_EXTRAS` for most) follow all
-#: of the call's deliveries.
-SETTLE_FIELDS: Final = 11
-NO_EXTRAS: Final = ("",) * 7
-
-
-_MOVED_NAMESPACE = UUID("9d4b7e0c-2f5a-5c8e-b1d3-7a6f4c2e9b01")
-
-
-class KumikoBroker(NoCommandFallback, RedisBroker):
+class KumikoBroker(NoCommandFallback, Enqueueing, SettleCalls, RedisBroker):
     """Dramatiq's ``RedisBroker`` with kumiko's consumer, commands and enqueue steps.
 
     ``lua`` holds every kumiko script, registered on the broker's client. ``queue_prefix``
@@ -230,25 +198,26 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         #: per queue, the redis ids this process's consumers fetched and have not settled yet
         #: (handed to Dramatiq's worker, or running; see ``KumikoConsumer``, "lost claims")
         self.held: dict[str, set[str]] = {}
-        #: Redis client ids of this broker's consumers blocked on a doorbell, by consumer
-        self._blocked: dict[int, int] = {}
         #: called with (queue name, reason) for each message a consumer dead-letters at fetch,
         #: before any middleware sees it: reason "worker_died" (the poison bound) or
         #: "malformed" (it does not decode into what kumiko or Dramatiq writes)
         self.fetch_dead_letter_listeners: list[Callable[[str, str], None]] = []
-        #: guards the blocked consumers, the stopping flag and the thread clients
+        #: guards the thread clients
         self._lock = threading.Lock()
         #: each thread's own client (:meth:`thread_client`), and all of them
         self._threads = threading.local()
         self._thread_clients: list[tuple[threading.Thread, redis.Redis]] = []
         self._threads_pid = os.getpid()
-        self._stopping = False
-        #: gathers the settles of deliveries that end at about the same time into one call
-        self.settler = SettleBatcher(self.settle_batch, self.settle_expected)
+        #: the consumers' waits on doorbells, and whether the broker's workers are stopping
+        self.wakeups = Wakeups(client)
+        #: what this broker's consumers hold ahead of their threads (broker/holds.py)
+        self.holds = Holds(self)
+        #: whether :meth:`close` ran
+        self.closed = False
         #: worker threads of the workers booted on this broker, and a moving average of the
         #: time a delivery takes from ``before_process_message`` to its after hooks (seconds)
         self.worker_threads = 0
-        self._processing_s = 0.0
+        self.job_s = 0.0
         self.lua = LuaScripts.register(client)
         #: queue name -> (its counts hash, the kind of its fields): see :meth:`_counts_of`
         self._counts_keys: dict[str, tuple[str, str]] = {}
@@ -270,11 +239,17 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
 
     def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
         if signal == "process_message":
-            if isinstance(args[0], Delivery):
-                args[0].started_at = time.time()
-                self.running[threading.get_ident()] = args[0]
+            delivery = args[0]
+            if isinstance(delivery, Delivery):
+                # the gate of a delivery's start: one its consumer dropped (held ahead and
+                # cancelled, purged or paused meanwhile) never starts, and no hook sees it
+                consumer = delivery.consumer
+                if consumer is not None and not consumer.start(delivery):
+                    raise SkipMessage(f"message {delivery.message_id} was dropped unstarted")
+                delivery.started_at = time.time()
+                self.running[threading.get_ident()] = delivery
         elif signal == "worker_boot":
-            self._stopping = False
+            self.wakeups.resume()
             self.route_worker(args[0])
             self.worker_threads += worker_thread_count(args[0])
         elif signal == "declare_queue":
@@ -286,12 +261,14 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
     def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
         if signal == "process_boot":
             self.booted = True
+        elif signal == "skip_message" and isinstance(args[0], Delivery) and args[0].refused:
+            return  # dropped at the gate: it never started, no hook saw it begin
         emit_after(self, self._current_hooks(), "after_" + signal, *args, **kwargs)
         if signal in ("process_message", "skip_message"):
             delivery = self.running.pop(threading.get_ident(), None)
             if delivery is not None and delivery.started_at is not None:
                 took = time.time() - delivery.started_at
-                self._processing_s += (took - self._processing_s) / 16
+                self.job_s += (took - self.job_s) / 16
         elif signal == "worker_shutdown":  # its threads are gone
             self.worker_threads = max(0, self.worker_threads - worker_thread_count(args[0]))
             self._routed = [each for each in self._routed if each is not args[0]]
@@ -346,22 +323,21 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             middleware.after_process_boot(self)
 
     def wake_consumers(self) -> None:
-        """Unblock every consumer of this broker waiting on a doorbell (``CLIENT UNBLOCK``)
-        and keep them from blocking again until a worker boots: a worker that shuts down
-        does not wait out an idle wait."""
-        with self._lock:
-            self._stopping = True
-            client_ids = list(self._blocked.values())
-        for client_id in client_ids:
-            self.unblock(client_id)
+        """Unblock every consumer of this broker waiting on a doorbell and keep them from
+        blocking again until a worker boots: a worker that shuts down does not wait out an
+        idle wait (:meth:`Wakeups.stop`)."""
+        self.wakeups.stop()
 
-    def unblock(self, client_id: int) -> None:
-        """End the blocking wait of Redis client ``client_id`` now (a no-op if it is not
-        blocked; a Redis error is logged: the wait ends by its timeout)."""
-        try:
-            self.client.client_unblock(client_id)
-        except redis.RedisError as exc:
-            logger.debug("could not unblock a consumer's wait (%s)", exc)
+    @property
+    def stopping(self) -> bool:
+        """Whether the broker's workers are shutting down."""
+        return self.wakeups.stopping
+
+    def hold_ttls(self) -> str:
+        """``"<completed TTL> <failed TTL> <sent TTL>"`` (ms): what a held message dropped
+        for a cancel writes (``lua/include/holds.lua``)."""
+        completed_ttl, failed_ttl = self.run_ttls_ms
+        return f"{completed_ttl} {failed_ttl} {self.resend_window_ms}"
 
     def is_lane(self, queue_name: str) -> bool:
         """Whether ``queue_name`` is one of this dataset's lane queues (not a delay queue)."""
@@ -370,7 +346,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
         )
 
     # -- broker commands (Dramatiq's semantics, kumiko's Lua) --------------------------------
-    def _head(self, queue_name: str, *, maintenance: bool = True) -> list[Any]:
+    def command_head(self, queue_name: str, *, maintenance: bool = True) -> list[Any]:
         """The two arguments every broker command starts with (``lua/include/dispatch.lua``)."""
         now = current_millis()
         due = maintenance and (
@@ -387,7 +363,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
 
     def do_enqueue(self, queue_name: str, redis_message_id: str | bytes, data: bytes) -> None:
         self.lua.enqueue(
-            keys=[self.namespace], args=[*self._head(queue_name), redis_message_id, data]
+            keys=[self.namespace], args=[*self.command_head(queue_name), redis_message_id, data]
         )
 
     def do_fetch(self, queue_name: str, count: int) -> list[bytes | None]:
@@ -396,41 +372,54 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
 
     def fetch(self, queue_name: str, count: int) -> list[tuple[str, bytes | None]]:
         """Dramatiq's fetch, with the redis id of each message: ``[(rid, body or None)]``."""
-        reply = self.lua.fetch(keys=[self.namespace], args=[*self._head(queue_name), count])
+        reply = self.lua.fetch(keys=[self.namespace], args=[*self.command_head(queue_name), count])
         return [(text(reply[i]), reply[i + 1]) for i in range(0, len(reply), 2)]
 
     def fetch_lane(
-        self, queue_name: str, count: int, *, outstanding: int, client: redis.Redis | None = None
-    ) -> LaneFetch:
-        """Claim up to ``count`` messages of a lane queue (``lua/fetch_lane.lua``), on
-        ``client`` (the calling thread's :meth:`thread_client`) or the broker's pool."""
-        reply = self._call(
-            self.lua.fetch_lane,
-            client,
-            keys=[
-                self.namespace,
-                keys.inflight(self.queue_prefix),
-                keys.suspects(self.queue_prefix, queue_name),
-            ],
-            args=[*self._head(queue_name), *self._claim_args(queue_name, count, outstanding)],
-        )
-        return self._lane_fetch(queue_name, reply)
+        self, queue_name: str, claim: Claim, *, client: redis.Redis | None = None
+    ) -> tuple[LaneFetch, HoldReply, float]:
+        """Claim what ``claim`` says of a lane queue (``lua/fetch_lane.lua``) with this
+        broker's hold block, on ``client`` (the calling thread's :meth:`thread_client`) or the
+        broker's pool: what it claimed, its hold block's reply (already applied) and when the
+        call was sent (monotonic s)."""
+        block = self.holds.block(queue_name)
+        try:
+            reply = self.call(
+                self.lua.fetch_lane,
+                client,
+                keys=[
+                    self.namespace,
+                    keys.inflight(self.queue_prefix),
+                    keys.suspects(self.queue_prefix, queue_name),
+                ],
+                args=[
+                    *self.command_head(queue_name),
+                    *self.claim_args(queue_name, claim),
+                    *block.args,
+                ],
+            )
+        except BaseException:
+            self.holds.failed(block)
+            raise
+        holds = HoldReply.decode(reply[-1])
+        self.holds.applied(block, holds)
+        return self.lane_fetch(queue_name, reply[:-2], int(reply[-2])), holds, block.sent_at
 
-    def _claim_args(self, queue_name: str, count: int, outstanding: int) -> list[Any]:
-        """``fetch_lane``'s ARGV[3..7] (also the claim at the end of a ``settle``)."""
+    def claim_args(self, queue_name: str, claim: Claim) -> list[Any]:
+        """``fetch_lane``'s ARGV[3..7] for ``claim`` (also the claim at the end of a settle)."""
         completed_ttl, failed_ttl = self.run_ttls_ms
-        args: list[Any] = [
-            f"{count} {outstanding} {self.max_deliveries} {completed_ttl} {failed_ttl}",
+        return [
+            f"{claim.room} {claim.holding} {self.max_deliveries} {completed_ttl} {failed_ttl} "
+            f"{claim.now}",
             keys.completed(self.queue_prefix, ""),
             keys.root(self.queue_prefix),
             self.worker_identity(),
+            self.slot_ttl_ms if queue_name in self.capped_queues else "",
         ]
-        if queue_name in self.capped_queues:
-            args.append(self.slot_ttl_ms)
-        return args
 
-    def _lane_fetch(self, queue_name: str, reply: Any) -> LaneFetch:
-        """``fetch_lane``'s reply, decoded."""
+    def lane_fetch(self, queue_name: str, reply: Any, now: int | None = None) -> LaneFetch:
+        """A claim's reply (``fetch_lane``'s, or a settle's claim), decoded; ``now``: how many
+        of the messages claimed (the first) run now, the rest held (``None``: all run now)."""
         capped = queue_name in self.capped_queues
         fetched, completed, buried, waiting, alone = reply[:5]
         slots: dict[str, tuple[str, str]] = {}
@@ -440,14 +429,16 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             for i in range(0, len(taken), 3):
                 slots[text(taken[i])] = (text(taken[i + 1]), text(taken[i + 2]))
             caps_due_in_ms = None if int(reply[6]) < 0 else int(reply[6])
+        messages = [(text(fetched[i]), fetched[i + 1]) for i in range(0, len(fetched), 2)]
         return LaneFetch(
-            fetched=[(text(fetched[i]), fetched[i + 1]) for i in range(0, len(fetched), 2)],
+            fetched=messages,
             completed=[text(message_id) for message_id in completed],
             buried=[(text(buried[i]), int(buried[i + 1])) for i in range(0, len(buried), 2)],
             suspects_waiting=int(waiting),
             alone=alone == 1,
             slots=slots,
             caps_due_in_ms=caps_due_in_ms,
+            now=len(messages) if now is None else now,
         )
 
     def worker_identity(self) -> str:
@@ -460,199 +451,26 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
     def do_ack(self, queue_name: str, redis_message_id: str) -> None:
         self.lua.ack(
             keys=[self.namespace],
-            args=[*self._head(queue_name, maintenance=False), redis_message_id],
+            args=[*self.command_head(queue_name, maintenance=False), redis_message_id],
         )
 
     def do_nack(self, queue_name: str, redis_message_id: str) -> None:
         self.lua.nack(
             keys=[self.namespace],
-            args=[*self._head(queue_name, maintenance=False), redis_message_id],
+            args=[*self.command_head(queue_name, maintenance=False), redis_message_id],
         )
 
     def do_requeue(self, queue_name: str, *redis_message_ids: str) -> None:
         lane = [keys.inflight(self.queue_prefix)] if self.is_lane(queue_name) else []
         self.lua.requeue(
-            keys=[self.namespace, *lane], args=[*self._head(queue_name), *redis_message_ids]
+            keys=[self.namespace, *lane], args=[*self.command_head(queue_name), *redis_message_ids]
         )
 
     def do_purge(self, queue_name: str) -> None:
-        self.lua.purge(keys=[self.namespace], args=self._head(queue_name))
+        self.lua.purge(keys=[self.namespace], args=self.command_head(queue_name))
 
     def do_qsize(self, queue_name: str) -> int:
-        return int(self.lua.qsize(keys=[self.namespace], args=self._head(queue_name)))
-
-    def settle(
-        self,
-        queue_name: str,
-        redis_message_id: str,
-        outcome: Outcome,
-        *,
-        message_id: str,
-        retry: tuple[Message[Any], int | None] | None = None,
-        run: RunWrite | None = None,
-        client: redis.Redis | None = None,
-        slot: tuple[str, str] | None = None,
-        claimer: KumikoConsumer | None = None,
-        actor: str = "",
-        dedup: tuple[str, str, str] | None = None,
-        tombstone: bool = True,
-    ) -> int:
-        """The outcome of one delivery from a lane queue (``lua/settle.lua``), sent together
-        with the settles of the other deliveries of ``queue_name`` that end at about the same
-        time (:class:`~kumiko_dramatiq.broker.settling.SettleBatcher`), on ``client``, the
-        calling thread's :meth:`thread_client`, or the broker's pool; returns when it is
-        written, with its reply: :data:`SETTLED_MINE` set unless the delivery was no longer this
-        worker's and its recovered copy was taken by another worker already (then nothing but
-        its in-flight entry, marker and run record was written); or :data:`DEDUP_FOLLOW_UP`
-        alone if ``dedup`` (index, message id, key: the job ended for good under that dedup key)
-        found the key's record holding a follow-up: then nothing of the delivery was written,
-        for the caller to hand the key over and settle it again without ``dedup`` (else the
-        record was freed, if it still pointed at the message). ``slot``: the (slots key, owner
-        token) of the capped job's slot the delivery holds, given back in the same call (also
-        when it is not this worker's any more: the token is this delivery's own); such a settle
-        is sent without waiting to gather others. ``claimer``: the consumer the delivery came
-        from, whose next messages the call may claim too (:meth:`settle_batch`). ``actor``: the
-        message's actor name as decoded at fetch ("" if not known): its per-job count is then
-        kept without reading its body back into the script. ``tombstone``: whether an outcome
-        other than "completed" leaves the "sent" tombstone of ``redis_message_id`` (see
-        :meth:`enqueue`); ``False`` for a copy a settle wrote (a retry, a hand-off), whose
-        redis id no enqueue command carries."""
-        header: tuple[str, ...] = ("", "", "", "", "")
-        record = tenant = origin = note = ""
-        if run is not None:
-            header = (
-                run.message_id,
-                str(run.attempt),
-                run.job,
-                run.status,
-                "" if run.started_ms is None else str(run.started_ms),
-            )
-            record, tenant, note = run.record, run.tenant, run.dead_note
-            origin = "" if run.origin == run.message_id else run.origin
-        retried: tuple[Any, ...] = ("", "", "")
-        if retry is not None:
-            message, delay = retry
-            retried = (
-                message.queue_name,
-                message.options["redis_message_id"],
-                self.encode(message, delay),
-            )
-        extras = (tenant, origin, note, *retried, "" if dedup is None else "\t".join(dedup))
-        entry: list[Any] = [
-            redis_message_id,
-            outcome if slot is None else f"{outcome} {slot[0]} {slot[1]}",
-            keys.completed(self.queue_prefix, message_id)
-            if outcome == "completed"
-            else keys.sent(self.queue_prefix, redis_message_id)
-            if tombstone
-            else "",
-            *header,
-            record,
-            actor,
-        ]
-        if extras == NO_EXTRAS:
-            entry.append("")
-        else:
-            entry += ["+", *extras]
-        done = self.settler.settle(
-            queue_name, entry, client, claimer=claimer, urgent=slot is not None
-        )
-        if done & SETTLED_MINE and retry is not None:
-            self.emit_after("enqueue", *retry)
-        return done
-
-    def settle_batch(
-        self,
-        queue_name: str,
-        entries: Sequence[Sequence[Any]],
-        client: redis.Redis | None,
-        claimers: Sequence[object | None] = (),
-    ) -> list[int]:
-        """One call of ``lua/settle.lua`` for ``entries`` (each the :data:`SETTLE_FIELDS`
-        arguments of one delivery, then its extras if it has them: those go after every
-        delivery's fields); one reply per entry. When the first of ``claimers`` (the consumers
-        the deliveries came from) has room once they are settled, the same call claims its
-        next messages (:meth:`KumikoConsumer.begin_claim`), as its own fetch would: a steadily
-        draining consumer sends no fetch of its own, and a capped job's slot given back here
-        goes to the waiter that this consumer can start at once. That call also runs
-        maintenance when due (the consumer's fetches, which did, become rare)."""
-        consumer = next((each for each in claimers if isinstance(each, KumikoConsumer)), None)
-        claim = None
-        if consumer is not None:
-            claim = consumer.begin_claim(
-                [
-                    entry[0]
-                    for entry, each in zip(entries, claimers, strict=False)
-                    if each is consumer
-                ]
-            )
-        try:
-            trim = TRIM_BUDGET if random.random() < len(entries) / TRIM_BUDGET else 0
-            completed_ttl, failed_ttl = self.run_ttls_ms
-            indexes, vouched = self._vouched(entries)
-            args: list[Any] = [
-                *self._head(queue_name, maintenance=claim is not None),
-                f"{len(entries)} {self.completed_ttl_ms} {completed_ttl} {failed_ttl} "
-                f"{self.history_cap} {trim} {self.resend_window_ms} {int(vouched)}",
-                keys.root(self.queue_prefix),
-            ]
-            extras: list[Any] = []
-            for entry in entries:
-                args.extend(entry[:SETTLE_FIELDS])
-                extras.extend(entry[SETTLE_FIELDS:])
-            args.extend(extras)
-            if claim is not None:
-                room, held = claim
-                args.extend(self._claim_args(queue_name, room, held))
-            sent_at = time.monotonic()
-            reply = self._call(
-                self.lua.settle,
-                client,
-                keys=[
-                    self.namespace,
-                    keys.inflight(self.queue_prefix),
-                    keys.suspects(self.queue_prefix, queue_name),
-                ],
-                args=args,
-            )
-            if not vouched:  # refreshed by the call: no earlier than it was sent
-                for index in indexes:
-                    self._indexes_refreshed[index] = sent_at
-            replies = reply
-            if claim is not None and consumer is not None:
-                replies = reply[0]
-                fetch = self._lane_fetch(queue_name, reply[1])
-                claim = None
-                consumer.claimed(fetch, sent_at, room)  # ends the claim
-        finally:
-            if consumer is not None and claim is not None:
-                consumer.end_claim(lost=True)
-        return [int(each) for each in replies]
-
-    def _vouched(self, entries: Sequence[Sequence[Any]]) -> tuple[set[tuple[str, str]], bool]:
-        """The (job, status) of each run record among settle ``entries``, and whether this
-        process refreshed the TTLs of all their indexes less than :data:`INDEX_VOUCH_S` ago
-        (then the call does not refresh them; when it does, they count as refreshed when it
-        was sent, once it answered). A malformed delivery's record is the job's its body
-        names, not known here: never vouched for."""
-        indexes: set[tuple[str, str]] = set()
-        for entry in entries:
-            status = entry[6]
-            if status == "malformed":
-                return indexes, False
-            if entry[3] and status:
-                indexes.add((entry[5], status))
-        since = time.monotonic() - INDEX_VOUCH_S
-        refreshed = self._indexes_refreshed
-        return indexes, all(refreshed.get(index, since) > since for index in indexes)
-
-    def settle_expected(self, queue_name: str) -> int:
-        """How many settles of ``queue_name`` a batch may wait for (0: send at once): every
-        delivery this process holds of it, at most one per worker thread, while deliveries
-        take less than the batch's linger to process (a moving average); else none."""
-        if self._processing_s > LINGER_S or self.worker_threads < 2:
-            return 0
-        return min(self.worker_threads, len(self.held.get(queue_name, ())))
+        return int(self.lua.qsize(keys=[self.namespace], args=self.command_head(queue_name)))
 
     def release_slots(self, queue_name: str, slots: Sequence[tuple[str, str]]) -> None:
         """Give back capped jobs' slots ((slots key, owner token) each) of deliveries that
@@ -679,7 +497,7 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             )
 
     @staticmethod
-    def _call(
+    def call(
         script: Script | LuaFunction,
         client: redis.Redis | None,
         *,
@@ -717,249 +535,6 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
             if client.connection is not None:
                 client.connection.disconnect()  # type: ignore[no-untyped-call]
             raise
-
-    # -- enqueueing --------------------------------------------------------------------------
-    def prepare(
-        self, message: Message[Any], delay: int | None, *, redis_message_id: str | None = None
-    ) -> Message[Any]:
-        """Give ``message`` a redis message id and, if delayed, its delay queue and eta: what
-        Dramatiq's enqueue does before it writes. The id is ``redis_message_id`` if given;
-        for a kumiko message written the first time (one that carries kumiko's options and
-        no redis id yet), the one its message id derives
-        (:func:`~kumiko_dramatiq.ids.redis_message_id`: ``cancel`` finds it without a
-        search); else a random one, as Dramatiq draws."""
-        if redis_message_id is not None:
-            rid = redis_message_id
-        elif TRIGGER in message.options and "redis_message_id" not in message.options:
-            rid = derived_redis_id(str(message.message_id))
-        else:
-            rid = str(uuid4())
-        message = copy_message(message, {"redis_message_id": rid})
-        if delay is not None:
-            message = message.copy(
-                queue_name=dq_name(message.queue_name),
-                options={"eta": current_millis() + delay},
-            )
-        return message
-
-    def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
-        """Dramatiq's enqueue, made idempotent: the pool re-sends a command once when a
-        connection drops, and if the first send had executed, Dramatiq's enqueue would store
-        the message twice. On a lane queue the message is written unless its body is there
-        already or its "sent" key (``keys.sent``) holds the tombstone its end left for
-        :attr:`resend_window_ms` (``lua/include/guarded.lua``): no key of its own on the hot
-        path. Elsewhere (a delay queue, a plain actor's queue) it is written behind that key,
-        set for the window. A delayed message goes on its queue's schedule
-        (:meth:`encode`)."""
-        prepared = self.prepare(message, delay)
-        rid = prepared.options["redis_message_id"]
-        self.emit_before("enqueue", prepared, delay)
-        counts, kind = self._counts_of(prepared.queue_name)
-        self._call(
-            self.lua.guarded_enqueue,
-            self.thread_client(),
-            keys=[*self._queue_keys(prepared), keys.sent(self.queue_prefix, rid), counts],
-            args=[
-                rid,
-                self.encode(prepared, delay),
-                self._sent_ttl(message.queue_name, delay),
-                "1",
-                f"{kind}:{prepared.actor_name}",
-            ],
-        )
-        self.emit_after("enqueue", prepared, delay)
-        return prepared
-
-    @staticmethod
-    def encode(prepared: Message[Any], delay: int | None) -> bytes:
-        """What an enqueue script is handed for ``prepared`` (a message from :meth:`prepare`):
-        its encoding, or for a delayed one ``b"<delay ms> "`` and the encoding of the message
-        as it will wait on its queue once due (its queue's name, no ``eta``), which
-        ``lua/include/enqueue.lua`` puts on the queue's schedule at Redis's clock plus the
-        delay. Dramatiq's worker would hold a fetched message that has an ``eta`` in memory
-        until due: the stored form has none, so a due message's move rewrites nothing."""
-        if delay is None or not keys.is_delay_queue(prepared.queue_name):
-            return encode_message(prepared)
-        waiting = prepared.copy(queue_name=q_name(prepared.queue_name))
-        waiting.options.pop("eta", None)
-        return b"%d " % max(0, int(delay)) + encode_message(waiting)
-
-    def move_due(self, queue_name: str, limit: int) -> MoveResult:
-        """Move up to ``limit`` due delayed messages of delay queue ``queue_name``
-        (``<queue>.DQ``) onto ``<queue>`` in one atomic step (``lua/move.lua``), by Redis's
-        clock, on the calling thread's client."""
-        moved, next_due, now, legacy = self._call(
-            self.lua.move,
-            self.thread_client(),
-            keys=[self.namespace],
-            args=[*self._head(queue_name), limit],
-        )
-        return MoveResult(
-            int(moved), None if int(next_due) < 0 else int(next_due), int(now), int(legacy)
-        )
-
-    def schedule_legacy(self, queue_name: str, limit: int) -> int:
-        """Move up to ``limit`` messages from the head of Dramatiq's own list of delay queue
-        ``queue_name`` (written by an older version or a plain ``RedisBroker``) onto the
-        queue's schedule, at their ``eta`` (``lua/schedule_legacy.lua``); returns how many it
-        took off the list (a cancelled one, whose body is gone, is dropped). Each
-        is re-encoded here in the form it takes on its queue (Lua could not re-encode a message
-        without changing it); one that does not decode is scheduled as it is, due now: the
-        queue's consumer dead-letters it with a logged reason."""
-        client = self.thread_client()
-        rids = [
-            text(rid)
-            for rid in client.lrange(keys.queue_list(queue_name, self.namespace), 0, limit - 1)
-        ]
-        if not rids:
-            return 0
-        bodies = client.hmget(keys.queue_messages(queue_name, self.namespace), rids)
-        args: list[Any] = []
-        now = current_millis()
-        for rid, body in zip(rids, bodies, strict=True):
-            if body is None:
-                args += [rid, now, b""]  # cancelled: the step drops its id
-                continue
-            if not isinstance(body, bytes):
-                body = str(body).encode()
-            try:
-                message = Message.decode(body)
-                eta = message.options.get("eta")
-                due = int(eta) if isinstance(eta, int | float) else now
-                waiting = message.copy(queue_name=q_name(queue_name))
-                waiting.options.pop("eta", None)
-                args += [rid, due, waiting.encode()]
-            except Exception:
-                args += [rid, now, body]
-        scheduled = self._call(
-            self.lua.schedule_legacy,
-            client,
-            keys=[self.namespace],
-            args=[*self._head(queue_name, maintenance=False), *args],
-        )
-        return int(scheduled)
-
-    def enqueue_step(
-        self,
-        message: Message[Any],
-        script: Script,
-        *,
-        keys: Sequence[str] = (),
-        args: Sequence[Any] = (),
-        delay: int | None = None,
-    ) -> tuple[Message[Any], list[Any]]:
-        """Run enqueue step ``script`` (see :mod:`kumiko_dramatiq.broker.lua`) for ``message``: one
-        Lua call that writes the message together with the step's own ``keys``/``args``.
-
-        Returns the prepared message and the script's reply as a list; the script's first
-        reply item is 1 iff it enqueued the message (``after_enqueue`` runs only then).
-        """
-        prepared = self.prepare(message, delay)
-        self.emit_before("enqueue", prepared, delay)
-        reply = as_list(
-            self._call(
-                script,
-                self.thread_client(),
-                keys=[*self._queue_keys(prepared), *keys],
-                args=[prepared.options["redis_message_id"], self.encode(prepared, delay), *args],
-            )
-        )
-        if reply[0] == 1:
-            self.emit_after("enqueue", prepared, delay)
-        return prepared, reply
-
-    def enqueue_batch(
-        self,
-        messages: Sequence[Message[Any]],
-        script: Script,
-        *,
-        args: Sequence[Any],
-        leads: Sequence[Any] | Callable[[Message[Any]], Any],
-        tails: Sequence[Sequence[Any]] | None = None,
-        delay: int | None = None,
-    ) -> list[Any]:
-        """Run batch enqueue step ``script`` for ``messages`` (all on ONE queue): one Lua call
-        with ``KEYS`` = the queue's hash and list, ``ARGV`` = ``args``, then per message its
-        ``leads[i]`` (or ``leads(prepared message)``), redis message id, encoded message and
-        ``tails[i]``. The script returns
-        the same number of items per message, the first 1 iff it enqueued the message. Every
-        message passes ``before_enqueue``; those enqueued pass ``after_enqueue``. Returns the
-        script's reply."""
-        if not messages:
-            return []
-        prepared = [self.prepare(message, delay) for message in messages]
-        queue_names = {message.queue_name for message in prepared}
-        if len(queue_names) != 1:
-            raise ValueError(f"a batch targets one queue, got {sorted(queue_names)}")
-        argv: list[Any] = list(args)
-        for i, message in enumerate(prepared):
-            self.emit_before("enqueue", message, delay)
-            lead = leads(message) if callable(leads) else leads[i]
-            argv += (lead, message.options["redis_message_id"], self.encode(message, delay))
-            if tails is not None:
-                argv += tails[i]
-        reply = as_list(script(keys=list(self._queue_keys(prepared[0])), args=argv))
-        step = len(reply) // len(prepared)
-        for i, message in enumerate(prepared):
-            if reply[i * step] == 1:
-                self.emit_after("enqueue", message, delay)
-        return reply
-
-    def enqueue_guarded_batch(
-        self,
-        messages: Sequence[Message[Any]],
-        guard_keys: Sequence[str] | Callable[[Message[Any]], str],
-        *,
-        guard_ttl_ms: int,
-        guard_value: str,
-        delay: int | None = None,
-    ) -> list[bool]:
-        """Enqueue each message (all on ONE queue) unless its guard exists, writing guard and
-        message together: one Lua call for the whole batch. Returns, per message, whether it
-        was enqueued."""
-        reply = self.enqueue_batch(
-            messages,
-            self.lua.guarded_enqueue_batch,
-            args=[guard_ttl_ms, guard_value],
-            leads=guard_keys,
-            delay=delay,
-        )
-        return [flag == 1 for flag in reply]
-
-    def enqueue_many(self, messages: Sequence[Message[Any]], *, delay: int | None = None) -> None:
-        """:meth:`enqueue` for many new messages of ONE queue: one Lua call, each message
-        guarded by its own "sent" key as :meth:`enqueue` writes it."""
-        self.enqueue_guarded_batch(
-            messages,
-            lambda message: keys.sent(self.queue_prefix, message.options["redis_message_id"]),
-            guard_ttl_ms=self._sent_ttl(messages[0].queue_name if messages else "", delay),
-            guard_value="1",
-            delay=delay,
-        )
-
-    def _sent_ttl(self, queue_name: str, delay: int | None) -> int:
-        """The guard TTL of the "sent" key of a new message for ``queue_name``: 0 if it goes
-        straight onto a lane queue (the key is only read there: the tombstone a body's end
-        leaves, see ``lua/include/guarded.lua``), else the resend window."""
-        return 0 if delay is None and self.is_lane(queue_name) else self.resend_window_ms
-
-    def _counts_of(self, queue_name: str) -> tuple[str, str]:
-        """The per-job counts hash of the queue a message is written to (its delay queue's
-        goes to its queue's) and the kind of its field there: "d" on a delay queue, else
-        "q" (``lua/include/counts.lua``)."""
-        found = self._counts_keys.get(queue_name)
-        if found is None:
-            queue = q_name(queue_name)
-            kind = "d" if queue_name == dq_name(queue) else "q"
-            found = (keys.queue_counts(queue, self.namespace), kind)
-            self._counts_keys[queue_name] = found
-        return found
-
-    def _queue_keys(self, message: Message[Any]) -> tuple[str, str]:
-        return (
-            queue_messages(message.queue_name, self.namespace),
-            queue_list(message.queue_name, self.namespace),
-        )
 
     def boot_process(self) -> None:
         """Emit ``process_boot``, as Dramatiq's CLI does in each worker process. An in-process
@@ -1017,27 +592,9 @@ class KumikoBroker(NoCommandFallback, RedisBroker):
 
     def close(self) -> None:
         """Disconnect every connection of the broker's pool."""
+        self.closed = True
         self.close_thread_clients(live_ones_too=True)
         self.client.connection_pool.disconnect()
-
-
-class MoveResult(NamedTuple):
-    """What one ``lua/move.lua`` step did: ``moved`` messages onto the queue; the ``next_due``
-    time left on the schedule (ms, Redis's clock; ``None``: none); Redis's clock ``now`` (ms);
-    ``legacy``: the length of Dramatiq's own delay queue list (work for
-    :meth:`KumikoBroker.schedule_legacy`)."""
-
-    moved: int
-    next_due: int | None
-    now: int
-    legacy: int
-
-
-def moved_redis_id(delayed_redis_id: str, queue_name: str) -> str:
-    """The redis id a delayed message took on ``queue_name`` when an older version's worker
-    moved it there from Dramatiq's delay queue list (derived, so that a second move of the
-    same delayed copy was a no-op); ``cancel`` still looks there, for a rolling deploy."""
-    return str(uuid5(_MOVED_NAMESPACE, f"{delayed_redis_id}>{queue_name}"))
 
 
 def make_connection_pool(redis_url: str, timeout_s: float) -> redis.ConnectionPool:

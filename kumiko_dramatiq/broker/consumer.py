@@ -23,12 +23,13 @@ from kumiko_dramatiq.broker.delivery import (
     LaneFetch,
     Outcome,
     RunWrite,
-    Settlement,
 )
+from kumiko_dramatiq.broker.holds import HOLD_AHEAD_UNTIL_S
 from kumiko_dramatiq.broker.keys import consumer_acks, is_delay_queue, queue_bell
 from kumiko_dramatiq.broker.outage import Outage
 from kumiko_dramatiq.broker.replies import text
 from kumiko_dramatiq.broker.seam import work_handoff
+from kumiko_dramatiq.broker.settling import Claim, Pending, SettleEntry, Settler
 from kumiko_dramatiq.codec import FAILURES, TRIGGER
 
 if TYPE_CHECKING:
@@ -65,8 +66,8 @@ class KumikoConsumer(Consumer):
     messages (on a lane, see below), it waits for one of them to be settled, not for a poll.
 
     **Claims by settles.** On a lane, the settle of this consumer's deliveries (their ack or
-    nack, :meth:`KumikoBroker.settle_batch`, in the worker thread that ran one of them) also
-    claims the consumer's next messages in the same Lua call, for the room the consumer has
+    nack, sent by its settler thread, :meth:`KumikoBroker.settle_call`) also claims the
+    consumer's next messages in the same Lua call, for the room the consumer has
     once they are settled, exactly as its own fetch would (``lua/settle.lua`` runs
     ``include/lane_claim.lua``): they land in this consumer's cache, and its thread hands them
     out (woken from a wait on the doorbell by a ``CLIENT UNBLOCK`` if it waits there). So a
@@ -88,12 +89,15 @@ class KumikoConsumer(Consumer):
     message moves on time), the delay queue's doorbell (rung by an enqueue that becomes the
     earliest) or ``2 * timeout``.
 
-    On a kumiko lane queue a fetched message is a running one: Dramatiq's worker asks for
-    twice its threads (``prefetch``), but the consumer holds at most ``prefetch // 2``
-    messages, so every message it fetches goes straight to an idle thread (no message waits
-    in a worker's memory where ``cancel`` could not reach it). It fetches when half its
-    threads are free (or all of them), so a batch still serves several messages, and while
-    they are all busy it waits for an ack, not for a poll.
+    **Run-ahead.** On a kumiko lane queue the consumer holds up to Dramatiq's ``prefetch``
+    (twice the worker's threads): a message for each thread that is free now, claimed
+    *running*, and one more per thread, claimed *held* (:mod:`kumiko_dramatiq.broker.holds`),
+    so a thread that ends a job starts its next one at once, from memory, while the settle
+    of the one it ended goes on its way (:class:`~kumiko_dramatiq.broker.settling.Settler`).
+    A held message starts only through the broker's gate (:meth:`start`), while the worker's
+    hold is valid and nobody asked for it (a cancel, purge or pause drops it unstarted). It
+    fetches when half its room is free (or all of it), so a batch still serves several
+    messages, and while it is full it waits for a settle, not for a poll.
 
     Every fetched message is checked before Dramatiq's worker sees it: one that does not
     decode, or decodes into something Dramatiq's worker would crash on (a non-string actor
@@ -148,10 +152,18 @@ class KumikoConsumer(Consumer):
         self.misses = 0
         self._lane = broker.is_lane(queue_name)
         self._delayed = is_delay_queue(queue_name)
-        #: how many messages this consumer holds at most, and the free room it fetches at
-        self._slots = max(1, prefetch // 2) if self._lane else prefetch
+        #: the worker's threads (a lane consumer holds a message ahead of each), how many
+        #: messages this consumer holds at most, and the free room it fetches at
+        self.threads = max(1, prefetch // 2)
+        self._slots = max(1, prefetch)
         self._batch = max(1, self._slots // 2) if self._lane else 1
-        self._cache: deque[tuple[str, bytes | None]] = deque()
+        #: claimed and not handed out yet: (redis id, body, whether it is held)
+        self._cache: deque[tuple[str, bytes | None, bool]] = deque()
+        #: handed out and not started yet, and started and not ended, by redis id
+        self._waiting: set[str] = set()
+        self._running: dict[str, float] = {}
+        #: sends the settles of this consumer's deliveries (lanes only)
+        self.settler = Settler(self)
         #: how a settle's claim hands its messages straight to the worker threads (built in
         #: the Dramatiq consumer thread that made this consumer; ``None`` elsewhere), and the
         #: deliveries it could not hand over (left to this consumer's thread)
@@ -234,8 +246,9 @@ class KumikoConsumer(Consumer):
                         continue  # a settle claimed for this consumer since the check above
                     # while capped messages wait, any room is worth a fetch (see _fill): then
                     # the consumer waits on the doorbell, which a slot given back rings
-                    need = 1 if self._caps_due is not None else self._batch
-                    if self._slots - self.outstanding_message_count < need:
+                    room, now = self._room(self.outstanding_message_count)
+                    need = 1 if self._caps_due is not None else self._threshold(room, now)
+                    if room < need:
                         # Busy: wait for an ack to free room (bounded, so Dramatiq's loop goes
                         # round to notice a shutdown). Checked under the condition's lock, which
                         # a settling thread takes to notify (after a claim of its settle filled
@@ -258,7 +271,7 @@ class KumikoConsumer(Consumer):
         self._undrain()
         self._close_bell()
         end = time.monotonic() + self._outage.failed(exc)
-        while not self.broker._stopping and (left := end - time.monotonic()) > 0:
+        while not self.broker.stopping and (left := end - time.monotonic()) > 0:
             time.sleep(min(left, REDIS_TICK_MS / 1000))
 
     def _move_due(self) -> None:
@@ -300,17 +313,16 @@ class KumikoConsumer(Consumer):
         limit_s = self.broker.client.connection_pool.connection_kwargs.get("socket_timeout")
         if limit_s:  # the wait must end before the socket's read timeout
             wait_ms = min(wait_ms, int(limit_s * 1000) - 2 * REDIS_TICK_MS)
-        broker = self.broker
+        wakeups = self.broker.wakeups
         try:
             bell = self._bell_client()
-            with broker._lock:
-                # a settle that claimed for this consumer fills the cache, then unblocks a
-                # wait it finds here (:meth:`claimed`): checked under the same lock
-                if self._cache or self._ready:
-                    return
-                blocking = not broker._stopping and wait_ms > 0
-                if blocking:
-                    broker._blocked[id(self)] = self._bell_id
+            # a settle that claimed for this consumer fills the cache, then wakes a wait it
+            # finds registered (:meth:`claimed`): checked under the wakers' lock
+            blocking = wait_ms > 0 and wakeups.block(
+                id(self), self._bell_id, lambda: bool(self._cache or self._ready)
+            )
+            if self._cache or self._ready:
+                return
             if blocking:
                 began = time.monotonic()
                 rang = bell.blpop([self._bell_key], timeout=wait_ms / 1000)
@@ -323,8 +335,7 @@ class KumikoConsumer(Consumer):
             logger.debug("waiting on the doorbell of %s failed (%s)", self.queue_name, exc)
             self._close_bell()
         finally:
-            with broker._lock:
-                broker._blocked.pop(id(self), None)
+            wakeups.unblocked(id(self))
         # shutting down (or the wait failed): poll briefly, so Dramatiq's loop sees the stop
         time.sleep(min(max(wait_ms, 0), self.timeout, REDIS_TICK_MS) / 1000)
         self._undrain()
@@ -352,10 +363,17 @@ class KumikoConsumer(Consumer):
                 bell.close()
 
     def close(self) -> None:
-        """Give the doorbell's connection back to the pool; no settle claims for this
-        consumer any more."""
+        """No settle claims for this consumer any more; the settles it holds are sent (waited
+        for up to the worker's timeout, then left to the settler's thread) and the
+        doorbell's connection goes back to the pool."""
         with self._claim_lock:
             self._closed = True
+        if self._lane and not self.settler.close(max(1.0, 10 * self.timeout / 1000)):
+            logger.warning(
+                "%d settle(s) of %s not written yet at close; retrying until Redis takes them",
+                self.settler.waiting,
+                self.queue_name,
+            )
         self._close_bell()
 
     def _give_back_lost_claims(self) -> None:
@@ -369,7 +387,7 @@ class KumikoConsumer(Consumer):
     def _give_back_unheld_claims(self) -> None:
         self._claims_checked_ms = current_millis()
         held = self._held.copy()  # one C call: a worker thread's discard cannot interleave
-        held.update(rid for rid, _ in self._cache)
+        held.update(rid for rid, _, _ in self._cache)
         acks = consumer_acks(self.broker.broker_id, self.queue_name, self.broker.namespace)
         claimed = {text(rid) for rid in self.broker.thread_client().smembers(acks)}
         lost = sorted(claimed - held)
@@ -389,46 +407,77 @@ class KumikoConsumer(Consumer):
             if room <= 0 or (self.outstanding_message_count and room < self._batch):
                 return False
             fetched = self.broker.fetch(self.queue_name, room)
-            self._cache.extend(fetched)
+            self._cache.extend((rid, body, False) for rid, body in fetched)
             return bool(fetched)
         with self._claim_lock:
             outstanding = self.outstanding_message_count
-            room = self._slots - outstanding
+            room, now = self._room(outstanding)
             # while capped messages wait (a slot frees one at a time), any room is worth a fetch
             batching = self._caps_due is None
-            if room <= 0 or (outstanding and room < self._batch and batching):
+            if room <= 0 or (outstanding and room < self._threshold(room, now) and batching):
                 return False
             if self._alone is not None or (self._suspects_waiting and outstanding):
                 return False  # a suspect runs alone, or waits for this consumer to drain
             if self._drained:
                 return False  # nothing more to claim: wait on the doorbell first
             self._claim_wakes = self._wakes
-            sent_at = time.monotonic()
-            result = self.broker.fetch_lane(
-                self.queue_name, room, outstanding=outstanding, client=self.broker.thread_client()
+            claim = Claim(room, outstanding, now)
+            result, _, sent_at = self.broker.fetch_lane(
+                self.queue_name, claim, client=self.broker.thread_client()
             )
             self._take(result, sent_at, room)
+            self.broker.holds.wake_keeper()
             return bool(result.fetched)
 
-    def begin_claim(self, settling: Sequence[str]) -> tuple[int, int] | None:
+    def _room(self, holding: int) -> tuple[int, int]:
+        """The room of a claim while this consumer holds ``holding`` messages, and how much of
+        it runs now: the threads neither running a delivery nor about to start one handed out
+        already. Beyond those, a message is held ahead for each thread whose job is young
+        (started less than :data:`~kumiko_dramatiq.broker.holds.HOLD_AHEAD_UNTIL_S` ago, and
+        none while the jobs take longer than that on average): a thread busy with a long job
+        would keep it from a worker that is free."""
+        waiting = len(self._waiting) + len(self._cache) + len(self._ready)
+        free = self.threads - len(self._running)
+        room = self._slots - holding
+        now = max(0, min(room, free - waiting))
+        if self.broker.job_s > HOLD_AHEAD_UNTIL_S:
+            return min(room, now), now
+        old = time.monotonic() - HOLD_AHEAD_UNTIL_S
+        long_running = sum(1 for started in self._running.values() if started < old)
+        return max(now, min(room, self._slots - long_running - holding)), now
+
+    def _threshold(self, room: int, now: int) -> int:
+        """The room a fetch waits for while the consumer holds something: half of what it
+        may hold (half its threads' worth when it holds nothing ahead), so a batch still
+        serves several messages."""
+        return self._batch if room > now else max(1, self.threads // 2)
+
+    def starving(self) -> bool:
+        """Whether few messages this consumer handed out wait for a thread (a quarter of its
+        threads' worth or fewer: the threads that end their jobs next would soon wait for the
+        next claim)."""
+        return len(self._waiting) <= self.threads // 4
+
+    def begin_claim(self, settling: Sequence[str]) -> Claim | None:
         """Called by the settle of deliveries of this consumer (their redis ids
-        ``settling``, :meth:`KumikoBroker.settle_batch`): ``(room, held)`` if that settle is
-        to claim this consumer's next messages too (up to ``room``; ``held``: what the
-        consumer holds once they are settled; a capped job's slot the settle gives back goes
-        to this claim first, with the job's oldest waiter), then it ends with :meth:`claimed` or
+        ``settling``, :meth:`KumikoBroker.settle_call`): the :class:`Claim` if that settle is
+        to claim this consumer's next messages too (its room, what the consumer holds once
+        they are settled, how many of them to run now; a capped job's slot the settle gives
+        back goes to this claim first, with the job's oldest waiter), then it ends with
+        :meth:`claimed` or
         :meth:`end_claim`; ``None`` if it is not to: the consumer is closed or its worker
         stopping (it claims nothing), the consumer is fetching (or another settle claims for
         it), a suspect runs alone or waits for the consumer to drain, or there is no room."""
-        if self._closed or self.broker._stopping or not self._lane:
+        if self._closed or self.broker.stopping or not self._lane:
             return None
         if not self._claim_lock.acquire(blocking=False):
             return None
         ending = sum(1 for rid in settling if rid in self._outstanding)
         held = self.outstanding_message_count - ending
-        room = self._slots - held
+        room, now = self._room(held)
         if (
             self._closed
-            or self.broker._stopping
+            or self.broker.stopping
             or room <= 0
             or (self._alone is not None and self._alone not in settling)
             or (self._suspects_waiting and held)
@@ -436,17 +485,19 @@ class KumikoConsumer(Consumer):
             self._claim_lock.release()
             return None
         self._claim_wakes = self._wakes
-        return room, held
+        return Claim(room, held, now)
 
-    def claimed(self, result: LaneFetch, sent_at: float, room: int) -> None:
+    def claimed(self, result: LaneFetch | None, sent_at: float, room: int) -> None:
         """What the settle that :meth:`begin_claim` allowed claimed: taken like a fetch's
         (its messages go to Dramatiq's worker from this consumer's thread, woken now if it
         waits on the doorbell); the claim ends."""
         try:
-            self._take(result, sent_at, room)
-            self._hand_over()
+            if result is not None:
+                self._take(result, sent_at, room)
+                self._hand_over()
         finally:
             self._claim_lock.release()
+        self.broker.holds.wake_keeper()
         if self._cache or self._ready:
             with self._settled:  # a consumer waiting for room: there is work now
                 self._settled.notify()
@@ -457,14 +508,14 @@ class KumikoConsumer(Consumer):
         own thread would (decoded and checked by :meth:`_deliver`), from the thread that
         settled: no wait for this consumer's thread to wake (a stopping or closed consumer
         hands over nothing: what its cache holds is requeued when it closes)."""
-        if self._handoff is None or self._closed or self.broker._stopping:
+        if self._handoff is None or self._closed or self.broker.stopping:
             return
         while True:
             try:
-                rid, body = self._cache.popleft()
+                rid, body, held = self._cache.popleft()
             except IndexError:  # empty (this consumer's thread may have taken the last)
                 return
-            delivery = self._deliver(rid, body)
+            delivery = self._deliver(rid, body, held)
             if delivery is not None and not self._handoff(self.broker, delivery):
                 self._ready.append(delivery)
 
@@ -480,20 +531,7 @@ class KumikoConsumer(Consumer):
         """End this consumer's wait on the doorbell, if it waits there (it registers under
         the broker's lock before it sends its ``BLPOP``: an unblock that comes before the
         ``BLPOP`` reaches Redis finds nothing to unblock, and is sent again)."""
-        broker = self.broker
-        deadline = time.monotonic() + 2 * self.timeout / 1000
-        while time.monotonic() < deadline:
-            with broker._lock:
-                client_id = broker._blocked.get(id(self))
-            if client_id is None:
-                return
-            try:
-                if broker.client.client_unblock(client_id):
-                    return
-            except redis.RedisError as exc:
-                logger.debug("could not unblock a consumer's wait (%s)", exc)
-                return
-            time.sleep(0.001)
+        self.broker.wakeups.wake(id(self), 2 * self.timeout / 1000)
 
     def _take(self, result: LaneFetch, sent_at: float, room: int) -> None:
         """Take in what a fetch (or a settle's claim) for ``room`` messages, sent at
@@ -527,9 +565,14 @@ class KumikoConsumer(Consumer):
                 self._alone,
                 self.queue_name,
             )
-        self._cache.extend(result.fetched)
+        # held by this process from now on (the lost-claims check of any consumer of the
+        # queue leaves them alone), until settled or put back
+        self._held.update(rid for rid, _ in result.fetched)
+        self._cache.extend(
+            (rid, body, i >= result.now) for i, (rid, body) in enumerate(result.fetched)
+        )
 
-    def _deliver(self, rid: str, body: bytes | None) -> Delivery | None:
+    def _deliver(self, rid: str, body: bytes | None, held: bool = False) -> Delivery | None:
         if body is None:
             logger.warning("message %s vanished from %s before its fetch", rid, self.queue_name)
             self._settle_unrun(rid, "ack")
@@ -563,9 +606,35 @@ class KumikoConsumer(Consumer):
             if message is not None and policy is not None:
                 policy.rejected(message)
             return None
+        delivery.consumer = self
         self._outstanding.add(rid)
         self._held.add(rid)
+        self._waiting.add(rid)
+        if held:
+            self.broker.holds.hold(delivery)
         return delivery
+
+    def start(self, delivery: Delivery) -> bool:
+        """The gate of ``delivery``'s start, in its worker thread before any hook: whether it
+        runs. A held one runs only while the worker's hold is valid and nobody asked for it
+        (:meth:`~kumiko_dramatiq.broker.holds.Holds.begin`); one dropped meanwhile is refused
+        (Dramatiq skips it, no hook sees it) and settled as what it is (:meth:`ack`)."""
+        rid = delivery.redis_message_id
+        if delivery.hold != "now" and not self.broker.holds.begin(delivery):
+            delivery.refused = True
+            self._waiting.discard(rid)
+            return False
+        self._waiting.discard(rid)
+        self._running[rid] = time.monotonic()
+        if len(self._waiting) == self.threads // 4:
+            self.settler.nudge()  # few threads find a message ready now: the claim is due
+        return True
+
+    def dropped(self, delivery: Delivery) -> None:
+        """``delivery`` was held and dropped (an ask about it was answered): its room is free
+        at once; its worker thread, if one takes it, is refused at the gate."""
+        self._waiting.discard(delivery.redis_message_id)
+        self._done(delivery.redis_message_id)
 
     def _tell_dead_lettered(self, reason: str) -> None:
         for listener in self.broker.fetch_dead_letter_listeners:
@@ -582,15 +651,14 @@ class KumikoConsumer(Consumer):
             if outcome == "dead":
                 run = RunWrite(rid, 0, "", "malformed", "", "", reason[:2_000], "")
             lease = self._cap_leases.get(rid)
-            self.broker.settle(
-                self.queue_name,
-                rid,
-                outcome,
-                message_id=rid,
-                run=run,
-                slot=None if lease is None else (lease[0], lease[1]),
+            self._held.add(rid)  # its claim is still this process's until the settle lands
+            slot = None if lease is None else (lease[0], lease[1])
+            entry = self.broker.settle_entry(rid, outcome, message_id=rid, run=run, slot=slot)
+            self.settler.put(
+                Pending(entry, lambda _result: self._done(rid), urgent=slot is not None)
             )
-        elif outcome == "dead":
+            return
+        if outcome == "dead":
             self.broker.do_nack(self.queue_name, rid)
         else:
             self.broker.do_ack(self.queue_name, rid)
@@ -610,121 +678,161 @@ class KumikoConsumer(Consumer):
             # a suspect waits for this consumer to hold nothing: end its wait now
             self._undrain()
             if self._bell is not None:
-                self.broker.unblock(self._bell_id)
+                self.broker.wakeups.unblock(self._bell_id)
         with self._settled:
             self._settled.notify()
 
     def ack(self, message: MessageProxy) -> None:
-        rid = _redis_id(message)
-        settled = True
-        try:
-            if not self._lane or not isinstance(message, Delivery):
-                self.broker.do_ack(self.queue_name, rid)
-                return
-            settlement = message.settlement
-            if settlement.requeue:
-                self.broker.do_requeue(self.queue_name, rid)
-                if message.slot is not None:
-                    self.broker.release_slots(self.queue_name, [message.slot])
-                return
-            outcome: Outcome = "ack"
-            follow_up = settlement.retry or settlement.handoff
-            if follow_up is not None:
-                outcome = "retry"
-            elif settlement.completed:
-                outcome = "completed"
-            reply = self._settle(
-                rid,
-                outcome,
-                message,
-                settlement,
-                retry=follow_up,
-                client=self.broker.thread_client(),
-                slot=message.slot,
-                actor=message.actor_name,
-            )
-            if not reply & SETTLED_MINE:
-                logger.warning(
-                    "message %s was recovered by another worker before its ack; "
-                    "its outcome is left to that delivery",
-                    message.message_id,
-                )
-        except redis.RedisError as exc:
-            # Dramatiq retries the ack until Redis takes it (any Redis error: one it does not
-            # retry, such as a write refused at maxmemory, would leave the message unsettled
-            # until this worker stops); settling twice is safe (the second finds the delivery
-            # settled and writes no follow-up again)
-            settled = False
-            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
-        finally:
-            self._done(rid, settled=settled)
+        """The end of a delivery: on a lane, its settle handed to the settler (the worker
+        thread goes on to its next message at once); elsewhere Dramatiq's ack."""
+        if not self._lane or not isinstance(message, Delivery):
+            self._plain_settle(message, "ack")
+            return
+        settlement = message.settlement
+        follow_up = settlement.retry or settlement.handoff
+        outcome: Outcome = "ack"
+        if follow_up is not None:
+            outcome = "retry"
+        elif settlement.completed:
+            outcome = "completed"
+        self._end(message, outcome, follow_up)
 
     def nack(self, message: MessageProxy) -> None:
+        if not self._lane or not isinstance(message, Delivery):
+            self._plain_settle(message, "dead")
+            return
+        self._end(message, "dead", None)
+
+    def _plain_settle(self, message: MessageProxy, outcome: Outcome) -> None:
+        """Dramatiq's ack or nack, sent from the worker thread (a queue that is not a lane)."""
         rid = _redis_id(message)
         settled = True
         try:
-            if self._lane:
-                delivery = message if isinstance(message, Delivery) else None
-                self._settle(
-                    rid,
-                    "dead",
-                    message,
-                    None if delivery is None else delivery.settlement,
-                    slot=None if delivery is None else delivery.slot,
-                )
-            else:
+            if outcome == "dead":
                 self.broker.do_nack(self.queue_name, rid)
+            else:
+                self.broker.do_ack(self.queue_name, rid)
         except redis.RedisError as exc:
             # Dramatiq retries the ack until Redis takes it (any Redis error: one it does not
             # retry, such as a write refused at maxmemory, would leave the message unsettled
-            # until this worker stops); settling twice is safe (the second finds the delivery
-            # settled and writes no follow-up again)
+            # until this worker stops)
             settled = False
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         finally:
             self._done(rid, settled=settled)
 
-    def _settle(
+    def _end(
         self,
-        rid: str,
+        delivery: Delivery,
         outcome: Outcome,
-        message: MessageProxy,
-        settlement: Settlement | None,
-        **options: Any,
-    ) -> int:
-        """Settle one delivery of this lane (:meth:`KumikoBroker.settle`, ``options`` passed
-        on) with its settlement's run record and dedup key; a reply of
-        :data:`DEDUP_FOLLOW_UP` (nothing of the delivery written: its key holds a follow-up)
-        hands the key over first (:meth:`Settlement.hand_over_dedup`), then settles again
-        without the key. Returns the final reply."""
-        while True:
-            reply = self.broker.settle(
-                self.queue_name,
-                rid,
-                outcome,
-                message_id=str(message.message_id),
-                run=None if settlement is None else settlement.run,
-                claimer=self,
-                dedup=None if settlement is None else settlement.dedup,
-                tombstone=_written_by_enqueue(message),
-                **options,
+        follow_up: tuple[Message[Any], int | None] | None,
+    ) -> None:
+        """A lane delivery ended (its handler ran, or the gate refused it): settled as its
+        hold and settlement say."""
+        rid = delivery.redis_message_id
+        self._running.pop(rid, None)
+        self._waiting.discard(rid)
+        self.broker.holds.ended(delivery)
+        if delivery.hold in ("dropped", "revoked"):
+            # never started (an ask dropped it), or taken over once its hold ran out: what
+            # became of its message was written by whoever dropped or took it
+            self._done(rid)
+            return
+        if delivery.hold == "given_back" or delivery.settlement.requeue:
+            self._give_back(delivery)
+            return
+        self.settler.put(
+            Pending(
+                self._entry(delivery, outcome, follow_up),
+                lambda result: self._settled_one(delivery, outcome, follow_up, result),
+                thread=threading.get_ident(),
+                urgent=delivery.slot is not None,
+                follow_up=follow_up,
             )
-            if settlement is None or not reply & DEDUP_FOLLOW_UP:
-                return reply
-            settlement.hand_over_dedup()
+        )
+
+    def _give_back(self, delivery: Delivery) -> None:
+        """A run cut short (its lease or hold could not be renewed) or never started: its
+        message goes back to its queue as if never delivered, its slot with it. Redis not
+        answering raises Dramatiq's ``ConnectionClosed``: Dramatiq retries until it does."""
+        rid = delivery.redis_message_id
+        settled = True
+        try:
+            self.broker.do_requeue(self.queue_name, rid)
+            if delivery.slot is not None:
+                self.broker.release_slots(self.queue_name, [delivery.slot])
+        except redis.RedisError as exc:
+            settled = False
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+        finally:
+            self._done(rid, settled=settled)
+
+    def _entry(
+        self,
+        delivery: Delivery,
+        outcome: Outcome,
+        follow_up: tuple[Message[Any], int | None] | None,
+    ) -> SettleEntry:
+        settlement = delivery.settlement
+        return self.broker.settle_entry(
+            delivery.redis_message_id,
+            outcome,
+            message_id=str(delivery.message_id),
+            run=settlement.run,
+            retry=follow_up,
+            slot=delivery.slot,
+            actor=delivery.actor_name,
+            dedup=settlement.dedup,
+            tombstone=_written_by_enqueue(delivery),
+        )
+
+    def _settled_one(
+        self,
+        delivery: Delivery,
+        outcome: Outcome,
+        follow_up: tuple[Message[Any], int | None] | None,
+        result: int,
+    ) -> None:
+        """The settle of ``delivery`` landed with ``result`` (in the settler's thread). A
+        reply of :data:`DEDUP_FOLLOW_UP` (nothing of the delivery written: its key holds a
+        follow-up) hands the key over first (:meth:`Settlement.hand_over_dedup`), then
+        settles it again without the key."""
+        if result & DEDUP_FOLLOW_UP:
+            delivery.settlement.hand_over_dedup()
+            self.settler.put(
+                Pending(
+                    self._entry(delivery, outcome, follow_up),
+                    lambda again: self._settled_one(delivery, outcome, follow_up, again),
+                    urgent=True,
+                    follow_up=follow_up,
+                )
+            )
+            return
+        if not result & SETTLED_MINE:
+            logger.warning(
+                "message %s was recovered by another worker before its ack; "
+                "its outcome is left to that delivery",
+                delivery.message_id,
+            )
+        elif follow_up is not None:
+            self.broker.emit_after("enqueue", *follow_up)
+        self._done(delivery.redis_message_id)
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
-        """Put ``messages`` (and what this consumer fetched but did not hand out) back on
-        the queue. Redis not answering raises Dramatiq's ``ConnectionClosed``, which its
-        consumer thread survives (a raw Redis error raised while it closes a consumer would
-        end the thread)."""
+        """Put ``messages`` (the held ones Dramatiq's worker did not start, and what this
+        consumer fetched but did not hand out) back on the queue, their deliveries undone.
+        Redis not answering raises Dramatiq's ``ConnectionClosed``, which its consumer thread
+        survives (a raw Redis error raised while it closes a consumer would end the thread)."""
         rids = [_redis_id(message) for message in messages]
         with self._claim_lock:  # closing: no settle claims for this consumer from now on
             self._closed = True
-            rids += [rid for rid, _ in self._cache]
+            rids += [rid for rid, _, _ in self._cache]
             rids += [delivery.redis_message_id for delivery in self._ready]
             self._cache.clear()
             self._ready.clear()
+        # held ones that a late thread might still take never start now
+        self.broker.holds.drop_all(self.queue_name)
+        rids = list(dict.fromkeys(rids))
         if not rids:
             return
         try:
@@ -734,6 +842,7 @@ class KumikoConsumer(Consumer):
         except redis.RedisError as exc:  # any: Dramatiq's close() lets only its own through
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         for rid in rids:
+            self._waiting.discard(rid)
             self._done(rid)
 
 

@@ -4,10 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
 from dramatiq.broker import MessageProxy
 from dramatiq.message import Message
+
+if TYPE_CHECKING:
+    from kumiko_dramatiq.broker.consumer import KumikoConsumer
+
+#: A delivery's place in the hold protocol (:mod:`kumiko_dramatiq.broker.holds`): claimed to
+#: run now; held (claimed ahead of the threads); started from a hold, its report not confirmed
+#: yet; started and confirmed; dropped (an ask, or its consumer closing: it never starts);
+#: given back (its hold ran out and could not be renewed: it goes back to its queue unrun, or
+#: its unconfirmed run was interrupted); revoked (its start was reported too late: it was taken
+#: over, and nothing of the run is written).
+HoldState = Literal["now", "held", "started", "confirmed", "dropped", "given_back", "revoked"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,14 @@ class Delivery(MessageProxy):
         #: seconds: the lease runs from then at the latest)
         self.slot: tuple[str, str] | None = None
         self.slot_sent_at = 0.0
+        #: its place in the hold protocol, and the consumer it came from (it hands it out,
+        #: starts it at the gate and settles it)
+        self.hold: HoldState = "now"
+        self.consumer: KumikoConsumer | None = None
+        #: when it was held (monotonic s)
+        self.held_at = 0.0
+        #: the gate refused to start it (dropped or given back unstarted): no hook saw it
+        self.refused = False
 
 
 #: The bits of a delivery's settle reply (``KumikoBroker.settle``): the delivery was (or
@@ -146,3 +165,5 @@ class LaneFetch:
     #: ms until the fetch should look at waiting capped messages again (None: none wait, or
     #: the queue has no capped jobs)
     caps_due_in_ms: int | None = None
+    #: how many of ``fetched`` (the first) were claimed to run now; the rest are held
+    now: int = 0

@@ -97,9 +97,27 @@ def cron_last_tick(queue_prefix: str, job_name: str) -> str:
 
 
 def inflight(queue_prefix: str) -> str:
-    """Hash: redis id of a message out with a worker -> ``"<deliveries>|<claimed ms>|<worker>"``
-    (deliveries without an outcome count crashes; the run history reads running runs here)."""
+    """Hash: redis id of a message out with a worker -> ``"<deliveries>|<ms>|<worker>"`` while
+    it runs, ``"h<deliveries>|<ms>|<worker>"`` while it is held, claimed ahead of the
+    worker's threads (``lua/include/inflight.lua``; deliveries without an outcome count
+    crashes; the run history reads running runs here)."""
     return f"{_root(queue_prefix)}:inflight"
+
+
+def hold_asks(queue_prefix: str, broker_id: str) -> str:
+    """Hash: redis id of a message the worker ``broker_id`` holds -> what a requester asks
+    of it, ``"<request id>\t<kind>\t<waiters>"`` (``lua/include/holds.lua``)."""
+    return f"{_root(queue_prefix)}:asks:{broker_id}"
+
+
+def hold_bell(queue_prefix: str, broker_id: str) -> str:
+    """List: a token while asks wait for the worker ``broker_id``; its keeper waits on it."""
+    return f"{_root(queue_prefix)}:askbell:{broker_id}"
+
+
+def hold_answer(queue_prefix: str, request_id: str) -> str:
+    """List: the answer to an ask, once per requester waiting (``lua/include/holds.lua``)."""
+    return f"{_root(queue_prefix)}:answer:{request_id}"
 
 
 def suspects(queue_prefix: str, queue_name: str) -> str:

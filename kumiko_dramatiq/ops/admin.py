@@ -42,8 +42,10 @@ from dramatiq.common import dq_name
 from dramatiq.message import Message, generate_unique_id
 
 from kumiko_dramatiq.broker import keys
-from kumiko_dramatiq.broker.broker import KumikoBroker, moved_redis_id
+from kumiko_dramatiq.broker.broker import KumikoBroker
 from kumiko_dramatiq.broker.counts import backfill_counts
+from kumiko_dramatiq.broker.enqueueing import moved_redis_id
+from kumiko_dramatiq.broker.holds import new_request_id
 from kumiko_dramatiq.broker.keys import (
     consumer_acks,
     dead_letter_messages,
@@ -65,8 +67,9 @@ from kumiko_dramatiq.codec import (
 from kumiko_dramatiq.cron import Cron
 from kumiko_dramatiq.ids import redis_id_candidates
 from kumiko_dramatiq.middleware.presence import ProcessInfo, live_processes
+from kumiko_dramatiq.ops.asking import Ask, Asking
 from kumiko_dramatiq.ops.health import problems, read_health
-from kumiko_dramatiq.ops.history import STATUSES, JobRun, RunHistory, run_ttls_ms
+from kumiko_dramatiq.ops.history import STATUSES, JobRun, RunHistory, is_held_entry, run_ttls_ms
 from kumiko_dramatiq.ops.waiting import QueuedMessage, Waiting
 from kumiko_dramatiq.options import LANES, lane_queue
 from kumiko_dramatiq.payloads import PayloadField, schema_fields
@@ -257,6 +260,9 @@ def purge_scan_count(count: int, spent: int, read: int) -> int:
     return max(1, min(PURGE_STEP, PURGE_STEP_BYTES * read // max(1, spent)))
 
 
+#: How many times ``cancel`` looks again for a message its holder no longer had (settled, or
+#: back on its queue) before it says it runs.
+CANCEL_ROUNDS = 3
 #: The states ``job_counts`` gives for each job.
 COUNT_STATES = ("queued", "delayed", "running", "parked", "dead")
 #: How many of the newest run records of each status, and of the newest dead letters of each
@@ -281,8 +287,9 @@ class Admin:
 
     # -- reads ---------------------------------------------------------------------------
     def status(self) -> Status:
-        """Per lane: queued (its list and suspects, less the ids cancel withdrew), delayed,
-        running (in the live workers' ack sets), dead, and parked (every declared job's
+        """Per lane: queued (its list and suspects, less the ids cancel withdrew, and what the
+        workers hold ahead of their threads), delayed, running (in the live workers' ack sets,
+        started), dead, and parked (every declared job's
         parked messages, a paused one's or what a resume cut short left); live processes;
         paused jobs. Two round trips plus the liveness listing, whatever the dataset's size."""
         processes = live_processes(self.client, self.prefix)
@@ -297,7 +304,7 @@ class Admin:
             pipe.hlen(queue_messages(dq_name(queue)))
             pipe.zcard(dead_letters(queue))
             for worker in worker_ids:
-                pipe.scard(consumer_acks(worker, queue))
+                pipe.smembers(consumer_acks(worker, queue))
         # every job's parked list: a paused job's, and what a resume cut short left behind
         held = sorted(set(paused) | set(self.registry.jobs))
         for job in held:
@@ -319,8 +326,11 @@ class Admin:
             queued = max(0, listed - int(next(replies)))
             delayed = int(next(replies))
             dead = int(next(replies))
-            running = sum(int(next(replies)) for _ in worker_ids)
-            lanes.append(LaneStatus(lane, queue, queued, delayed, running, dead, 0))
+            claimed = [text(rid) for _ in worker_ids for rid in next(replies)]
+            # a message a worker holds ahead of its threads has not started: it is queued
+            ahead = self._held_among(claimed)
+            running = len(claimed) - ahead
+            lanes.append(LaneStatus(lane, queue, queued + ahead, delayed, running, dead, 0))
         parked_by_job = {job: max(0, int(next(replies)) - int(next(replies))) for job in held}
         lanes = [
             LaneStatus(
@@ -344,6 +354,14 @@ class Admin:
             paused=paused,
             problems=self.problems(workers, schedulers),
         )
+
+    def _held_among(self, rids: list[str]) -> int:
+        """How many of the claimed ``rids`` are held, not started (their in-flight entries;
+        bounded by what the workers claim, twice their threads each)."""
+        if not rids:
+            return 0
+        entries = self.client.hmget(keys.inflight(self.prefix), rids)
+        return sum(1 for entry in entries if entry is not None and is_held_entry(entry))
 
     def current_problems(self) -> list[str]:
         """:attr:`Status.problems` alone (the liveness listing and two reads), for the
@@ -1042,26 +1060,41 @@ class Admin:
         with why ``"running"``, ``"ended"`` (it completed, died or was cancelled: it has a run
         record or a dead letter note) or ``"gone"`` (no trace of it). Found by the redis ids
         kumiko derives from its id (:meth:`redis_id_candidates`), on each lane queue and its
-        delay queue: a few key reads, never a search of a queue."""
+        delay queue: a few key reads, never a search of a queue. A message a worker holds
+        ahead of its threads is asked about (:mod:`kumiko_dramatiq.ops.asking`): True once
+        that worker dropped it (or, silent, can no longer start it: within 1.2 s), False if
+        it had started."""
         completed_ttl, failed_ttl = run_ttls_ms(self.settings)
         places: list[str] = []
         for rid in self.redis_id_candidates(message_id):
             for queue in self.lane_queues:
                 places += [queue, rid, dq_name(queue), rid, queue, moved_redis_id(rid, queue)]
-        reply = self.broker.lua.cancel(
-            keys=[self.broker.namespace],
-            args=[
-                keys.root(self.prefix),
-                message_id,
-                int(datetime.now(UTC).timestamp() * 1000),
-                completed_ttl,
-                failed_ttl,
-                self.settings.heartbeat_timeout_ms + 3_600_000,
-                self.broker.resend_window_ms,
-                *places,
-            ],
-        )
-        return reply[0] == 1, text(reply[1])
+        for _ in range(CANCEL_ROUNDS):
+            reply = self.broker.lua.cancel(
+                keys=[self.broker.namespace],
+                args=[
+                    keys.root(self.prefix),
+                    message_id,
+                    int(datetime.now(UTC).timestamp() * 1000),
+                    completed_ttl,
+                    failed_ttl,
+                    self.settings.heartbeat_timeout_ms + 3_600_000,
+                    self.broker.resend_window_ms,
+                    new_request_id(),
+                    *places,
+                ],
+            )
+            if reply[0] != 2:
+                return reply[0] == 1, text(reply[1])
+            queue, rid, holder, request = (text(each) for each in reply[1:5])
+            answer = Asking(self.broker).wait([Ask(queue, holder, rid, request)])[rid]
+            if answer == "dropped":
+                return True, queue
+            if answer == "started":
+                return False, "running"
+            # "gone": settled meanwhile, or back on its queue (its worker's claim recovered,
+            # its consumer closed): look again
+        return False, "running"
 
     def queued(
         self,
@@ -1087,7 +1120,9 @@ class Admin:
         worker running it reads it within :data:`~kumiko_dramatiq.worker.stops.POLL_S`):
         ``True``; ``False`` when it is not running but known (it waits, or ended); ``None``
         when there is no trace of it. The in-flight hash, then one ``SET``."""
-        if any(run.message_id == message_id for run in self.history.running()):
+        if any(run.message_id == message_id for run in self.history.running()) or (
+            self._started_from_hold(message_id)
+        ):
             self.client.set(
                 keys.stop_request(self.prefix, message_id),
                 int(datetime.now(UTC).timestamp() * 1000),
@@ -1095,6 +1130,20 @@ class Admin:
             )
             return True
         return False if self.known(message_id) else None
+
+    def _started_from_hold(self, message_id: str) -> bool:
+        """Whether ``message_id`` is held by a worker that, asked, says it started it (its
+        start not reported yet), or runs now: a held message is not running."""
+        rids = self.redis_id_candidates(message_id)
+        asking = Asking(self.broker)
+        request = new_request_id()
+        for queue in self.lane_queues:
+            asks, running = asking.ask(queue, rids, request, "probe")
+            if running:
+                return True
+            if asks and "started" in asking.wait(asks).values():
+                return True
+        return False
 
     def purge(self, job: JobDefinition, state: str, *, dry_run: bool = False) -> int:
         """Remove ``job``'s messages in ``state`` (:data:`PURGE_WALKS`), at most
@@ -1130,6 +1179,17 @@ class Admin:
                     # HSCAN hands over the bodies it visits: size its next COUNT so that
                     # bodies like the ones just read stay within the step's bytes
                     count = purge_scan_count(count, int(spent), int(read))
+        if state == "queued":
+            # what workers hold ahead of their threads is queued too: asked last, so that what
+            # they claimed off the queue while it was walked is held by then
+            asking = Asking(self.broker)
+            asks, held = asking.ask_job(
+                queue, job.qualified_name, new_request_id(), "purge", dry_run=dry_run
+            )
+            if dry_run:
+                total += held
+            else:
+                total += sum(1 for a in asking.wait(asks).values() if a == "dropped")
         if not dry_run:
             logger.warning("purged %d %s message(s) of %s", total, state, job.qualified_name)
         return total
@@ -1182,8 +1242,17 @@ class Admin:
         return False if self.known(message_id) else None
 
     def pause(self, job: JobDefinition) -> bool:
-        """Pause ``job``; ``False`` if it was paused already."""
-        return bool(self.client.sadd(keys.paused(self.prefix), job.qualified_name))
+        """Pause ``job``; ``False`` if it was paused already. The messages of it that workers
+        hold ahead of their threads go back to its queue unstarted (their workers are asked,
+        :mod:`kumiko_dramatiq.ops.asking`), where the next fetch parks them: once this returns,
+        none of its messages starts until it is resumed."""
+        added = bool(self.client.sadd(keys.paused(self.prefix), job.qualified_name))
+        asking = Asking(self.broker)
+        asks, _ = asking.ask_job(
+            job.queue_name(self.prefix), job.qualified_name, new_request_id(), "back"
+        )
+        asking.wait(asks)
+        return added
 
     def resume(self, job: JobDefinition) -> tuple[int, int] | None:
         """Resume ``job``: ``(requeued, dropped)`` parked messages, or ``None`` if it was not

@@ -249,9 +249,13 @@ class RunHistory:
 
     def running(self) -> list[JobRun]:
         """The runs out with a worker now, read off the in-flight hash and their messages (a
-        run whose worker died shows until its message is delivered again or dead-lettered)."""
+        run whose worker died shows until its message is delivered again or dead-lettered). A
+        message a worker holds ahead of its threads is not running: it shows once its worker
+        reported its start (``lua/include/inflight.lua``)."""
         entries = {
-            text(rid): text(entry) for rid, entry in self.client.hgetall(self.inflight).items()
+            text(rid): text(entry)
+            for rid, entry in self.client.hgetall(self.inflight).items()
+            if not is_held_entry(entry)
         }
         if not entries:
             return []
@@ -392,6 +396,11 @@ class RunHistory:
         """What kumiko noted when ``message_id`` was dead-lettered (error, attempt, ...)."""
         raw = self.client.get(keys.dead_note(self.prefix, message_id))
         return None if raw is None else dict(json.loads(raw))
+
+
+def is_held_entry(entry: bytes | str) -> bool:
+    """Whether an in-flight entry is a held message's (claimed ahead, not started)."""
+    return (entry[:1] == b"h") if isinstance(entry, bytes) else entry.startswith("h")
 
 
 def _running_run(body: Any, entry: str) -> JobRun | None:

@@ -105,11 +105,13 @@ class Execution:
     @property
     def fenced(self) -> bool:
         """Whether the run was cut short because its lease could not be renewed
-        (:class:`~kumiko_dramatiq.worker.fencing.LeaseLost`): like a run cut short by a crash,
+        (:class:`~kumiko_dramatiq.worker.fencing.LeaseLost`, or its hold's
+        :class:`~kumiko_dramatiq.worker.fencing.HoldLost`): like a run cut short by a crash,
         it spends no attempt, calls no failure hook and comes back; its lease is not released
         (it is no longer the run's). A run that completed as the interruption came is not."""
         run = self.interruptible
-        return run.raised and run.interrupted_by is LeaseLost
+        lost = run.interrupted_by
+        return run.raised and lost is not None and issubclass(lost, LeaseLost)
 
     @property
     def stopped(self) -> bool:

@@ -61,6 +61,13 @@ class LeaseLost(Interrupt):
     A Dramatiq ``Interrupt``, so ``except Exception`` in a handler does not catch it."""
 
 
+class HoldLost(LeaseLost):
+    """Raised in a run started from a message its worker held ahead of its threads, whose
+    start could not be reported before the worker's hold ran out, or was reported too late
+    (the message was taken over meanwhile: :mod:`kumiko_dramatiq.broker.holds`). Like a lost
+    lease: no attempt spent, no failure hook, no record; the run counts as never started."""
+
+
 def fence_deadlines(sent_at_s: float, ttl_ms: int) -> tuple[float, float]:
     """When to interrupt a run whose lease was last taken or renewed by a command sent at
     ``sent_at_s`` (monotonic seconds) with a TTL of ``ttl_ms``, and when to end its process

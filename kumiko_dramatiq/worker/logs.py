@@ -18,6 +18,7 @@ from typing import Any
 from dramatiq.broker import MessageProxy
 from dramatiq.message import Message
 
+from kumiko_dramatiq.broker.delivery import Delivery
 from kumiko_dramatiq.codec import TRIGGER
 
 #: Dramatiq's logger that logs messages by their ``str()``.
@@ -49,13 +50,19 @@ def _is_kumiko(value: Any) -> bool:
 
 class KumikoRecords(logging.Filter):
     """On Dramatiq's worker logger: a kumiko message is shown as ``job(message id)``, and
-    Dramatiq's "Failed to process message" line is dropped for it (kumiko logs its own)."""
+    Dramatiq's "Failed to process message" line is dropped for it (kumiko logs its own), as
+    is its "was skipped" line for a held message the broker's gate refused (dropped unstarted:
+    it was never this worker's to run, :mod:`kumiko_dramatiq.broker.holds`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
         if not isinstance(args, tuple) or not any(_is_kumiko(arg) for arg in args):
             return True
         if str(record.msg).startswith("Failed to process message"):
+            return False
+        if str(record.msg).endswith("was skipped.") and any(
+            isinstance(arg, Delivery) and arg.refused for arg in args
+        ):
             return False
         record.args = tuple(_Named(arg) if _is_kumiko(arg) else arg for arg in args)
         return True

@@ -11,16 +11,18 @@ calls with the payload only, finds the execution of its thread through
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from kumiko_dramatiq.broker.broker import KumikoBroker
+from kumiko_dramatiq.broker.delivery import Delivery
 from kumiko_dramatiq.context import JobContext, JobMeta
 from kumiko_dramatiq.registry import JobDefinition, Registry
 from kumiko_dramatiq.settings import Settings
 from kumiko_dramatiq.worker.execution import Execution, execution_of
-from kumiko_dramatiq.worker.fencing import Fence
+from kumiko_dramatiq.worker.fencing import Fence, HoldLost
 from kumiko_dramatiq.worker.loop import EventLoopThread
 from kumiko_dramatiq.worker.stops import StopWatch
 from kumiko_dramatiq.worker.supervision import Deferred
@@ -72,6 +74,26 @@ class Runtime:
         """Bind the runtime to the broker it serves (once, at construction)."""
         self.broker = broker
         self.stops = StopWatch(broker.client, self.settings.queue_prefix)
+        broker.holds.enforce = self._enforce_hold
+
+    def _enforce_hold(self, delivery: Delivery, end_at: float | None) -> None:
+        """Interrupt a run started from a hold that must not go on
+        (:data:`~kumiko_dramatiq.broker.holds.Enforce`): at once, and through the fence when
+        its process must end at ``end_at`` if the run cannot be interrupted."""
+        execution = execution_of(delivery)
+        if execution is None:
+            return
+        if end_at is None:
+            execution.interruptible.interrupt(HoldLost)
+            return
+        self.fence.guard(
+            f"hold:{delivery.redis_message_id}",
+            execution.interruptible,
+            interrupt_at=time.monotonic(),
+            end_at=end_at,
+            what=f"{execution.job.qualified_name} {execution.message_id} (started from a hold)",
+            exception=HoldLost,
+        )
 
     @property
     def queue_prefix(self) -> str:

@@ -32,6 +32,7 @@ from kumiko_dramatiq import (
 )
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.replies import text
+from kumiko_dramatiq.broker.settling import Claim
 from kumiko_dramatiq.dashboard.pages import parse_waiting_cursor
 from kumiko_dramatiq.messages import build_message
 from kumiko_dramatiq.ops import admin
@@ -669,7 +670,7 @@ def test_a_fetch_with_a_suspect_and_a_due_waiter_claims_one_and_returns(
     redis_client.rpush(keys.cap_wait(prefix, JOB), waiter_rid)
     redis_client.zadd(keys.cap_waiting(prefix, queue), {JOB: 0})
     redis_client.hset(keys.cap_waits(prefix), JOB, 1)
-    fetched = broker.fetch_lane(queue, 4, outstanding=0)
+    fetched, _, _ = broker.fetch_lane(queue, Claim(4, 0, 4))
     # the waiter was first in line: the suspect waits behind it
     assert [rid for rid, _ in fetched.fetched] == [waiter_rid]
     assert list(fetched.slots) == [waiter_rid]

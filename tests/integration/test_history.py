@@ -25,7 +25,7 @@ from kumiko_dramatiq import (
     Registry,
     Retention,
 )
-from kumiko_dramatiq.broker import broker as broker_module
+from kumiko_dramatiq.broker import settling as settling_module
 from kumiko_dramatiq.errors import BootGateError
 from kumiko_dramatiq.ops.history import JobRun, record_write
 from kumiko_dramatiq.scheduler import Scheduler
@@ -394,7 +394,7 @@ def test_a_worker_refreshes_an_index_ttl_once_a_minute_not_on_every_settle(
     run_one(2)
     assert all(0 < client.pttl(index) <= 60_000 for index in indexes)
     # Then once a minute has passed (here: no vouching), the next settle refreshes them
-    monkeypatch.setattr(broker_module, "INDEX_VOUCH_S", 0.0)
+    monkeypatch.setattr(settling_module, "INDEX_VOUCH_S", 0.0)
     run_one(3)
     assert all(client.pttl(index) > 60_000 for index in indexes)
 

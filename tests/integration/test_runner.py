@@ -24,8 +24,11 @@ from kumiko_dramatiq import (
     Registry,
     UnknownJobError,
 )
+from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.broker.replies import text
+from kumiko_dramatiq.broker.settling import Claim
 from kumiko_dramatiq.testing import private_redis_server
-from tests.conftest import Recorder, RunnerFactory
+from tests.conftest import Recorder, RunnerFactory, wait_for
 
 
 def noop(payload: dict[str, Any], ctx: JobContext) -> None:
@@ -471,10 +474,19 @@ def test_messages_claimed_by_a_fetch_whose_reply_was_lost_go_back_and_run(
     runner.start()
     held = runner.dispatch("lost:job:work", {"hold": True})
     recorder.wait_until(lambda r: bool(r.of("start")), what="the held run")
+    # (and its next message held ahead of it: the consumer is full)
+    ahead = runner.dispatch("lost:job:work", {"hold": True})
+    wait_for(
+        lambda: any(
+            text(entry).startswith("h")
+            for entry in runner.broker.client.hvals(keys.inflight(prefix))
+        ),
+        what="the message held ahead",
+    )
     # and two messages claimed for it by a fetch whose reply it never got (a connection lost
     # mid-fetch, or a fetch sent into a cut link that Redis ran once the link was back)
     lost = [runner.dispatch("lost:job:work") for _ in range(2)]
-    fetch = runner.broker.fetch_lane(f"{prefix}-worker", 2, outstanding=0)
+    fetch, _, _ = runner.broker.fetch_lane(f"{prefix}-worker", Claim(2, 0, 2))
     assert sorted(Message.decode(body).message_id for _, body in fetch.fetched if body) == sorted(
         lost
     )
@@ -482,10 +494,10 @@ def test_messages_claimed_by_a_fetch_whose_reply_was_lost_go_back_and_run(
     release.set()
     # Then they run there, once each, as first attempts (never presumed dead: it is alive)
     recorder.wait_until(
-        lambda r: {e.message_id for e in r.of("complete")} == {held, *lost},
+        lambda r: {e.message_id for e in r.of("complete")} == {held, ahead, *lost},
         what="the runs of the lost claims",
     )
     runner.drain(timeout_s=10)
     done = recorder.of("complete")
-    assert sorted(e.message_id for e in done) == sorted([held, *lost])
+    assert sorted(e.message_id for e in done) == sorted([held, ahead, *lost])
     assert {e.meta.attempt for e in done} == {1}

@@ -485,11 +485,11 @@ def test_a_hand_off_redis_refuses_to_write_loses_nothing(
     first = make_runner(registry_of(noop), sequential_retry_delay_ms=100, heartbeat_timeout_ms=500)
     first.start()
     original = first.dispatch(JOB)
-    # When its hand-off cannot be written, its ack fails as a whole (the hand-off is written
-    # first, so nothing is): the message stays this worker's, unacked
+    # When its hand-off cannot be written, its settle fails as a whole (the hand-off is
+    # written first, so nothing is): the message stays this worker's, unsettled
     wait_for(
-        lambda: any("post_process_message" in r.getMessage() for r in caplog.records),
-        what="the failed ack",
+        lambda: any("Redis fails" in r.getMessage() for r in caplog.records),
+        what="the failed settle",
     )
     first.stop()
     assert redis_client.hlen(queue_messages(f"{prefix}-worker")) == 1

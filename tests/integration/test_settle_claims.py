@@ -39,11 +39,11 @@ def _registry(**options: Any) -> Registry:
 def _counted_fetches(runner: JobRunner, monkeypatch: pytest.MonkeyPatch) -> list[LaneFetch]:
     """Every ``fetch_lane`` call the consumer makes from now on, recorded."""
     fetches: list[LaneFetch] = []
-    fetch_lane: Callable[..., LaneFetch] = runner.broker.fetch_lane
+    fetch_lane: Callable[..., tuple[LaneFetch, Any, float]] = runner.broker.fetch_lane
 
-    def counting(*args: Any, **kwargs: Any) -> LaneFetch:
+    def counting(*args: Any, **kwargs: Any) -> tuple[LaneFetch, Any, float]:
         result = fetch_lane(*args, **kwargs)
-        fetches.append(result)
+        fetches.append(result[0])
         return result
 
     monkeypatch.setattr(runner.broker, "fetch_lane", counting)
@@ -65,6 +65,17 @@ def _acks(client: redis.Redis, runner: JobRunner, queue: str) -> set[str]:
     return {text(rid) for rid in client.smembers(keys.consumer_acks(broker.broker_id, queue))}
 
 
+def _ack(consumer: KumikoConsumer, delivery: Delivery) -> None:
+    """Ack ``delivery`` as Dramatiq's worker thread does, and wait until its settle (sent by
+    the consumer's settler thread) landed."""
+    consumer.ack(delivery)
+    assert consumer.settler.flush(10)
+
+
+def _entries(client: redis.Redis, prefix: str) -> dict[str, str]:
+    return {text(k): text(v) for k, v in client.hgetall(keys.inflight(prefix)).items()}
+
+
 def _setup(
     make_runner: RunnerFactory, registry: Registry, prefix: str, messages: int, prefetch: int
 ) -> tuple[JobRunner, str, KumikoConsumer]:
@@ -76,37 +87,52 @@ def _setup(
     return runner, queue, consumer
 
 
+def test_a_fetch_claims_one_message_to_run_per_free_thread_and_one_ahead(
+    make_runner: RunnerFactory, redis_client: redis.Redis, prefix: str
+) -> None:
+    # Given a consumer of one thread (prefetch 2), 4 queued
+    runner, queue, consumer = _setup(make_runner, _registry(), prefix, 4, prefetch=2)
+    first = _take(consumer)
+    # Then its fetch claimed two: one running for its free thread, one held ahead of it
+    entries = _entries(redis_client, prefix)
+    assert set(entries) == _acks(redis_client, runner, queue)
+    assert entries[first.redis_message_id].startswith("1|")
+    (ahead,) = [rid for rid in entries if rid != first.redis_message_id]
+    assert entries[ahead].startswith("h1|")
+    assert entries[ahead].endswith(runner.broker.worker_identity())
+    assert redis_client.llen(keys.queue_list(queue)) == 2
+
+
 def test_a_settle_claims_the_consumers_next_messages_and_they_are_in_flight(
     make_runner: RunnerFactory,
     redis_client: redis.Redis,
     prefix: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Given a consumer that holds one message at a time (prefetch 2: one thread), 4 queued
+    # Given a consumer that holds two messages at a time (prefetch 2: one thread), 4 queued
     runner, queue, consumer = _setup(make_runner, _registry(), prefix, 4, prefetch=2)
     fetches = _counted_fetches(runner, monkeypatch)
     first = _take(consumer)
     assert len(fetches) == 1
+    before = _acks(redis_client, runner, queue)
     # When it is settled
-    consumer.ack(first)
+    _ack(consumer, first)
     # Then that settle claimed the next one for this worker, in flight like a fetched one
     acks = _acks(redis_client, runner, queue)
-    assert len(acks) == 1
-    (claimed,) = acks
-    assert claimed != first.redis_message_id
-    entry = text(redis_client.hget(keys.inflight(prefix), claimed))
-    assert entry.startswith("1|")
-    assert entry.endswith(runner.broker.worker_identity())
+    assert len(acks) == 2
+    (claimed,) = acks - before
+    assert first.redis_message_id not in acks
+    assert claimed in _entries(redis_client, prefix)
     assert redis_client.hget(keys.inflight(prefix), first.redis_message_id) is None
-    assert redis_client.llen(keys.queue_list(queue)) == 2
-    # and the consumer hands it out without a fetch of its own, and so on to the last
+    assert redis_client.llen(keys.queue_list(queue)) == 1
+    # and the consumer hands them out without a fetch of its own, and so on to the last
     taken = [first.redis_message_id]
     for _ in range(3):
         delivery = _take(consumer)
         taken.append(delivery.redis_message_id)
-        consumer.ack(delivery)
+        _ack(consumer, delivery)
     assert len(fetches) == 1
-    assert taken[1] == claimed
+    assert taken[2] == claimed
     assert len(set(taken)) == 4
     assert _acks(redis_client, runner, queue) == set()
     assert redis_client.hlen(keys.inflight(prefix)) == 0
@@ -115,20 +141,21 @@ def test_a_settle_claims_the_consumers_next_messages_and_they_are_in_flight(
 def test_a_stopping_or_closed_consumer_claims_nothing(
     make_runner: RunnerFactory, redis_client: redis.Redis, prefix: str
 ) -> None:
-    runner, queue, consumer = _setup(make_runner, _registry(), prefix, 4, prefetch=2)
+    runner, queue, consumer = _setup(make_runner, _registry(), prefix, 5, prefetch=2)
     first = _take(consumer)
+    claimed = _acks(redis_client, runner, queue) - {first.redis_message_id}
     # a worker shutting down: its consumers are woken and claim nothing more
     runner.broker.wake_consumers()
-    consumer.ack(first)
-    assert _acks(redis_client, runner, queue) == set()
+    _ack(consumer, first)
+    assert _acks(redis_client, runner, queue) == claimed
     assert redis_client.llen(keys.queue_list(queue)) == 3
     # a consumer closed by Dramatiq (it gave back what it held) claims nothing either
-    runner.broker._stopping = False
+    runner.broker.wakeups.resume()
     second = runner.broker.consume(queue, prefetch=2, timeout=200)
-    held = _take(second)
+    taken = _take(second)
     second.requeue([])
-    second.ack(held)
-    assert _acks(redis_client, runner, queue) == set()
+    _ack(second, taken)
+    assert _acks(redis_client, runner, queue) == claimed
     assert redis_client.llen(keys.queue_list(queue)) == 2
 
 
@@ -138,10 +165,11 @@ def test_a_settle_claims_nothing_while_its_consumer_fetches(
     # one claim at a time per consumer: the room each computes is then true
     runner, queue, consumer = _setup(make_runner, _registry(), prefix, 4, prefetch=2)
     first = _take(consumer)
+    claimed = _acks(redis_client, runner, queue) - {first.redis_message_id}
     with consumer._claim_lock:  # the consumer's own fetch is under way
-        consumer.ack(first)
-    assert _acks(redis_client, runner, queue) == set()
-    assert redis_client.llen(keys.queue_list(queue)) == 3
+        _ack(consumer, first)
+    assert _acks(redis_client, runner, queue) == claimed
+    assert redis_client.llen(keys.queue_list(queue)) == 2
 
 
 def test_a_freed_slot_goes_to_its_oldest_waiter_claimed_by_the_settling_consumer(
@@ -155,7 +183,7 @@ def test_a_freed_slot_goes_to_its_oldest_waiter_claimed_by_the_settling_consumer
     assert len(waiters) == 2
     redis_client.delete(keys.queue_bell(queue))
     # When the run ends
-    consumer.ack(first)
+    _ack(consumer, first)
     # Then its settle gave the slot to the oldest waiter, claimed for this consumer (no
     # doorbell rung for another consumer to fetch it)
     assert _acks(redis_client, runner, queue) == {waiters[0]}
@@ -165,12 +193,16 @@ def test_a_freed_slot_goes_to_its_oldest_waiter_claimed_by_the_settling_consumer
     second = _take(consumer)
     assert second.redis_message_id == waiters[0]
     assert second.slot == (keys.cap_slots(prefix, JOB), f"{waiters[0]}#1")
-    consumer.ack(second)
+    _ack(consumer, second)
     third = _take(consumer)
     assert third.redis_message_id == waiters[1]
-    consumer.ack(third)
+    _ack(consumer, third)
     assert redis_client.zcard(keys.cap_slots(prefix, JOB)) == 0
     assert _acks(redis_client, runner, queue) == set()
+
+
+def _waiting_on_the_doorbell(runner: JobRunner, consumer: KumikoConsumer) -> bool:
+    return consumer.broker.wakeups.waits(id(consumer))
 
 
 def test_a_claim_wakes_its_consumer_waiting_on_the_doorbell(
@@ -190,15 +222,15 @@ def test_a_claim_wakes_its_consumer_waiting_on_the_doorbell(
 
     thread = threading.Thread(target=idle, daemon=True)
     thread.start()
-    wait_for(lambda: id(consumer) in runner.broker._blocked, 10, "the wait on the doorbell")
+    wait_for(lambda: _waiting_on_the_doorbell(runner, consumer), 10, "the wait on the doorbell")
     # When the run ends, its settle claims the waiter
-    consumer.ack(first)
+    _ack(consumer, first)
     # Then the wait ends at once (not after its 60 s), and the waiter is handed out
     assert waited.wait(10)
     thread.join(10)
     second = _take(consumer)
     assert second.slot is not None
-    consumer.ack(second)
+    _ack(consumer, second)
 
 
 def test_a_consumer_that_took_all_there_was_waits_for_the_doorbell_not_a_fetch(
@@ -223,9 +255,8 @@ def test_a_consumer_that_took_all_there_was_waits_for_the_doorbell_not_a_fetch(
 
     thread = threading.Thread(target=turn, daemon=True)
     thread.start()
-    wait_for(lambda: id(consumer) in runner.broker._blocked, 10, "the wait on the doorbell")
+    wait_for(lambda: _waiting_on_the_doorbell(runner, consumer), 10, "the wait on the doorbell")
     # Then its next turn sent no fetch: it waits on the doorbell
-    assert id(consumer) in runner.broker._blocked
     assert len(fetches) == 1
     # When a dispatch rings the doorbell, the wait ends and the next turn fetches again
     second_id = runner.dispatch(JOB, {"n": 1})
@@ -234,8 +265,8 @@ def test_a_consumer_that_took_all_there_was_waits_for_the_doorbell_not_a_fetch(
     second = _take(consumer)
     assert second.message_id == second_id
     assert len(fetches) == 2
-    consumer.ack(first)
-    consumer.ack(second)
+    _ack(consumer, first)
+    _ack(consumer, second)
 
 
 def test_a_running_worker_hands_a_freed_slot_on_without_fetching(
@@ -264,7 +295,7 @@ def test_a_slot_freed_while_the_worker_runs_another_run_of_the_job_goes_to_its_c
     assert len(waiting) == 1
     redis_client.delete(keys.queue_bell(queue))
     # When one run ends while the other goes on
-    consumer.ack(first)
+    _ack(consumer, first)
     # Then its settle claims the waiter with the freed slot for this consumer (its worker
     # thread has just finished: the fastest hand-over), without ringing the doorbell
     assert _acks(redis_client, runner, queue) == {second.redis_message_id, *waiting}
@@ -272,5 +303,5 @@ def test_a_slot_freed_while_the_worker_runs_another_run_of_the_job_goes_to_its_c
     assert redis_client.llen(keys.cap_wait(prefix, JOB)) == 0
     third = _take(consumer)
     assert third.redis_message_id == waiting[0]
-    consumer.ack(second)
-    consumer.ack(third)
+    _ack(consumer, second)
+    _ack(consumer, third)

@@ -712,6 +712,10 @@ MARKERS = frozenset({"done", "sent"})
 MUST_BE_GONE = frozenset(
     {"lock", "dedup", "inflight", "suspects", "capwait", "capwaiting", "capwaits"}
 )
+#: The asks about held messages and their answers (``lua/include/holds.lua``), each kept a
+#: minute past its last write.
+HOLD_ASKS = frozenset({"asks", "askbell", "answer"})
+HOLD_ASKS_TTL_MS = 60_000
 #: Documented persistent records: boot markers, and the dataset marker (``dataset``: a token
 #: kept as long as the dataset, whose disappearance reads as a dataset reset).
 PERSISTENT = frozenset({"boot", "dataset"})
@@ -795,6 +799,8 @@ def check_leftovers(
             _bound(result, key, pttl, marker_ttls.get(kind, ttl_bound_ms))
         elif kind in STATS:
             _bound(result, key, pttl, STATS_TTL_MS)
+        elif kind in HOLD_ASKS:
+            _bound(result, key, pttl, HOLD_ASKS_TTL_MS)
         elif kind in TTL_BOUND:
             message_id = key[len(root) + len(kind) + 1 :]
             if kind == "enqueued" and guarded is not None and message_id not in guarded:

@@ -224,6 +224,12 @@ class LuaScripts:
     lock_release: Script
     slot_release: Script
     run_put: Script
+    # holds: what a worker claimed ahead of its threads (broker/holds.py)
+    hold_renew: Script
+    hold_answer: Script
+    hold_takeover: Script
+    hold_ask_job: Script
+    hold_ask: Script
     # operating
     cancel: Script
     move_now: Script

@@ -5,14 +5,18 @@
 -- cancelled run records   ARGV[5] TTL (ms) of failed ones   ARGV[6] how long past its due
 -- time a delayed message held in a worker's memory may still be moved (ms)   ARGV[7] how long
 -- the "sent" tombstone of a message taken off a lane queue lives (ms: the resend window)
--- ARGV[8..] pairs: a queue (a lane queue or its delay queue) and a redis id the message may
+-- ARGV[8] the request id to ask a worker that holds the message under ("": ask none)
+-- ARGV[9..] pairs: a queue (a lane queue or its delay queue) and a redis id the message may
 -- have there (ids.redis_id_candidates: kumiko derives a message's redis ids from its id)
 -- Looks the message up by those ids only (a few HGETs, never a search of a queue). Not
 -- found: {0, "ended"} if the id has a run record or a dead letter note (it completed, died or
 -- was cancelled), else {0, "gone"}. Claimed from a lane queue by a worker (in a worker's ack
--- set: kumiko workers fetch only what their threads start, so it runs): {0, "running"},
--- nothing changed. Waiting in a lane queue (its list, its suspects list or a paused job's
--- parked list): its body is deleted and its redis id noted as withdrawn (in
+-- set) and running there (include/inflight.lua): {0, "running"}, nothing changed; held there
+-- (claimed ahead of its threads, not started): that worker is asked (include/holds.lua:
+-- hold_ask, kind "cancel"), {2, queue, redis id, the worker's broker id, the request id to
+-- wait on}: the worker answers whether it dropped it, or, once its hold ran out without an
+-- answer, the caller takes it over (lua/hold_takeover.lua). Waiting in a lane queue (its
+-- list, its suspects list or a paused job's parked list): its body is deleted and its redis id noted as withdrawn (in
 -- "<queue list>:withdrawn", or "<root>parked-withdrawn:<job>" while its job is paused), so
 -- the fetch or resume that meets the id drops it and counts leave it out: no search of the
 -- list. Waiting for a cap (include/caps.lua: in "<root>capwait:<job>" or a per-tenant
@@ -30,10 +34,8 @@
 -- ARGV[7] ms, so a re-sent enqueue of its first write does not bring it back (see
 -- include/guarded.lua). Either way its run record says "cancelled" and a dedup key it held
 -- is freed (and leaves its job's index, include/dedup_index.lua).
--- Returns {1, queue, redis id} (cancelled) or {0, reason}.
--- @include history
--- @include dedup_index
--- @include counts
+-- Returns {1, queue, redis id} (cancelled), {2, ...} (asked, above) or {0, reason}.
+-- @include holds
 -- @include ttl
 local namespace, root, wanted = KEYS[1], ARGV[1], ARGV[2]
 local now = tonumber(ARGV[3])
@@ -66,11 +68,8 @@ end
 
 -- the decoded message of body if it is the one wanted (or a hand-off carrying it on)
 local function wanted_in(body)
-    if not body then
-        return nil
-    end
-    local ok, message = pcall(cjson.decode, body)
-    if not ok or type(message) ~= "table" or type(message.options) ~= "table" then
+    local message = decode_message(body)
+    if not message then
         return nil
     end
     if message.message_id == wanted then
@@ -83,72 +82,53 @@ local function wanted_in(body)
     return nil
 end
 
--- whether any worker has the redis id in its ack set of the queue
-local function claimed(queue, rid)
-    local workers = redis.call("zrange", namespace .. ":__heartbeats__", 0, -1)
-    for _, worker in ipairs(workers) do
-        if redis.call("sismember", namespace .. ":__acks__." .. worker .. "." .. queue, rid) == 1
-        then
-            return true
-        end
-    end
-    return false
-end
-
 ttl_ms(ARGV[7], "sent tombstone")
-for i = 8, #ARGV, 2 do
+local request = ARGV[8]
+for i = 9, #ARGV, 2 do
     local queue, rid = ARGV[i], ARGV[i + 1]
     local list = namespace .. ":" .. queue
     local body = redis.call("hget", list .. ".msgs", rid)
     local message = wanted_in(body)
     if message then
         local delayed = string.sub(queue, -3) == ".DQ"
-        local job = string.gsub(message.actor_name or "", ":fanout$", "")
+        local job = job_of(type(message.actor_name) == "string" and message.actor_name or "")
+        local holder = nil
         if delayed and redis.call("zrem", list .. ":schedule", rid) == 1 then
             -- on its queue's schedule: off it, with its body
-            uncount(list .. ".msgs", rid)
-            redis.call("hdel", list .. ".msgs", rid)
-        elseif claimed(queue, rid) then
-            if not delayed then
-                return {0, "running"}
-            end
-            -- held in a worker's memory until due: its move drops it
-            if redis.call("exists", root .. "cancel:" .. message.message_id) == 1 then
-                return {0, "ended"}
-            end
-            local due = tonumber(message.options.eta) or now
-            local ttl = math.max(due - now, 0) + tonumber(ARGV[6])
-            redis.call("set", root .. "cancel:" .. message.message_id, "1", "PX", ttl)
+            forget_body(list .. ".msgs", rid)
         else
-            uncount(list .. ".msgs", rid)
-            redis.call("hdel", list .. ".msgs", rid)
-            if not delayed then
-                redis.call("set", root .. "sent:" .. rid, "1", "PX", ARGV[7])
-                redis.call("hdel", root .. "inflight", rid)
-                if message.actor_name == job and unwait(queue, job, message.options, rid) then
-                    -- it waited for a cap: off that list already
-                elseif redis.call("sismember", root .. "paused", job) == 1 then
-                    redis.call("sadd", root .. "parked-withdrawn:" .. job, rid)
-                else
-                    redis.call("sadd", list .. ":withdrawn", rid)
+            holder = holder_of(namespace, queue, rid)
+            if holder and not delayed then
+                if request ~= "" and inflight_held(redis.call("hget", root .. "inflight", rid))
+                then
+                    return {2, queue, rid, holder, hold_ask(root, holder, rid, request, "cancel")}
+                end
+                return {0, "running"}
+            elseif holder then
+                -- held in an old worker's memory until due: its move drops it
+                if redis.call("exists", root .. "cancel:" .. message.message_id) == 1 then
+                    return {0, "ended"}
+                end
+                local due = tonumber(message.options.eta) or now
+                local ttl = math.max(due - now, 0) + tonumber(ARGV[6])
+                redis.call("set", root .. "cancel:" .. message.message_id, "1", "PX", ttl)
+            else
+                forget_body(list .. ".msgs", rid)
+                if not delayed then
+                    redis.call("set", root .. "sent:" .. rid, "1", "PX", ARGV[7])
+                    redis.call("hdel", root .. "inflight", rid)
+                    if message.actor_name == job and unwait(queue, job, message.options, rid) then
+                        -- it waited for a cap: off that list already
+                    elseif redis.call("sismember", root .. "paused", job) == 1 then
+                        redis.call("sadd", root .. "parked-withdrawn:" .. job, rid)
+                    else
+                        redis.call("sadd", list .. ":withdrawn", rid)
+                    end
                 end
             end
         end
-        local run = run_of(root, body, "")
-        if run then
-            run.s, run.en, run.w = "cancelled", now, nil
-            put_run(root, run.m, run.a, run.j, "cancelled", run.t or "", run.o, run.q or now,
-                cjson.encode(run), tonumber(ARGV[4]), tonumber(ARGV[5]), now)
-            flush_runs()
-        end
-        local key = message.options.kumiko_dedup_key
-        if type(key) == "string" then
-            local record = root .. "dedup:" .. job .. ":" .. key
-            if redis.call("hget", record, "id") == message.message_id then
-                redis.call("del", record)
-                unindex_dedup(root .. "dedupidx:" .. job, key)
-            end
-        end
+        record_cancelled(root, body, now, tonumber(ARGV[4]), tonumber(ARGV[5]))
+        free_dedup(root, job, message)
         return {1, queue, rid}
     end
 end

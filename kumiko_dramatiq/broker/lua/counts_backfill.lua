@@ -37,7 +37,7 @@ for i = 1, #entries, 2 do
     local member = kind .. entries[i]
     if redis.call("sismember", counts .. ":fresh", member) == 0
         and redis.call("sadd", counts .. ":seen", member) == 1 then
-        local actor = string.match(entries[i + 1], '"actor_name":"([^"]*)"')
+        local actor = actor_of(entries[i + 1])
         if actor then
             redis.call("hincrby", counts, kind .. ":" .. actor, 1)
         end

@@ -35,8 +35,7 @@
 -- capwait cursors: "0" or "0j" (the job's own list), then "g<n>" (tenant groups from rank n
 -- on); a dry run counts each list's length (a cap's list holds its job's ids only). dead
 -- cursors: "0", then "d<offset>".
--- @include dedup_index
--- @include counts
+-- @include cancelling
 local namespace, root, job, mode = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
 local queue, cursor, batch = ARGV[4], ARGV[5], tonumber(ARGV[6])
 local byte_budget = tonumber(ARGV[8])
@@ -71,25 +70,11 @@ local function of_job(body)
     if not body or not string.find(body, job, 1, true) then
         return nil
     end
-    local ok, message = pcall(cjson.decode, body)
-    if not ok or type(message) ~= "table" or type(message.options) ~= "table" then
-        return nil
-    end
-    if message.actor_name == job or message.actor_name == wrapper then
+    local message = decode_message(body)
+    if message and (message.actor_name == job or message.actor_name == wrapper) then
         return message
     end
     return nil
-end
-
-local function free_dedup(message)
-    local key = message.options.kumiko_dedup_key
-    if type(key) == "string" then
-        local record = root .. "dedup:" .. job .. ":" .. key
-        if redis.call("hget", record, "id") == message.message_id then
-            redis.call("del", record)
-            unindex_dedup(root .. "dedupidx:" .. job, key)
-        end
-    end
 end
 
 -- the entries of `rids` whose bodies (`got`, by position) are the job's: {rid, message, body}
@@ -129,7 +114,7 @@ if mode == "queued" or mode == "suspects" then
                 count_body(list .. ".msgs", rid, found[3], -1)
                 redis.call("hdel", list .. ".msgs", rid)
                 redis.call("sadd", list .. ":withdrawn", rid)
-                free_dedup(message)
+                free_dedup(root, job, message)
             end
         end
     end
@@ -152,7 +137,7 @@ elseif mode == "delayed" then
                 redis.call("zrem", list .. ".DQ:schedule", rid)
                 count_body(bodies, rid, body, -1)
                 redis.call("hdel", bodies, rid)
-                free_dedup(message)
+                free_dedup(root, job, message)
             end
         end
     end
@@ -187,7 +172,7 @@ elseif mode == "parked" then
         end
         count_body(list .. ".msgs", found[1], found[3], -1)
         redis.call("hdel", list .. ".msgs", found[1])
-        free_dedup(found[2])
+        free_dedup(root, job, found[2])
     end
     if #rids == #window and #window < batch then
         redis.call("del", withdrawn)
@@ -228,7 +213,7 @@ elseif mode == "capwait" then
                 redis.call("hdel", root .. "inflight", rid)
                 if message then
                     removed = removed + 1
-                    free_dedup(message)
+                    free_dedup(root, job, message)
                 end
             else
                 -- withdrawn by an older cancel (body gone): forget it

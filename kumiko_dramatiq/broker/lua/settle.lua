@@ -3,12 +3,15 @@
 -- list (see fetch_lane)
 -- ARGV[1..2] dispatch head (see include/dispatch.lua)
 -- ARGV[3] "<deliveries> <marker TTL ms> <TTL ms of completed and cancelled run records>
---         <TTL ms of failed ones> <record cap> <trim budget> [<tombstone TTL ms> [<vouched>]]":
+--         <TTL ms of failed ones> <record cap> <trim budget> [<tombstone TTL ms> [<vouched>
+--         [<hold arguments>]]]":
 --         trim budget 0, or how many records beyond the cap to drop now (about once per 32
 --         records written, see trim_runs); the tombstone TTL (the resend window) defaults to
 --         the marker's; vouched "1": the caller refreshed the TTLs of the job and status
 --         indexes of every record it sends here less than a minute ago (put_run in
---         include/history.lua): they are not refreshed again (default "0": they are)
+--         include/history.lua): they are not refreshed again (default "0": they are); hold
+--         arguments: how many arguments of the worker's hold block (include/holds.lua:
+--         hold_report) follow the extras (default 0: none)
 -- ARGV[4] the kumiko root "kumiko:<prefix>:" of the run records
 -- Then 11 arguments per delivery, from ARGV[5]:
 --   +0 redis message id   +1 outcome: "ack" | "completed" | "retry" (a failed attempt's
@@ -62,10 +65,11 @@
 -- The writes common to the batch are one command each (ack set, message hash, in-flight
 -- hash, each run index, each stats counter).
 -- After the deliveries, optionally, the claim of the settling consumer's next messages (a
--- steadily draining consumer then sends no fetch of its own): the arguments after the extras, as
--- fetch_lane's ARGV[3..7] (claim head "<N> <messages the consumer holds once these are
--- settled> <max deliveries> <completed TTL> <failed TTL>", "already completed" marker
--- prefix, kumiko root, "host:pid", the slots' lease TTL ms on a lane with capped jobs).
+-- steadily draining consumer then sends no fetch of its own): the arguments after the extras
+-- and the hold block, as fetch_lane's ARGV[3..7] (claim head "<N> <messages the consumer
+-- holds once these are settled> <max deliveries> <completed TTL> <failed TTL>[ <now>]",
+-- "already completed" marker prefix, kumiko root, "host:pid", the slots' lease TTL ms on a
+-- lane with capped jobs, "" or absent elsewhere).
 -- Claimed after every delivery is settled, exactly as fetch_lane claims (its rules for
 -- suspects, paused jobs, cancelled ids, caps and the doorbell); a slot given back here
 -- whose job has waiters is offered to this claim first (the doorbell rings for them only if
@@ -73,7 +77,8 @@
 -- has just freed a worker thread: the fastest hand-over there is (no doorbell, no fetch).
 -- Returns one number per delivery: 1 if it was (or became again) this worker's, else 0; 2
 -- if it was left for its dedup key's follow-up (extra +6); with a claim, {those, fetch_lane's
--- reply}.
+-- reply}; with a hold block, {those, fetch_lane's reply or {}, how many claimed run now (the
+-- first), hold_report's reply}.
 -- @include lane_claim
 -- @include dispatch
 -- @include enqueue
@@ -81,8 +86,9 @@
 -- @include ttl
 -- @include history
 -- @include caps_release
-local count, marker_ttl, completed_ttl, failed_ttl, cap, trim, tombstone_ttl, vouched =
-    string.match(ARGV[3], "^(%d+) (%S+) (%S+) (%S+) (%d+) (%d+) ?(%S*) ?([01]?)$")
+-- @include holds
+local count, marker_ttl, completed_ttl, failed_ttl, cap, trim, tombstone_ttl, vouched, hold_args =
+    string.match(ARGV[3], "^(%d+) (%S+) (%S+) (%S+) (%d+) (%d+) ?(%S*) ?([01]?) ?(%d*)$")
 if not count then
     error("kumiko: malformed settle batch head " .. tostring(ARGV[3]))
 end
@@ -107,9 +113,17 @@ for i = 1, count do
         tail = tail + EXTRAS
     end
 end
-local claim_at = tail
+hold_args = tonumber(hold_args) or 0
+local claim_at = tail + hold_args
 local claiming = ARGV[claim_at] ~= nil
 local released = {}
+
+-- The starts of held messages first (a message may start and end between two calls: its
+-- entry is running before it is settled), and the asks about what this worker holds.
+local hold_reply = nil
+if hold_args > 0 then
+    hold_reply = hold_report(ARGV[4], worker, queue_acks, tail)
+end
 
 -- Whose deliveries are they? Read first: nothing is written before the follow-ups, the one
 -- write that can fail on a key it does not own.
@@ -216,7 +230,7 @@ for i, rid in ipairs(rids) do
             end
         end
         if root and status == "malformed" then
-            local claimed_by = entry and string.match(entry, "^%d+|%d+|(.+)$")
+            local claimed_by = inflight_worker(entry)
             local run = run_of(root, redis.call("hget", queue_messages, rid), claimed_by or worker)
             if run then
                 run.s, run.en, run.et, run.em = "dead", now, "MalformedMessage", ARGV[base + 8]
@@ -287,8 +301,15 @@ if tonumber(trim) > 0 then
             indexed_job)
     end
 end
+local claimed, now_given = nil, 0
+if claiming then
+    claimed, now_given = claim_lane(ARGV[claim_at], ARGV[claim_at + 1], ARGV[claim_at + 2],
+        ARGV[claim_at + 3], ARGV[claim_at + 4], released)
+end
+if hold_reply then
+    return {results, claimed or {}, now_given, hold_reply}
+end
 if not claiming then
     return results
 end
-return {results, claim_lane(ARGV[claim_at], ARGV[claim_at + 1], ARGV[claim_at + 2],
-    ARGV[claim_at + 3], ARGV[claim_at + 4], released)}
+return {results, claimed}

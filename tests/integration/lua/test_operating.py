@@ -479,6 +479,7 @@ def test_cancel(
             FAILED_TTL,
             GRACE,
             RESEND_WINDOW,
+            "",
             *(env.key(place) for place in PLACES),
         ],
     )

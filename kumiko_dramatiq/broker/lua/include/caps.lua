@@ -16,6 +16,7 @@
 -- script that includes this piece has the lane queue's name as ARGV[1] (the broker commands'
 -- convention, include/dispatch.lua).
 -- @include caps_release
+-- @include body
 
 -- caps_module(): a table of the functions below. A script defines its functions anew on every
 -- call, so only a fetch of a lane with capped jobs makes them: any other fetch pays for this
@@ -43,8 +44,8 @@ local function caps_module()
         if not body or not string.find(body, '"kumiko_caps"', 1, true) then
             return nil
         end
-        local ok, message = pcall(cjson.decode, body)
-        if not ok or type(message) ~= "table" or type(message.options) ~= "table" then
+        local message = decode_message(body)
+        if not message then
             return nil
         end
         local caps, actor = message.options.kumiko_caps, message.actor_name

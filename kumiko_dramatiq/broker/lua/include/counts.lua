@@ -13,6 +13,7 @@
 -- backfill is cut short and not taken up for a while), so every body is counted exactly once. The actor is read off the body
 -- (Dramatiq writes "actor_name" before the payload), never by decoding it whole.
 -- @include group
+-- @include body
 
 local function counts_of(messages)
     -- suffix checks, not patterns: this runs for every body written or deleted
@@ -26,16 +27,6 @@ local function counts_of(messages)
         return string.sub(messages, 1, -9) .. ":counts", "x"
     end
     return string.sub(messages, 1, -6) .. ":counts", "q"
-end
-
--- actor_of(body): the actor name Dramatiq wrote near the start of an encoded message (the
--- first "actor_name" field), found by a plain search, or nil
-local function actor_of(body)
-    local at = string.find(body, '"actor_name":"', 1, true)
-    if not at then
-        return nil
-    end
-    return string.match(body, '^([^"]*)"', at + 14)
 end
 
 -- the counts mode of each counts hash read in this call (only counts_backfill, another

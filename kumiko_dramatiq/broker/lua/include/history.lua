@@ -16,6 +16,7 @@
 -- trim_runs drops index entries older than their status age and records beyond the cap; the
 -- writers call it on about one write in 32, so its cost is shared.
 -- @include group
+-- @include body
 
 local RUN_STATUSES = {"running", "completed", "failed", "dead", "cancelled"}
 
@@ -359,58 +360,14 @@ local function trim_runs(root, cap, budget, completed_ttl, failed_ttl, at, job)
     end
 end
 
--- inflight_count(entry): the deliveries count of an in-flight entry (0 for none); a count of
--- one digit (nearly every entry) read off its first two bytes (a pattern and a tonumber cost
--- about three times as much)
-local function inflight_count(entry)
-    if not entry then
-        return 0
-    end
-    local digit, bar = string.byte(entry, 1, 2)
-    if bar == 124 and digit and digit >= 48 and digit <= 57 then -- "<d>|"
-        return digit - 48
-    end
-    return tonumber(string.match(entry, "^(%d+)")) or 0
-end
-
--- message_id_of(body): the message id of a message Dramatiq encoded (its last field but one),
--- without decoding it; nil if the body does not end that way. Only the places where the
--- field's name occurs are tried (a plain search; a pattern search tries every position), near
--- the end first (an id of up to about 100 bytes), so a long body costs no scan of its whole
--- length.
-local MESSAGE_ID_FIELD = '"message_id":"'
-local MESSAGE_ID_REST = '^([^"]*)","message_timestamp":[%d.]+}$'
-local function message_id_from(body, from)
-    while true do
-        local at = string.find(body, MESSAGE_ID_FIELD, from, true)
-        if not at then
-            return nil
-        end
-        local id = string.match(body, MESSAGE_ID_REST, at + 14)
-        if id then
-            return id
-        end
-        from = at + 1
-    end
-end
-local function message_id_of(body)
-    if #body > 160 then
-        local id = message_id_from(body, #body - 160)
-        if id then
-            return id
-        end
-    end
-    return message_id_from(body, 1)
-end
-
 -- run_of(root, body, worker): the run record fields of an encoded message kumiko wrote (its
 -- attempt from its options), or nil for anything else (or when root is "": no history).
 local function run_of(root, body, worker)
-    if root == "" or not body then
+    if root == "" then
         return nil
     end
-    local ok, message = pcall(cjson.decode, body)
-    if not ok or type(message) ~= "table" or type(message.options) ~= "table" then
+    local message = decode_message(body)
+    if not message then
         return nil
     end
     local options = message.options
@@ -418,7 +375,7 @@ local function run_of(root, body, worker)
         or type(message.message_id) ~= "string" then
         return nil
     end
-    local job = string.gsub(message.actor_name, ":fanout$", "")
+    local job = job_of(message.actor_name)
     local function text(value)
         if type(value) == "string" then
             return value

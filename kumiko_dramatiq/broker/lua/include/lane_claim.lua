@@ -2,15 +2,23 @@
 -- fetch_lane.lua, also done by settle.lua for the consumer whose deliveries it settles (so a
 -- steadily draining consumer sends one call per batch, not a settle and a fetch).
 -- claim_lane(spec, done_prefix, root, run_worker, caps_arg, released) -> the reply of
--- fetch_lane (see there), with KEYS[1..3] and ARGV[1..2] as fetch_lane's:
+-- fetch_lane (see there), and how many of the messages claimed were claimed to run now (the
+-- first ones), with KEYS[1..3] and ARGV[1..2] as fetch_lane's:
 --   spec "<N> <messages the consumer holds> <max deliveries> <TTL ms of completed and
---   cancelled run records> <TTL ms of failed ones>"; done_prefix the "already completed"
+--   cancelled run records> <TTL ms of failed ones>[ <now>]": of the N, the first <now> (all
+--   without it) for threads that are free now, entered running; the rest ahead of the
+--   consumer's threads, entered held (include/inflight.lua). A capped job's message is only
+--   claimed to run now (a held message takes no slot: the claim stops before it). A message a
+--   dead worker held (its entry held) is claimed again like any other, its deliveries counted
+--   (it may have started just before the death), unless it was held or running during two
+--   deaths: then it is a suspect. done_prefix the "already completed"
 --   marker prefix ("" = no check); root "kumiko:<prefix>:"; run_worker "host:pid"; caps_arg
 --   the slots' lease TTL ms (lanes with capped jobs only, else nil); released: the jobs whose
 --   slot the caller gave back without ringing (caps_release with no list): each one's waiters
 --   that this claim could not look at (no room, or not among the groups due first) get the
 --   doorbell rung for them here, as caps_release would have.
 -- @include dispatch
+-- @include inflight
 -- @include caps
 -- @include dead_letter
 -- @include history
@@ -19,12 +27,15 @@
 local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, released)
     local inflight = KEYS[2]
     local suspects = KEYS[3]
-    local wanted, held, max_deliveries, completed_ttl, failed_ttl =
-        string.match(spec, "^(%d+) (%d+) (%d+) (%d+) (%d+)$")
+    local wanted, held, max_deliveries, completed_ttl, failed_ttl, now_room =
+        string.match(spec, "^(%d+) (%d+) (%d+) (%d+) (%d+) ?(%d*)$")
     if not wanted then
         error("kumiko: malformed claim head " .. tostring(spec))
     end
     wanted, max_deliveries = tonumber(wanted), tonumber(max_deliveries)
+    now_room = tonumber(now_room) or wanted
+    -- how many claims so far were entered running (the first now_room of them)
+    local now_given = 0
     completed_ttl, failed_ttl = tonumber(completed_ttl), tonumber(failed_ttl)
     local idle = held == "0"
     local fetched, dropped, buried = {}, {}, {}
@@ -41,11 +52,11 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
 
     -- the job of an encoded message, if it is one of a paused job's ("<job>" or nil)
     local function paused_job(body)
-        local actor = body and string.match(body, '"actor_name":"([^"]*)"')
+        local actor = body and actor_of(body)
         if not actor then
             return nil
         end
-        local job = string.gsub(actor, ":fanout$", "")
+        local job = job_of(actor)
         if redis.call("sismember", root .. "paused", job) == 1 then
             return job
         end
@@ -72,7 +83,17 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
     -- (finish_claims)
     -- the candidates in parallel lists (a table per candidate costs more than its claim)
     local cand_rids, cand_seen, cand_bodies = {}, {}, {}
-    local first_entry = nil
+    local first_entry, first_held = nil, nil
+    -- a capped message met once the room to run now was taken: the claim stops there
+    local capped_stop = false
+    local function claimed_count()
+        return #fetched / 2 + #cand_rids
+    end
+    -- whether a message seen `seen` times before (its entry `entry`) is a suspect: it was
+    -- running when a worker died, or held or running during two deaths (include/inflight.lua)
+    local function is_suspect(seen, entry)
+        return seen > 0 and (seen >= 2 or seen >= max_deliveries or not inflight_held(entry))
+    end
     local function claim(rid, seen, body)
         if not body and withdrawn(rid) then
             redis.call("hdel", inflight, rid)
@@ -127,14 +148,25 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
                 -- instructions each (head_now is the dispatch head's text of now); a first
                 -- delivery's entry is the same for every claim of the call, built once
                 local seen = cand_seen[i]
-                if seen == 0 then
+                local flag = ""
+                if now_given < now_room then
+                    now_given = now_given + 1
+                else
+                    flag = "h"
+                end
+                if seen ~= 0 then
+                    entries[#entries + 1] = flag .. tostring(seen + 1) .. "|" .. head_now .. "|"
+                        .. run_worker
+                elseif flag == "" then
                     if not first_entry then
                         first_entry = "1|" .. head_now .. "|" .. run_worker
                     end
                     entries[#entries + 1] = first_entry
                 else
-                    entries[#entries + 1] = tostring(seen + 1) .. "|" .. head_now .. "|"
-                        .. run_worker
+                    if not first_held then
+                        first_held = "h1|" .. head_now .. "|" .. run_worker
+                    end
+                    entries[#entries + 1] = first_held
                 end
                 fetched[#fetched + 1] = rid
                 fetched[#fetched + 1] = cand_bodies[i]
@@ -168,6 +200,10 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
             if not cap then
                 return claim(rid, seen, body)
             end
+            if claimed_count() >= now_room then
+                capped_stop = true -- a held message takes no slot: it waits for a free thread
+                return false
+            end
             local group, check_at, rated = C.caps_blocked(root, cap, caps_t)
             if group then
                 if C.caps_park(root, group, rid, check_at) and rated then
@@ -183,8 +219,9 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
             return false
         end
 
+        -- a waiter is claimed only to run now
         local has_room = function()
-            return alone == 0 and (#fetched / 2 + #cand_rids) < wanted
+            return alone == 0 and claimed_count() < wanted and claimed_count() < now_room
         end
 
         -- the oldest waiters of group, claimed while their caps and this fetch have room
@@ -230,11 +267,12 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
                         redis.call("hdel", inflight, rid)
                     end
                 else
-                    local seen = inflight_count(redis.call("hget", inflight, rid))
-                    if seen > 0 then
+                    local entry = redis.call("hget", inflight, rid)
+                    local seen = inflight_count(entry)
+                    if is_suspect(seen, entry) then
                         redis.call("rpush", suspects, rid)
-                    elseif claim(rid, 0, body) and cap then
-                        take(rid, cap, rid .. "#1")
+                    elseif claim(rid, seen, body) and cap then
+                        take(rid, cap, rid .. "#" .. (seen + 1))
                     end
                 end
             end
@@ -272,6 +310,8 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
                 if #fetched > 0 then
                     alone = 1
                 end
+            elseif capped_stop then
+                redis.call("lpush", suspects, rid) -- it waits for a free thread, first in line
             end
         else
             redis.call("rpush", suspects, rid)
@@ -279,7 +319,7 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
     end
 
     if idle then
-        while alone == 0 do
+        while alone == 0 and not capped_stop do
             local rid = redis.call("lpop", suspects)
             if not rid then
                 break
@@ -298,7 +338,8 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
     end
     -- Pop what is wanted in one step, read the deliveries counts and bodies in one step each; a
     -- suspect that is claimed alone puts back what was popped after it (at the head, in order).
-    while alone == 0 and #fetched / 2 < wanted and parked_here < CAPS_PARK_BOUND do
+    while alone == 0 and not capped_stop and #fetched / 2 < wanted
+        and parked_here < CAPS_PARK_BOUND do
         local popped = redis.call("lpop", queue_list, wanted - #fetched / 2)
         if not popped then
             break
@@ -306,21 +347,25 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
         local counts = redis.call("hmget", inflight, unpack(popped))
         local bodies = redis.call("hmget", queue_messages, unpack(popped))
         for i, rid in ipairs(popped) do
-            if alone == 1 then
-                local back = {}
-                for j = #popped, i, -1 do
-                    back[#back + 1] = popped[j]
-                end
-                redis.call("lpush", queue_list, unpack(back))
-                break
-            end
             local seen = inflight_count(counts[i] or nil)
-            if seen > 0 then
+            if is_suspect(seen, counts[i] or nil) then
                 suspect(rid, seen)
             elseif caps_ttl then
-                claim_capped(rid, 0, bodies[i])
+                claim_capped(rid, seen, bodies[i])
             else
-                claim(rid, 0, bodies[i])
+                claim(rid, seen, bodies[i])
+            end
+            if alone == 1 or capped_stop then
+                -- what was popped after a suspect claimed alone, or from the capped message
+                -- that waits for a free thread on, goes back to the head, in order
+                local back = {}
+                for j = #popped, capped_stop and i or i + 1, -1 do
+                    back[#back + 1] = popped[j]
+                end
+                if #back > 0 then
+                    redis.call("lpush", queue_list, unpack(back))
+                end
+                break
             end
         end
         finish_claims()
@@ -333,11 +378,12 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
         end
     end
     local full = #fetched / 2 >= wanted or alone == 1 or parked_here >= CAPS_PARK_BOUND
+        or capped_stop
     if (waiting > 0 and not idle) or (full and redis.call("llen", queue_list) > 0) then
         ring(queue_list)
     end
     if not caps_ttl then
-        return {fetched, dropped, buried, waiting, alone}
+        return {fetched, dropped, buried, waiting, alone}, now_given
     end
     -- the slots of the claims made; a claim dropped as already completed gives its slot back
     local slots = {}
@@ -358,5 +404,5 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
     if next_due[2] then
         due_in = math.max(0, tonumber(next_due[2]) - caps_t)
     end
-    return {fetched, dropped, buried, waiting, alone, slots, due_in}
+    return {fetched, dropped, buried, waiting, alone, slots, due_in}, now_given
 end

@@ -1,0 +1,11 @@
+-- hold_renew: a worker's hold kept alive while it makes no other lane call, its starts
+-- reported and the asks about what it holds read (include/holds.lua); sent by the worker's
+-- keeper (kumiko_dramatiq/broker/holds.py) while it holds messages or runs unconfirmed starts.
+-- KEYS[1] namespace
+-- ARGV[1..2] dispatch head (see include/dispatch.lua; the worker's lane queue)
+-- ARGV[3] the kumiko root "kumiko:<prefix>:"   ARGV[4..] the hold block (hold_report)
+-- Returns hold_report's reply: {revoked starts, checked ids no longer this worker's, the
+-- asks pending {rid, ask, ...}}.
+-- @include dispatch
+-- @include holds
+return hold_report(ARGV[3], worker, queue_acks, 4)
