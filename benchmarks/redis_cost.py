@@ -82,6 +82,8 @@ class Sample:
     drain_us: float
     #: the drain's pace (the worker's start until the last job settled)
     drain_jobs_s: float = 0.0
+    #: this process's CPU per job over the drain (the worker's threads, its client)
+    worker_us: float = 0.0
 
     @property
     def total_us(self) -> float:
@@ -148,9 +150,11 @@ class RedisCost:
         c1 = server_cpu_s(self.client)
         s1 = command_usec(self.client)
         started = time.monotonic()
+        cpu0 = time.process_time()
         start()
         done()
         drained_s = time.monotonic() - started
+        cpu1 = time.process_time()
         c2 = server_cpu_s(self.client)
         s2 = command_usec(self.client)
         stop()
@@ -164,7 +168,9 @@ class RedisCost:
             if calls != s1.get(cmd, (0, 0))[0] and cmd not in {"info", "hlen"}
         }
         self.commands[name] = {k: list(v) for k, v in sorted(delta.items())}
-        return Sample((c1 - c0) / n * 1e6, (c2 - c1) / n * 1e6, n / drained_s)
+        return Sample(
+            (c1 - c0) / n * 1e6, (c2 - c1) / n * 1e6, n / drained_s, (cpu1 - cpu0) / n * 1e6
+        )
 
     # -- kumiko ---------------------------------------------------------------
     def kumiko(self, case: str = "plain") -> Sample:
@@ -274,8 +280,8 @@ def table(result: dict[str, Any], uptime: str) -> str:
     base = plain.median("total_us")
     lines = [
         "| case | enqueue µs/job | drain µs/job | both µs/job | vs plain Dramatiq | ceiling jobs/s"
-        " per Redis core | drain jobs/s | rounds |",
-        "|---|---|---|---|---|---|---|---|",
+        " per Redis core | drain jobs/s | worker CPU µs/job | rounds |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for series in [*result["rows"], plain]:
         total = series.median("total_us")
@@ -283,7 +289,7 @@ def table(result: dict[str, Any], uptime: str) -> str:
             f"| {series.name} | {series.median('enqueue_us'):.1f} | {series.median('drain_us'):.1f}"
             f" | {total:.1f} (rounds: {', '.join(f'{s.total_us:.0f}' for s in series.samples)})"
             f" | {total / base:.2f}x | {1e6 / total:,.0f} | {series.median('drain_jobs_s'):,.0f}"
-            f" | {len(series.samples)} |"
+            f" | {series.median('worker_us'):.0f} | {len(series.samples)} |"
         )
     lines += ["", f"Load (`uptime` before the run): {uptime}"]
     return "\n".join(lines)
