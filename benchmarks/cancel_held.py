@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.cancel_held [--rounds 3] [--threads 8]``
 
-A CLI worker of ``--threads`` threads (``benchmarks/hold_app.py``) runs as many messages that
+A CLI worker of ``--threads`` threads (``tests/apps/hold_app.py``) runs as many messages that
 block and holds as many more ahead of them; then each held message is cancelled, one after the
 other, with the worker **alive** (it answers the ask), **frozen** (``SIGSTOP``: it cannot
 answer; the requester takes the message over once the worker's hold ran out) or **killed**
@@ -29,8 +29,7 @@ from kumiko_dramatiq import JobRunner
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.replies import text
 from kumiko_dramatiq.testing import private_redis_server
-
-from . import hold_app
+from tests.apps import hold_app
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = "hold:job:work"
@@ -54,7 +53,7 @@ def one_round(url: str, fault: str, threads: int) -> tuple[list[float], list[str
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUMIKO_")}
     env.update(
         PYTHONPATH=str(ROOT),
-        KUMIKO_APP="benchmarks.hold_app:registry",
+        KUMIKO_APP="tests.apps.hold_app:registry",
         KUMIKO_REDIS_URL=url,
         KUMIKO_QUEUE_PREFIX=prefix,
         KUMIKO_HEARTBEAT_TIMEOUT_MS="1000",
@@ -69,14 +68,18 @@ def one_round(url: str, fault: str, threads: int) -> tuple[list[float], list[str
         "-t",
         str(threads),
     ]
-    worker = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+
+    def start_worker() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=env,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    worker = start_worker()
     started = f"kumiko:{prefix}:test:started"
     problems: list[str] = []
     took: list[float] = []
@@ -100,14 +103,7 @@ def one_round(url: str, fault: str, threads: int) -> tuple[list[float], list[str
         client.set(f"kumiko:{prefix}:test:release", 1)
         if fault == "killed":
             worker.wait()
-            worker = subprocess.Popen(
-                command,
-                cwd=ROOT,
-                env=env,
-                start_new_session=True,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
+            worker = start_worker()
         _wait(
             lambda: (
                 client.llen(started) >= (2 * threads if fault == "killed" else threads)

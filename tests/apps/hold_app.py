@@ -1,4 +1,5 @@
-"""Jobs for the tests of held messages (tests/integration/test_holds.py), run by a CLI worker.
+"""A job for held messages (tests/integration/test_holds.py, benchmarks/cancel_held.py), run
+by a CLI worker.
 
 ``KUMIKO_APP=tests.apps.hold_app:registry``. Every run pushes its message id onto
 ``kumiko:{prefix}:test:started``; a run whose payload says ``"block": true`` then waits until

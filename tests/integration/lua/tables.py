@@ -437,17 +437,22 @@ class Env:
         worker: str = "w1",
         now: int = NOW,
         maintenance: bool = False,
+        run_now: int | None = None,
+        hold: tuple[str, ...] | None = None,
     ) -> Any:
         """fetch_lane as the broker calls it (ARGV[3] "<N> <held> <max deliveries> <completed
-        TTL> <failed TTL>", done prefix, root, host:pid); the reply decoded."""
+        TTL> <failed TTL>[ <run now>]", done prefix, root, host:pid, and with ``hold`` no
+        caps TTL and the worker's hold block, ``lua/include/holds.lua``); the reply decoded."""
+        spec = f"{count} {held} {MAX_DELIVERIES} {COMPLETED_TTL} {FAILED_TTL}"
         result = self.lua.fetch_lane(
             keys=[NAMESPACE, self.key(INFLIGHT), self.key(SUSPECTS)],
             args=[
                 *self.head(worker=worker, now=now, maintenance=maintenance),
-                f"{count} {held} {MAX_DELIVERIES} {COMPLETED_TTL} {FAILED_TTL}",
+                spec if run_now is None else f"{spec} {run_now}",
                 self.key(done_prefix),
                 self.key(root),
                 RUN_WORKER,
+                *(() if hold is None else ("", *hold)),
             ],
         )
         return text(result)

@@ -10,19 +10,16 @@ from tests.integration.lua.tables import (
     ACKS,
     ACKS_W2,
     COMPLETED_TTL,
-    DONE_PREFIX,
     FAILED_TTL,
     HEARTBEATS,
     INFLIGHT,
     LIST,
-    MAX_DELIVERIES,
     MSGS,
     NAMESPACE,
     NOW,
     QUEUE,
     ROOT,
     RUN_WORKER,
-    SUSPECTS,
     Env,
     text,
 )
@@ -43,20 +40,7 @@ def _body(n: int) -> str:
 def _fetch(env: Env, count: int, now_room: int, *hold: str, worker: str = "w1") -> Any:
     """fetch_lane with a claim of ``count``, ``now_room`` of them to run now, and a hold
     block (``hold``: its arguments; none: "0 0")."""
-    return text(
-        env.lua.fetch_lane(
-            keys=[NAMESPACE, env.key(INFLIGHT), env.key(SUSPECTS)],
-            args=[
-                *env.head(worker=worker),
-                f"{count} 0 {MAX_DELIVERIES} {COMPLETED_TTL} {FAILED_TTL} {now_room}",
-                env.key(DONE_PREFIX),
-                env.key(ROOT),
-                RUN_WORKER,
-                "",
-                *(hold or ("0 0",)),
-            ],
-        )
-    )
+    return env.fetch_lane(count, run_now=now_room, hold=hold or ("0 0",), worker=worker)
 
 
 def _queued(env: Env, count: int) -> None:
