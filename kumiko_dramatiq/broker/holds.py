@@ -67,7 +67,7 @@ logger = logging.getLogger("kumiko_dramatiq")
 
 #: The lease of a worker's hold (ms): it starts held messages until START_UNTIL of it after
 #: its newest applied lane call was sent; a requester takes over after it (plus the slack).
-HOLD_TTL_MS: Final = 1_000
+HOLD_TTL_MS: Final = 1_200
 #: The fractions of the lease as the sequential fence has them
 #: (:mod:`kumiko_dramatiq.worker.fencing`): held messages start until the first; a run
 #: started from the hold and not confirmed by then is interrupted, and if it still runs at

@@ -1062,7 +1062,7 @@ class Admin:
         kumiko derives from its id (:meth:`redis_id_candidates`), on each lane queue and its
         delay queue: a few key reads, never a search of a queue. A message a worker holds
         ahead of its threads is asked about (:mod:`kumiko_dramatiq.ops.asking`): True once
-        that worker dropped it (or, silent, can no longer start it: within 1.2 s), False if
+        that worker dropped it (or, silent, can no longer start it: within 1.4 s), False if
         it had started."""
         completed_ttl, failed_ttl = run_ttls_ms(self.settings)
         places: list[str] = []

@@ -15,7 +15,7 @@ start: they ask its worker (the asks are written by their own Lua calls, ``lua/c
 A worker that does not answer (dead, frozen, cut off from Redis) cannot start the message any
 more once :func:`~kumiko_dramatiq.broker.holds.takeover_after_s` has passed since the ask:
 then the requester does what it asked for itself (``lua/hold_takeover.lua``), and the answer is
-what that step found. So every wait ends within that bound (1.2 s) plus a few round trips.
+what that step found. So every wait ends within that bound (1.4 s) plus a few round trips.
 """
 
 from __future__ import annotations
