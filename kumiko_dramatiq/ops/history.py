@@ -230,12 +230,14 @@ class RunHistory:
         self.queues = [lane_queue(queue_prefix, lane) for lane in LANES]
 
     def run_record(self, message_id: str) -> list[JobRun]:
-        """Every recorded attempt of ``message_id``, oldest first (a running one included)."""
+        """Every recorded attempt of ``message_id``, oldest first (a running one included).
+        The runs in flight are read first, the records after: an attempt that ends in between
+        (its settle takes its in-flight entry and writes its record in one step) is found by
+        one read or the other, never by neither, and its record wins."""
+        runs = {run.attempt: run for run in self.running() if run.message_id == message_id}
         raw = self.client.hgetall(keys.run_record(self.prefix, message_id))
-        runs = {run.attempt: run for run in (JobRun.decode(value) for value in raw.values())}
-        for run in self.running():
-            if run.message_id == message_id:
-                runs[run.attempt] = run
+        for run in (JobRun.decode(value) for value in raw.values()):
+            runs[run.attempt] = run
         return [runs[attempt] for attempt in sorted(runs)]
 
     def find(self, run_id: str) -> JobRun | None:
@@ -342,7 +344,11 @@ class RunHistory:
             members = [text(member) for member, score in reply if floor is None or score >= floor]
             for run in self._load(members):
                 if run is not None and _filtered([run], job, status, tenant_id, None, None, None):
-                    found.setdefault(run.run_id, run)
+                    # a record read after the runs in flight is newer than a running entry of
+                    # the same attempt (the attempt ended in between)
+                    seen = found.get(run.run_id)
+                    if seen is None or seen.status == "running":
+                        found[run.run_id] = run
                     passing += 1
             if len(members) < len(reply) or len(reply) < limit:
                 return
