@@ -205,10 +205,14 @@ def test_a_dispatch_during_a_retry_backoff_returns_the_same_id(
 
     first = runner.dispatch(JOB, dedup_key="k")
     recorder.wait_until(lambda r: len(r.of("failed")) == 1, what="the first failed attempt")
-    # The key goes back to "queued" while the retry waits out its 60 s backoff.
+    # The key goes back to "queued" while the retry waits out its 60 s backoff; the settle
+    # that writes the retry (it lands after the hook) leaves the failed attempt's record.
     wait_for(
-        lambda: record(redis_client, prefix, "k").get("state") == "queued",
-        what="the key queued again",
+        lambda: (
+            record(redis_client, prefix, "k").get("state") == "queued"
+            and [run.status for run in runner.run_record(first)] == ["failed"]
+        ),
+        what="the key queued again and the retry written",
     )
 
     again = runner.dispatch(JOB, {"later": True}, dedup_key="k")

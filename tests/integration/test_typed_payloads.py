@@ -230,7 +230,10 @@ def test_a_typed_cron_tick_runs_with_the_models_defaults(
     assert seen.of("cron:job:tick")[0] == Nightly()
     # the hook runs before the settle that writes the record
     message_id = recorder.of("complete")[0].message_id
-    wait_for(lambda: bool(runner.run_record(message_id)), what="the tick's run record")
+    wait_for(
+        lambda: [run.status for run in runner.run_record(message_id)] == ["completed"],
+        what="the tick's run record (the settle lands after the hook)",
+    )
     (run,) = runner.run_record(message_id)
     assert run.payload == {"currency": "EUR"}  # what the tick enqueued: the defaults' dump
 
