@@ -15,11 +15,14 @@ from kumiko_dramatiq.context import JobContext, JobMeta
 from kumiko_dramatiq.cron import Cron
 from kumiko_dramatiq.errors import (
     JobConfigError,
+    JobFailedError,
     KumikoError,
     NotFoundError,
     PayloadError,
     RedisAccessError,
     RedisUnavailableError,
+    ResultError,
+    ResultPending,
     UnknownJobError,
 )
 from kumiko_dramatiq.options import (
@@ -66,6 +69,7 @@ __all__ = [
     "JobConfigError",
     "JobContext",
     "JobDefinition",
+    "JobFailedError",
     "JobMeta",
     "JobRun",
     "JobRunner",
@@ -79,6 +83,8 @@ __all__ = [
     "RedisAccessError",
     "RedisUnavailableError",
     "Registry",
+    "ResultError",
+    "ResultPending",
     "Retention",
     "UnknownJobError",
     "build_message_options",

@@ -28,6 +28,7 @@ VARIABLES: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
     "KUMIKO_IDLE_WAIT_MS": ("idle_wait_ms", int),
     "KUMIKO_MAX_DELIVERIES": ("max_deliveries", int),
     "KUMIKO_MAX_PAYLOAD_BYTES": ("max_payload_bytes", int),
+    "KUMIKO_MAX_RESULT_BYTES": ("max_result_bytes", int),
     "KUMIKO_HISTORY_CAP": ("history_cap", int),
     "KUMIKO_METRICS_PORT": ("metrics_port", int),
 }

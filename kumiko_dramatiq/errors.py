@@ -211,3 +211,50 @@ class DrainTimeoutError(KumikoError, TimeoutError):
             f"drain of queue prefix {queue_prefix!r} timed out after {timeout_s:g} s with work "
             f"still pending ({counts}){named}"
         )
+
+
+class ResultPending(KumikoError):
+    """``runner.result(message_id, timeout_s=...)``: the job has not ended within
+    ``timeout_s`` (it waits, is delayed, runs, or is being retried). Ask again later."""
+
+    def __init__(self, message_id: str, timeout_s: float, state: str | None = None) -> None:
+        self.message_id = message_id
+        self.timeout_s = timeout_s
+        self.state = state
+        where = f" (it is {state})" if state else ""
+        super().__init__(f"{message_id} has not ended within {timeout_s:g} s{where}")
+
+
+class JobFailedError(KumikoError):
+    """``runner.result(message_id)``: the job ended without a value. ``status`` is
+    ``"dead"`` (retries spent, a poison or invalid message) or ``"cancelled"``;
+    ``error_type`` and ``error_message`` are those of its last attempt (``None`` for a
+    message cancelled before it started)."""
+
+    def __init__(
+        self,
+        message_id: str,
+        job_name: str,
+        status: str,
+        error_type: str | None = None,
+        error_message: str | None = None,
+    ) -> None:
+        self.message_id = message_id
+        self.job_name = job_name
+        self.status = status
+        self.error_type = error_type
+        self.error_message = error_message
+        cause = f": {error_type}: {error_message}" if error_type else ""
+        super().__init__(f"{job_name} {message_id} ended {status} without a result{cause}")
+
+
+class ResultError(KumikoError, ValueError):
+    """A handler of a job that keeps its result returned a value that breaks the payload
+    rules (not JSON, too large, not the model its return annotation names): the attempt
+    fails with this error, retried like any failure. Also raised by ``runner.result`` for a
+    kept value that no longer validates against the job's return model."""
+
+    def __init__(self, job_name: str, problem: str) -> None:
+        self.job_name = job_name
+        self.problem = problem
+        super().__init__(f"{job_name}: result {problem}")

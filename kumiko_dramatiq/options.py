@@ -153,6 +153,7 @@ class JobOptions(BaseModel):
     timeout_ms: int | None = Field(default=None, gt=0, le=MAX_DURATION_MS)
     max_running: int | None = Field(default=None, ge=1, le=MAX_CAP_RUNNING)
     rate_limit: RateLimit | None = None
+    keep_result_s: int | None = Field(default=None, gt=0, le=MAX_DURATION_MS // 1000)
 
     @field_validator("rate_limit", mode="before")
     @classmethod
@@ -223,6 +224,12 @@ class JobOptions(BaseModel):
                 "needs per_tenant=True: only a per-tenant job's runs have a tenant",
                 True,
             )
+        if self.boot_gate and self.keep_result_s is not None:
+            raise _FieldProblem(
+                "keep_result_s",
+                "with boot_gate=True is not supported: a gate runs in-process, its value "
+                "goes nowhere",
+            )
         if self.boot_gate and self.per_tenant:
             raise _FieldProblem(
                 "boot_gate", "with per_tenant=True is not supported: a gate runs once, in-process"
@@ -258,6 +265,7 @@ _PROBLEMS: dict[str, str] = {
     "timeout_ms": "must be a positive integer or None",
     "max_running": "must be an integer >= 1 or None",
     "rate_limit": "must be None or RateLimit(count, per_ms, per_tenant=False)",
+    "keep_result_s": "must be a positive integer (seconds, at most 366 days) or None",
 }
 
 

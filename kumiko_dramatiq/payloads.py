@@ -114,6 +114,27 @@ def payload_model_of(
     return annotation if is_payload_model(annotation) else None
 
 
+def result_model_of(
+    handler: Callable[..., Any], scope: Mapping[str, Any] | None = None
+) -> type[BaseModel] | None:
+    """The model a handler's return annotation names (a bare ``BaseModel`` subclass), or
+    ``None``: its kept results are then plain JSON values. An annotation that does not
+    evaluate is ``None`` too (its values are kept as JSON)."""
+    try:
+        annotation = inspect.signature(handler).return_annotation
+    except (TypeError, ValueError):
+        return None
+    if isinstance(annotation, str):
+        text = _unquoted(annotation)
+        if not all(part.isidentifier() for part in text.split(".")):
+            return None
+        try:
+            annotation = _evaluate(handler, "return", text, scope or {})
+        except UnresolvedHint:
+            return None
+    return annotation if is_payload_model(annotation) else None
+
+
 def _unquoted(text: str) -> str:
     """``"'Order'"`` (a quoted forward reference under ``from __future__ import
     annotations``) -> ``"Order"``."""

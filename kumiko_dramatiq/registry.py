@@ -46,6 +46,7 @@ from kumiko_dramatiq.payloads import (
     UnresolvedHint,
     check_empty_payload,
     payload_model_of,
+    result_model_of,
     settle_payload_model,
 )
 
@@ -87,6 +88,8 @@ class JobDefinition:
     is_async: bool = field(init=False)
     payload_model: type[BaseModel] | None = field(init=False, default=None, compare=False)
     payload_hint_problem: str | None = field(init=False, default=None, compare=False)
+    #: The model the handler's return annotation names, or ``None`` (plain JSON results).
+    result_model: type[BaseModel] | None = field(init=False, default=None, compare=False)
     #: Whether the model is plain (:func:`kumiko_dramatiq.payloads.is_plain_model`; set by
     #: ``Registry``, until then not): its dumps are not re-validated at dispatch and a worker
     #: validates the decoded payload in Python mode.
@@ -107,6 +110,7 @@ class JobDefinition:
             model, problem = None, str(exc)
         object.__setattr__(self, "payload_model", model)
         object.__setattr__(self, "payload_hint_problem", problem)
+        object.__setattr__(self, "result_model", result_model_of(self.handler, scope))
 
     def set_payload_model_plain(self, plain: bool) -> None:
         """Set :attr:`payload_model_plain` (``Registry``, once the model is complete)."""

@@ -10,6 +10,7 @@ an argument not given falls back to its ``KUMIKO_*`` variable, then to its defau
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
@@ -71,6 +72,7 @@ from kumiko_dramatiq.worker.actors import declare_actors
 from kumiko_dramatiq.worker.execution import KumikoMessages
 from kumiko_dramatiq.worker.logs import install_log_filter
 from kumiko_dramatiq.worker.runtime import FailedHook, HookSet, Runtime, StartHook, TenantResolver
+from kumiko_dramatiq.workflows.results import MAX_RESULT_WAIT_S, Results
 
 logger = logging.getLogger("kumiko_dramatiq")
 
@@ -439,6 +441,35 @@ class JobRunner:
         with self._redis("draining"):
             return self._drain(timeout_s)
 
+    # -- results (see kumiko_dramatiq.workflows.results) ----------------------
+    @functools.cached_property
+    def results(self) -> Results:
+        """The reads of kept results over this runner's dataset (``result`` uses it)."""
+        return Results(self.broker.client, self.queue_prefix, self.registry, lambda: self.admin)
+
+    def result(self, message_id: str, *, timeout_s: float = 0) -> Any:
+        """What the completed run of ``message_id`` returned, kept by its job's
+        ``keep_result_s`` (a model instance when the handler's return annotation is one).
+
+        Waits up to ``timeout_s`` (0: looks once) without polling: the settle that ends the
+        message wakes the wait. Raises :class:`ResultPending` if it has not ended by then,
+        :class:`JobFailedError` (``.status`` ``"dead"`` or ``"cancelled"``) if it ended
+        without a value, :class:`NotFoundError` for an id that is unknown, whose records
+        expired, whose result is past its TTL or whose job keeps none (the message says
+        which), :class:`ResultError` for a kept value that no longer validates against the
+        return model, :class:`RedisUnavailableError` when Redis does not answer."""
+        _check_message_id(message_id)
+        if (
+            not isinstance(timeout_s, int | float)
+            or isinstance(timeout_s, bool)
+            or not 0 <= timeout_s <= MAX_RESULT_WAIT_S
+        ):
+            raise ValueError(
+                f"timeout_s must be a number from 0 to {MAX_RESULT_WAIT_S}, got {timeout_s!r}"
+            )
+        with self._redis("reading a result"):
+            return self.results.result(message_id, timeout_s=timeout_s)
+
     # -- operating (see kumiko_dramatiq.ops.admin) ----------------------------
     @property
     def admin(self) -> Admin:
@@ -509,6 +540,8 @@ class JobRunner:
         _check_message_id(message_id)
         with self._redis("cancelling a message"):
             cancelled, why = self.admin.cancel(message_id)
+            if cancelled:
+                self.results.announce(message_id)
         if not cancelled and why == "gone":
             raise NotFoundError(
                 f"message {message_id} is not queued, delayed or running, and has no run record"
@@ -731,6 +764,8 @@ class JobRunner:
         check_lane_can_run(self.runtime)
 
     def _close(self) -> None:
+        if "results" in self.__dict__:
+            self.results.close()
         self.runtime.loop.stop()
         self.broker.close()
 

@@ -17,6 +17,7 @@ setting                          variable                       default
 ``idle_wait_ms``                 ``KUMIKO_IDLE_WAIT_MS``        200
 ``max_deliveries``               ``KUMIKO_MAX_DELIVERIES``      5
 ``max_payload_bytes``            ``KUMIKO_MAX_PAYLOAD_BYTES``   1 048 576 (1 MiB)
+``max_result_bytes``             ``KUMIKO_MAX_RESULT_BYTES``    1 048 576 (1 MiB)
 ``log_payloads``                                                ``False``
 ``history_cap``                  ``KUMIKO_HISTORY_CAP``         100 000 run records
 ``record_payloads``                                             ``False``
@@ -87,6 +88,8 @@ class Settings:
     max_deliveries: int = 5
     #: The largest payload ``dispatch`` and ``handle_event`` accept, JSON-encoded.
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    #: The largest value a job that keeps its result may return, JSON-encoded.
+    max_result_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     #: Whether log lines about a run may show its payload (they never do by default).
     log_payloads: bool = False
     #: The most run records the history keeps; beyond it the oldest go, completed first.
@@ -125,6 +128,7 @@ class Settings:
             "timeout_check_ms",
             "max_deliveries",
             "max_payload_bytes",
+            "max_result_bytes",
             "history_cap",
         ):
             value = getattr(self, name)

@@ -67,6 +67,8 @@ CLIENT_COMMANDS: Final[dict[str, str]] = {
     "multi": "drain's consistent count of pending work",
     "exec": "drain's consistent count of pending work",
     # idle consumers
+    "subscribe": "runner.result waits for the end of its message to be announced",
+    "publish": "a cancel wakes the waiters of the message's result",
     "blpop": "an idle consumer waits on its queue's doorbell; a worker's keeper waits for "
     "asks about what it holds; cancel, purge, pause and stop_run wait for their answers",
     "client|id": "names the doorbell connection, so that shutdown can wake it",
@@ -127,6 +129,7 @@ def rules(queue_prefix: str | None = None, *, without: str | None = None) -> lis
         "-@all",
         *(f"+{command}" for command in commands() if command != without),
         *(f"~{pattern}" for pattern in key_patterns(queue_prefix)),
+        *(f"&{pattern}" for pattern in keys.channel_patterns(queue_prefix)),
     ]
 
 
@@ -222,7 +225,10 @@ def sample_keys(broker: KumikoBroker) -> dict[str, str]:
             keys.dead_letters(queue, namespace),
             keys.dead_letter_messages(queue, namespace),
         ]
-    return {key: _pattern_of(key, prefix) for key in dict.fromkeys(found)}
+    samples = {key: _pattern_of(key, prefix) for key in dict.fromkeys(found)}
+    channel = keys.results_channel(prefix)
+    samples[f"&{channel}"] = f"&{channel}"  # a channel: the probe checks it as one
+    return samples
 
 
 def _pattern_of(key: str, queue_prefix: str) -> str:
@@ -237,7 +243,7 @@ def _finding_problem(findings: list[str], samples: dict[str, str]) -> str | None
     """What the probe's findings (``[kind, command, key, ...]``) mean, in one line: a missing
     key pattern first, then a missing command, then a command refused on one key."""
     entries = [tuple(findings[i : i + 3]) for i in range(0, len(findings), 3)]
-    for kind in ("unknown", "key", "command", "pair"):
+    for kind in ("unknown", "key", "command", "channel", "pair"):
         for found, command, key in entries:
             if found != kind:
                 continue
@@ -253,6 +259,11 @@ def _finding_problem(findings: list[str], samples: dict[str, str]) -> str | None
                 return (
                     f"does not let this user run {name}, which kumiko needs (add +{command} to "
                     "its rules)"
+                )
+            if kind == "channel":
+                return (
+                    f"does not let this user {name} on the channel {key!r}, which kumiko "
+                    f"uses (add &{key} to its rules)"
                 )
             return f"does not let this user run {name} on the key {key!r}, which kumiko needs"
     return None

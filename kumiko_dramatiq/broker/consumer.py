@@ -784,6 +784,7 @@ class KumikoConsumer(Consumer):
             actor=delivery.actor_name,
             dedup=settlement.dedup,
             tombstone=_written_by_enqueue(delivery),
+            result=settlement.result,
         )
 
     def _settled_one(

@@ -58,6 +58,9 @@ class Settlement:
     the follow-up and points the key at it) before it settles the delivery again without the
     key. So a worker killed in between leaves an unacknowledged message, redelivered, never
     an acknowledged one whose follow-up nobody enqueues.
+    ``result``: the end of a job that keeps results, as ``lua/settle.lua`` takes it
+    (:func:`kumiko_dramatiq.workflows.results.result_write`): its value and TTL, ``"-"``
+    for a dead end (its waiters are told), ``""`` for none.
     """
 
     retry: tuple[Message[Any], int | None] | None = None
@@ -67,6 +70,7 @@ class Settlement:
     requeue: bool = False
     dedup: tuple[str, str, str] | None = None
     dedup_hand_over: Callable[[], None] | None = None
+    result: str = ""
 
     def hand_over_dedup(self) -> None:
         """The settle left this delivery for its dedup key's follow-up: hand the key over

@@ -235,6 +235,25 @@ def dead_note(queue_prefix: str, message_id: str) -> str:
     return f"{_root(queue_prefix)}:dead:{message_id}"
 
 
+def result(queue_prefix: str, message_id: str) -> str:
+    """The value the completed run of ``message_id`` returned (JSON), kept its job's
+    ``keep_result_s`` (written in Lua by the settle: ``root .. "result:" .. id``)."""
+    return f"{_root(queue_prefix)}:result:{message_id}"
+
+
+def results_channel(queue_prefix: str) -> str:
+    """Pub/sub channel on which a settle announces the id of each ended message whose job
+    keeps results (``root .. "results"``): ``runner.result`` waiters wake on it."""
+    return f"{_root(queue_prefix)}:results"
+
+
+def channel_patterns(queue_prefix: str | None) -> list[str]:
+    """ACL channel patterns covering every pub/sub channel of one dataset (or of all)."""
+    if queue_prefix is None:
+        return [f"{_root('')}*"]
+    return [results_channel(queue_prefix)]
+
+
 def cap_slots(queue_prefix: str, job_name: str) -> str:
     """Sorted set of the slots of a job with ``max_running``: member a holder's owner token
     (``"<redis id>#<delivery>"``), scored by its lease's expiry (ms, Redis's clock). Written

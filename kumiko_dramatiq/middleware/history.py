@@ -49,6 +49,7 @@ from kumiko_dramatiq.broker.delivery import Delivery, RunWrite, Settlement
 from kumiko_dramatiq.ops.history import RunStatus, error_fields
 from kumiko_dramatiq.settings import Settings
 from kumiko_dramatiq.worker.execution import Execution, execution_of
+from kumiko_dramatiq.workflows.results import result_write
 
 logger = logging.getLogger("kumiko_dramatiq")
 
@@ -143,6 +144,9 @@ class History(Middleware):
     the ack to write the "already completed" marker of a completed run
     (:mod:`kumiko_dramatiq.middleware.history`).
 
+    The end of an attempt of a job that keeps results hands the settle its value (or tells
+    its waiters it died): :func:`~kumiko_dramatiq.workflows.results.result_write`.
+
     Before ``Retries`` in the chain (after ``Boot``, ``Metrics``, ``Tracing``), so its
     ``after_process_message`` runs after
     ``Retries`` decided (a retry on the settlement = failed; ``message.failed`` = dead). A
@@ -180,6 +184,7 @@ class History(Middleware):
         message.settlement.run = end_record(
             execution, status, exception=exception, settings=self.settings, worker=_worker(broker)
         )
+        message.settlement.result = result_write(execution, status)
         if status == "completed" and logger.isEnabledFor(logging.DEBUG):
             # its arguments (a dict, a clock read) cost more than the check: every run
             logger.debug(
@@ -199,6 +204,7 @@ class History(Middleware):
             message.settlement.run = end_record(
                 execution, status, exception=None, settings=self.settings, worker=_worker(broker)
             )
+            message.settlement.result = result_write(execution, status)
 
 
 def _worker(broker: Broker) -> str:

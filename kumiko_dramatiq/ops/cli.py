@@ -19,6 +19,9 @@ kumiko_dramatiq.scheduler``).
                                  remove a job's messages in that state (asks first)
     retry MESSAGE_ID | --all [--job J]                  re-enqueue dead letters
     cancel MESSAGE_ID            a message that has not started never starts
+    result MESSAGE_ID [--wait S] the value its completed run returned (JSON), waiting up to
+                                 S seconds for it to end (status 1: not ended, ended without
+                                 a value, or none kept)
     queued [--job J] [--state queued|parked|delayed] [--limit N] [--payload] [--cursor C]
                                  waiting messages (payloads only with --payload)
     run-now MESSAGE_ID           queue a delayed or backing-off message now
@@ -76,15 +79,18 @@ from typing import Any, NoReturn
 
 import dramatiq
 import redis
+from pydantic import BaseModel
 
 import kumiko_dramatiq
 from kumiko_dramatiq.environment import DASHBOARD_TOKEN, dashboard_token
 from kumiko_dramatiq.errors import (
     AppLoadError,
+    JobFailedError,
     KumikoError,
     NotFoundError,
     RedisAccessError,
     RedisUnavailableError,
+    ResultPending,
     UnknownJobError,
     redact_url,
 )
@@ -97,6 +103,7 @@ from kumiko_dramatiq.ops.terminal import indented, parse_when, table, without_fr
 from kumiko_dramatiq.ops.waiting import WAITING_STATES, QueuedMessage
 from kumiko_dramatiq.runner import JobRunner
 from kumiko_dramatiq.scheduler import Scheduler
+from kumiko_dramatiq.workflows.results import MAX_RESULT_WAIT_S
 
 EXIT_OK = 0
 EXIT_REDIS = 1
@@ -213,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
     retry.add_argument("--job", help="with --all: only this job's")
     cancel = command("cancel", "a queued, delayed or waiting message never starts")
     cancel.add_argument("message_id", metavar="MESSAGE_ID", help=an_id)
+    result = command("result", "the value a message's completed run returned (keep_result_s)")
+    result.add_argument("message_id", metavar="MESSAGE_ID", help=an_id)
+    result.add_argument(
+        "--wait", type=_wait_s, default=0.0, metavar="S", help="wait up to S seconds (0-86400)"
+    )
     queued = command("queued", "waiting messages: queued and parked oldest first, delayed by due")
     queued.add_argument("--job", help="qualified job name")
     queued.add_argument("--state", choices=WAITING_STATES)
@@ -283,7 +295,7 @@ def _main(argv: Sequence[str] | None) -> int:
             document, text, status = handler(runner, args)
         except (RedisUnavailableError, RedisAccessError) as exc:
             _fail(f"{prog}: {exc}", EXIT_REDIS)
-        except NotFoundError as exc:
+        except (NotFoundError, ResultPending, JobFailedError) as exc:
             _fail(f"{prog}: {exc}", EXIT_NOTHING)
         except (UnknownJobError, ValueError) as exc:
             _fail(f"{prog}: {exc}")
@@ -655,6 +667,25 @@ def _cancel(runner: JobRunner, args: argparse.Namespace) -> Result:
     return {**document, "state": "cancelled"}, f"{message_id}: cancelled", EXIT_OK
 
 
+def _result(runner: JobRunner, args: argparse.Namespace) -> Result:
+    message_id = resolve_id(runner, args.message_id)
+    value = runner.result(message_id, timeout_s=args.wait)
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json")
+    document = {"message_id": message_id, "value": value}
+    return document, json.dumps(value, ensure_ascii=False), EXIT_OK
+
+
+def _wait_s(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= MAX_RESULT_WAIT_S:
+        raise argparse.ArgumentTypeError(f"must be seconds from 0 to {MAX_RESULT_WAIT_S}")
+    return seconds
+
+
 def _queued(runner: JobRunner, args: argparse.Namespace) -> Result:
     after = None
     if args.cursor is not None:
@@ -931,6 +962,7 @@ _COMMANDS: dict[str, Callable[[JobRunner, argparse.Namespace], Result]] = {
     "dead": _dead,
     "retry": _retry,
     "cancel": _cancel,
+    "result": _result,
     "purge": _purge,
     "queued": _queued,
     "run-now": _run_now,

@@ -37,6 +37,7 @@ from kumiko_dramatiq.worker.fencing import LeaseLost
 from kumiko_dramatiq.worker.logs import hide_arguments
 from kumiko_dramatiq.worker.runtime import Runtime
 from kumiko_dramatiq.worker.stops import StopRequested
+from kumiko_dramatiq.workflows.results import encode_result
 
 
 def declare_actors(broker: KumikoBroker, runtime: Runtime) -> None:
@@ -71,6 +72,8 @@ def declare_actors(broker: KumikoBroker, runtime: Runtime) -> None:
 
 def _job_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]], None]:
     show_value = runtime.settings.record_payloads
+    keeps_result = job.options.keep_result_s is not None
+    max_result_bytes = runtime.settings.max_result_bytes
 
     def run(payload: dict[str, Any]) -> None:
         execution = runtime.current()
@@ -83,8 +86,12 @@ def _job_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]]
                 argument = load_payload(job, payload, note=STALE_NOTE, show_value=show_value)
         context = runtime.context_for(execution)
         with _stoppable(runtime, execution):
-            execution.interruptible.run(lambda: runtime.call_handler(job, argument, context))
+            value = execution.interruptible.run(
+                lambda: runtime.call_handler(job, argument, context)
+            )
         check_elapsed(job, started)
+        if keeps_result:
+            execution.result = encode_result(job, value, max_bytes=max_result_bytes)
 
     run.__name__ = run.__qualname__ = job.qualified_name
     return run

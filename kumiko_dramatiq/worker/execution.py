@@ -65,6 +65,9 @@ class Execution:
     #: Set once ``runner.stop_run`` asked this run to stop (``ctx.stop_requested``;
     #: :mod:`kumiko_dramatiq.worker.stops`).
     stop: threading.Event = field(default_factory=threading.Event)
+    #: What the handler returned, encoded (a job with ``keep_result_s`` whose handler
+    #: returned: :func:`kumiko_dramatiq.workflows.results.encode_result`), else ``None``.
+    result: str | None = None
 
     def __post_init__(self) -> None:
         self.meta = self.options.meta()

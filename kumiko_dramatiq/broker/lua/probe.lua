@@ -1,6 +1,7 @@
 -- probe: may this user run every command kumiko sends, on every key it touches?
 -- KEYS[1..]: none: the script itself touches no key (EVALSHA with 0 keys)
--- ARGV[1] the sample keys, one of each shape the process touches, separated by "\n"
+-- ARGV[1] the sample keys, one of each shape the process touches, separated by "\n"; a
+--         sample that starts with "&" is a pub/sub channel (without the "&")
 -- ARGV[2..] the commands to check (lower case; a subcommand as "client|id")
 -- Nothing is run: each command is checked with redis.acl_check_cmd (Redis 7) with harmless
 -- arguments, a command that takes keys once on each sample key; the work is bounded by the
@@ -11,7 +12,9 @@
 --   "command", command, ""  the command may not run at all, or on no key
 --   "pair", command, key    the command may not run on that key (others may)
 --   "unknown", command, ""  no probe for that command here (a test keeps the table complete)
+--   "channel", command, channel  the command may not use that channel
 local K = {}  -- stands for the sample key
+local C = {}  -- stands for a sample channel
 local specs = {
     blpop = {K, "1"}, ["client|id"] = {}, ["client|setname"] = {"kumiko-probe"},
     ["client|unblock"] = {"0"}, del = {K},
@@ -31,6 +34,7 @@ local specs = {
     zremrangebyrank = {K, "0", "-1"}, zremrangebyscore = {K, "0", "0"}, zrevrange = {K, "0", "0"},
     zrevrangebyscore = {K, "0", "0"}, zscore = {K, "m"},
     hincrby = {K, "f", "0"}, unlink = {K},  -- per-job counts (include/counts.lua)
+    publish = {C, "m"}, subscribe = {C},  -- results (workflows/results.py)
 }
 
 local function argv_of(command, spec, key)
@@ -53,9 +57,16 @@ local function keyed(spec)
     return false
 end
 
-local samples = {}
+local samples, channels = {}, {}
 for key in string.gmatch(ARGV[1], "[^\n]+") do
-    samples[#samples + 1] = key
+    if string.sub(key, 1, 1) == "&" then
+        channels[#channels + 1] = string.sub(key, 2)
+    else
+        samples[#samples + 1] = key
+    end
+end
+local function on_channel(spec)
+    return spec[1] == C
 end
 local findings, key_ok, denied, any_keyed = {}, {}, {}, false
 local function note(kind, command, key)
@@ -70,6 +81,17 @@ for i = 2, #ARGV do
     local spec = specs[command]
     if not spec then
         note("unknown", command, "")
+    elseif on_channel(spec) then
+        for _, channel in ipairs(channels) do
+            local argv = argv_of(command, {}, "")
+            argv[#argv + 1] = channel
+            for j = 2, #spec do
+                argv[#argv + 1] = spec[j]
+            end
+            if not redis.acl_check_cmd(unpack(argv)) then
+                note("channel", command, channel)
+            end
+        end
     elseif not keyed(spec) then
         if not redis.acl_check_cmd(unpack(argv_of(command, spec, ""))) then
             note("command", command, "")

@@ -28,7 +28,7 @@
 --   its body reads as kumiko's, its attempt's record says "dead" with the reason in +8
 --   +8 the run record (JSON)   +9 the actor name of the delivered message as the worker
 --   decoded it ("" = not known: read off its body; see forget_bodies in include/counts.lua)
---   +10 "+" if the delivery's 7 extra arguments follow the deliveries, else "" (they are
+--   +10 "+" if the delivery's 8 extra arguments follow the deliveries, else "" (they are
 --   then all "": most deliveries have none, and an argument costs Redis's Lua about 1,000
 --   instructions however short; a header in one argument to split, about 12,000): the
 --   extras of the deliveries that have them, in the deliveries' order, from ARGV[5 + 11 *
@@ -48,7 +48,10 @@
 --   moved on: the follow-up is never lost behind an acknowledged message. Such a delivery
 --   recovered by maintenance meanwhile is taken back (its waiting copy removed, its ack set
 --   entry restored); one whose copy another worker took is settled as usual, its record left
---   to that run.
+--   to that run.   +7 the end of a job that keeps results (with a run record only):
+--   "<TTL ms> <JSON value>" (a completed run: the value is set at root .. "result:" ..
+--   origin for the TTL), "-" (a dead one: no value), or "": none; either of the first two
+--   publishes the origin id on root .. "results", where runner.result's waiters listen.
 -- Each delivery as if settled alone, in order: writes its run record (with the deliveries
 -- count when more than one); then, iff the delivery is this worker's: removes its in-flight
 -- entry; "ack" and "completed" forget the message, "retry" forgets it and enqueues its retry
@@ -100,7 +103,7 @@ end
 ttl_ms(tombstone_ttl, "sent tombstone")
 completed_ttl = ttl_ms(completed_ttl, "completed run record")
 failed_ttl = ttl_ms(failed_ttl, "failed run record")
-local FIELDS, EXTRAS = 11, 7
+local FIELDS, EXTRAS = 11, 8
 local root_of_runs = ARGV[4]
 -- each delivery's redis id, and where its extras are (extra_at[i], or nil: none)
 local rids, extra_at = {}, {}
@@ -250,6 +253,19 @@ for i, rid in ipairs(rids) do
             put_run(root, mid, attempt, job, status, tenant, origin, score ~= "" and score or now, record,
                 completed_ttl, failed_ttl, now, owned[i] and deliveries <= 1, vouched == "1")
             indexed_job = indexed_job or job
+        end
+        if root and at and ARGV[at + 7] ~= "" then
+            -- the end of a job that keeps results: its value (a completed run), then the
+            -- announcement its waiters wake on (a completed or dead one)
+            local kept = ARGV[at + 7]
+            if kept ~= "-" then
+                local ttl, value = string.match(kept, "^(%d+) (.*)$")
+                if not ttl then
+                    error("kumiko: malformed result " .. string.sub(kept, 1, 40))
+                end
+                redis.call("set", root .. "result:" .. origin, value, "PX", ttl)
+            end
+            redis.call("publish", root .. "results", origin)
         end
         if mine then
             results[i] = 1

@@ -38,6 +38,7 @@ from tests.integration.lua.tables import (
     PAST_COMPLETED_AGE,
     QUEUE,
     RECORD,
+    ROOT,
     RUN_WORKER,
     SECOND_ATTEMPT,
     SENT,
@@ -1070,3 +1071,35 @@ def test_nack_scores_the_dead_letter_by_a_real_millisecond_clock(env: Env) -> No
 
     env.assert_state({XQ: Z({"r1": now}), XQ_MSGS: {"r1": "b1"}})
     assert env.heartbeat("w1") == now
+
+
+# The end of a job that keeps results: a completed run's value is set at root .. "result:"
+# .. origin for its TTL and the origin id is published on root .. "results"; a dead end
+# ("-") publishes without a value; a job that keeps none ("") writes and publishes nothing.
+@pytest.mark.parametrize(
+    ("kept", "value", "announced"),
+    [
+        pytest.param('600000 {"v":[1,2]}', '{"v":[1,2]}', True, id="completed-value-kept"),
+        pytest.param("-", None, True, id="dead-end-announced-without-a-value"),
+        pytest.param("", None, False, id="no-result-kept"),
+    ],
+)
+def test_settle_keeps_the_result_and_announces_the_end(
+    env: Env, kept: str, value: str | None, announced: bool
+) -> None:
+    env.seed(SETTLE_M1)
+    pubsub = env.client.pubsub(ignore_subscribe_messages=True)
+    channel = env.key(ROOT) + "results"
+    pubsub.subscribe(channel)
+    assert pubsub.get_message(timeout=5) is None  # the confirmation, ignored
+
+    run = ended()
+    assert env.settle("completed", run_header=header_of(run), run=run, result=kept) == 1
+
+    result_key = env.key(ROOT) + "result:m1"
+    assert env.client.get(result_key) == (None if value is None else value.encode())
+    if value is not None:
+        assert 0 < env.client.pttl(result_key) <= 600_000
+    message = pubsub.get_message(timeout=2 if announced else 0.2)
+    assert (message is not None and message["data"] == b"m1") == announced
+    pubsub.close()

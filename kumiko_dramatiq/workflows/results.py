@@ -1,0 +1,323 @@
+"""Results: the value a job's completed run returned, kept ``keep_result_s``, and the wait.
+
+The worker's side (no round trip of its own): the actor body encodes what the handler of a
+job with ``keep_result_s`` returned (:func:`encode_result`: the payload rules, at most
+``KUMIKO_MAX_RESULT_BYTES``; a value that breaks them fails the attempt with
+:class:`~kumiko_dramatiq.errors.ResultError`, retried like any failure) and keeps it on the
+execution; ``History`` hands the settle call :func:`result_write`, and ``lua/settle.lua``
+sets the value at :func:`~kumiko_dramatiq.broker.keys.result` (keyed by the id the caller got
+back, its origin id) for ``keep_result_s`` and publishes that id on
+:func:`~kumiko_dramatiq.broker.keys.results_channel`, in the same call that acknowledges the
+message and writes its run record. A dead end publishes too (no value): its waiters learn at
+once that there is none. A job without ``keep_result_s`` writes and publishes nothing.
+
+The reader's side (:class:`Results`, ``runner.result``): one ``MULTI`` reads the value and
+the message's run records together (so a run that ends between two reads is never taken for
+one that kept nothing); a message with neither is looked for where it waits
+(``Admin.waiting_state``). A wait with ``timeout_s`` listens on the channel through one
+subscription per runner (:class:`ResultListener`, its own thread and connection, shared by
+every waiter of the process: a thousand waiters cost Redis one idle connection, no polling)
+and looks again when its id is announced, when the subscription reconnects, and every
+:data:`RECHECK_S` in case an end was not announced (a cancel of a queued message, a purge).
+
+Memory: a kept result is one string key, its JSON plus about 110-130 bytes of key and expiry
+(docs/workflows.md); it never blocks a dedup key, a retry or a new dispatch of the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+import pydantic
+import redis
+
+from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.errors import (
+    JobFailedError,
+    NotFoundError,
+    PayloadError,
+    ResultError,
+    ResultPending,
+)
+from kumiko_dramatiq.limits import check_payload
+
+if TYPE_CHECKING:
+    from kumiko_dramatiq.ops.admin import Admin
+    from kumiko_dramatiq.ops.history import JobRun
+    from kumiko_dramatiq.registry import JobDefinition, Registry
+    from kumiko_dramatiq.worker.execution import Execution
+
+logger = logging.getLogger("kumiko_dramatiq")
+
+#: How often a waiting ``result`` looks again without being told (s): an end nobody announced
+#: (a cancel, a purge) is noticed within this; announced ends wake it at once.
+RECHECK_S: Final = 5.0
+
+#: The longest ``result`` waits (s): a day.
+MAX_RESULT_WAIT_S: Final = 86_400
+
+#: ``Settlement.result`` of a dead end: no value, its waiters are told.
+DEAD_END: Final = "-"
+
+
+class _Pending:
+    """:meth:`Results.look`: the message has not ended; ``state`` says where it is."""
+
+    def __init__(self, state: str) -> None:
+        self.state = state
+
+
+def encode_result(job: JobDefinition, value: Any, *, max_bytes: int) -> str:
+    """The JSON that keeps ``value``, the return value of ``job``'s handler; raises
+    :class:`ResultError` naming the job and what is wrong. A job whose handler's return
+    annotation is a model keeps the model's dump (a dict that validates is accepted too);
+    any other value must follow the payload rules."""
+    name = job.qualified_name
+    model = job.result_model
+    if model is not None:
+        try:
+            value = (value if isinstance(value, model) else model.model_validate(value)).model_dump(
+                mode="json"
+            )
+        except pydantic.ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "value"
+            raise ResultError(name, f"must be a {model.__name__}: {where} {first['msg']}") from None
+    elif isinstance(value, pydantic.BaseModel):
+        value = value.model_dump(mode="json")
+    try:
+        check_payload(name, {"value": value}, max_bytes=2**62, path="result")
+    except PayloadError as exc:
+        got = "" if exc.value is ... else f", got {type(exc.value).__name__}"
+        raise ResultError(name, f"{exc.path.removeprefix('result.')} {exc.problem}{got}") from None
+    try:
+        encoded = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ResultError(name, f"is not JSON: {exc}") from None
+    size = len(encoded.encode())
+    if size > max_bytes:
+        raise ResultError(
+            name, f"is {size} bytes encoded, more than KUMIKO_MAX_RESULT_BYTES ({max_bytes})"
+        )
+    return encoded
+
+
+def decode_result(job: JobDefinition | None, message_id: str, encoded: str) -> Any:
+    """The value kept as ``encoded``: a model instance (validated again) for a job whose
+    handler's return annotation is a model, else the JSON value."""
+    value = json.loads(encoded)
+    model = None if job is None else job.result_model
+    if model is None:
+        return value
+    try:
+        return model.model_validate(value)
+    except pydantic.ValidationError as exc:
+        raise ResultError(
+            job.qualified_name if job else "?",
+            f"of {message_id} no longer validates as {model.__name__}: {exc.errors()[0]['msg']}",
+        ) from None
+
+
+def result_write(execution: Execution, status: str) -> str:
+    """``Settlement.result`` for the end of ``execution``'s attempt (``lua/settle.lua``,
+    extra +7): the value and its TTL for a completed run that kept one, :data:`DEAD_END` for a
+    dead one, ``""`` otherwise (a job that keeps no result, a failed attempt to be retried)."""
+    keep_s = execution.job.options.keep_result_s
+    if keep_s is None:
+        return ""
+    if status == "completed" and execution.result is not None:
+        return f"{keep_s * 1000} {execution.result}"
+    if status in ("dead", "cancelled"):
+        return DEAD_END
+    return ""
+
+
+class ResultListener:
+    """One subscription to a dataset's results channel, shared by every waiter of a runner:
+    a thread of its own that wakes the waiters of each announced id (and every waiter after a
+    reconnect, since an announcement may have been missed meanwhile)."""
+
+    def __init__(self, client: redis.Redis, queue_prefix: str) -> None:
+        self._client = client
+        self._channel = keys.results_channel(queue_prefix)
+        self._lock = threading.Lock()
+        self._waiters: dict[str, set[threading.Event]] = {}
+        self._ready = threading.Event()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def listen(self, message_id: str, *, ready_within_s: float) -> threading.Event:
+        """An event set when ``message_id`` is announced (or the subscription reconnected);
+        waits up to ``ready_within_s`` for the subscription to be live, so that an end after
+        this call returns is not missed (a wait that starts before then still finds it by
+        looking, see :class:`Results`)."""
+        event = threading.Event()
+        with self._lock:
+            self._waiters.setdefault(message_id, set()).add(event)
+            if self._thread is None and not self._closed.is_set():
+                self._thread = threading.Thread(
+                    target=self._run, name="kumiko-results", daemon=True
+                )
+                self._thread.start()
+        self._ready.wait(ready_within_s)
+        return event
+
+    def forget(self, message_id: str, event: threading.Event) -> None:
+        with self._lock:
+            events = self._waiters.get(message_id)
+            if events is not None:
+                events.discard(event)
+                if not events:
+                    del self._waiters[message_id]
+
+    def close(self) -> None:
+        self._closed.set()
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        with self._lock:
+            for events in self._waiters.values():
+                for event in events:
+                    event.set()
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while not self._closed.is_set():
+            pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(self._channel)
+                pubsub.get_message(timeout=1.0)  # the subscription's confirmation
+                self._ready.set()
+                self._wake_all()  # an end may have been announced while not subscribed
+                backoff = 0.05
+                while not self._closed.is_set():
+                    message = pubsub.get_message(timeout=1.0)
+                    if message is None or message.get("type") != "message":
+                        continue
+                    announced = message["data"]
+                    if isinstance(announced, bytes):
+                        announced = announced.decode()
+                    with self._lock:
+                        for event in self._waiters.get(announced, ()):
+                            event.set()
+            except redis.RedisError as exc:
+                self._ready.clear()
+                logger.debug("kumiko: results subscription lost (%s); resubscribing", exc)
+                self._closed.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+            finally:
+                with contextlib.suppress(redis.RedisError):
+                    pubsub.close()
+
+
+class Results:
+    """The reads of kept results (``runner.result``, ``kumiko result``)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        queue_prefix: str,
+        registry: Registry,
+        admin: Callable[[], Admin],
+    ) -> None:
+        self.client = client
+        self.prefix = queue_prefix
+        self.registry = registry
+        self._admin = admin
+        self.listener = ResultListener(client, queue_prefix)
+
+    def result(self, message_id: str, *, timeout_s: float = 0) -> Any:
+        """The value the job of ``message_id`` returned (see ``JobRunner.result``)."""
+        deadline = time.monotonic() + timeout_s
+        found = self.look(message_id)
+        if not isinstance(found, _Pending) or timeout_s <= 0:
+            return self._outcome(message_id, found, timeout_s)
+        event = self.listener.listen(message_id, ready_within_s=min(timeout_s, 2.0))
+        try:
+            while True:
+                found = self.look(message_id)
+                remaining = deadline - time.monotonic()
+                if not isinstance(found, _Pending) or remaining <= 0:
+                    return self._outcome(message_id, found, timeout_s)
+                event.wait(min(remaining, RECHECK_S))
+                event.clear()
+        finally:
+            self.listener.forget(message_id, event)
+
+    def announce(self, message_id: str) -> None:
+        """Wake the waiters of ``message_id`` (a cancel: no settle announces it)."""
+        self.client.publish(keys.results_channel(self.prefix), message_id)
+
+    def close(self) -> None:
+        self.listener.close()
+
+    @staticmethod
+    def _outcome(message_id: str, found: Any, timeout_s: float) -> Any:
+        if isinstance(found, _Pending):
+            raise ResultPending(message_id, timeout_s, found.state)
+        return found
+
+    def look(self, message_id: str) -> Any:
+        """The kept value of ``message_id``, or :class:`_Pending` if it has not ended; raises
+        :class:`JobFailedError` or :class:`NotFoundError` when it ended without a value or is
+        not known (see ``JobRunner.result``)."""
+        for _ in range(2):
+            encoded, records = self._read(message_id)
+            if encoded is not None:
+                return decode_result(self._job_of(records), message_id, encoded)
+            if records:
+                return self._ended_without_value(message_id, records)
+            admin = self._admin()
+            state = admin.waiting_state(message_id)
+            if state is not None:
+                return _Pending(state)
+            carried = admin.history.runs(origin_id=message_id, limit=1)
+            if carried:  # a sequential hand-off carried it on (a message id of its own)
+                return self._ended_without_value(message_id, [_record_of(carried[0])])
+            # neither recorded nor waiting: it may have ended between the two reads
+        raise NotFoundError(f"{message_id}: no such message (unknown, or its records expired)")
+
+    def _read(self, message_id: str) -> tuple[str | None, list[dict[str, Any]]]:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.get(keys.result(self.prefix, message_id))
+        pipe.hvals(keys.run_record(self.prefix, message_id))
+        encoded, raw = pipe.execute()
+        records = sorted((json.loads(value) for value in raw), key=lambda r: int(r.get("a", 0)))
+        text = encoded.decode() if isinstance(encoded, bytes) else encoded
+        return text, records
+
+    def _job_of(self, records: list[dict[str, Any]]) -> JobDefinition | None:
+        name = records[-1].get("j") if records else None
+        return self.registry.jobs.get(name) if isinstance(name, str) else None
+
+    def _ended_without_value(self, message_id: str, records: list[dict[str, Any]]) -> Any:
+        last = records[-1]
+        status, name = last.get("s"), str(last.get("j", "?"))
+        if status in ("dead", "cancelled"):
+            raise JobFailedError(message_id, name, status, last.get("et"), last.get("em"))
+        if status == "completed":
+            job = self.registry.jobs.get(name)
+            if job is not None and job.options.keep_result_s is None:
+                why = f"its job {name} keeps no result (keep_result_s is None)"
+            else:
+                why = f"its result is past its TTL (keep_result_s of {name})"
+            raise NotFoundError(f"{message_id}: completed, but {why}")
+        # running, or failed with a retry to come
+        return _Pending("running" if status == "running" else "retrying")
+
+
+def _record_of(run: JobRun) -> dict[str, Any]:
+    """The fields of a run record that :meth:`Results.look` reads, from a :class:`JobRun`."""
+    return {
+        "j": run.job_name,
+        "a": run.attempt,
+        "s": run.status,
+        "et": run.error_type,
+        "em": run.error_message,
+    }
