@@ -25,6 +25,17 @@ from kumiko_dramatiq import JobMeta, JobRunner, Registry
 REDIS_URL = os.environ.get("KUMIKO_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The unit tests run first, in a process no integration test has touched yet: they are
+    quick and fail fast, and the CPU-bound property tests (``test_cron_dst``, hypothesis) ran
+    more than 120 s, once in two CI runs, after the integration tests' hundreds of runners
+    (cause not found; alone they take seconds). Otherwise the order is pytest's."""
+    unit = [item for item in items if "/tests/unit/" in str(item.path)]
+    if unit:
+        rest = [item for item in items if "/tests/unit/" not in str(item.path)]
+        items[:] = unit + rest
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     try:
         redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
