@@ -72,7 +72,7 @@ from kumiko_dramatiq.worker.actors import declare_actors
 from kumiko_dramatiq.worker.execution import KumikoMessages
 from kumiko_dramatiq.worker.logs import install_log_filter
 from kumiko_dramatiq.worker.runtime import FailedHook, HookSet, Runtime, StartHook, TenantResolver
-from kumiko_dramatiq.workflows.results import MAX_RESULT_WAIT_S, Results
+from kumiko_dramatiq.workflows.results import EVERY_RESULT, MAX_RESULT_WAIT_S, Results
 
 logger = logging.getLogger("kumiko_dramatiq")
 
@@ -528,7 +528,10 @@ class JobRunner:
         if state not in PURGE_WALKS:
             raise ValueError(f"{job}: state must be one of {', '.join(PURGE_WALKS)}, got {state!r}")
         with self._redis("purging messages"):
-            return self.admin.purge(definition, state, dry_run=dry_run)
+            purged = self.admin.purge(definition, state, dry_run=dry_run)
+            if purged and not dry_run:
+                self.results.announce(EVERY_RESULT)  # result waiters look again
+            return purged
 
     def cancel(self, message_id: str) -> bool:
         """Make sure ``message_id`` never starts if it has not: ``True`` if it was queued,

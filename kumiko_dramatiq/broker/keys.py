@@ -19,7 +19,8 @@ def _root(queue_prefix: str) -> str:
 def root(queue_prefix: str) -> str:
     """``kumiko:{queue_prefix}:``, the root of every key of the dataset's own. Lua scripts
     that are handed only the root build a few keys from it: those of :func:`run_record`,
-    the ``runs_*`` indexes, :func:`job_stats`, :func:`dead_note`, :func:`paused` and :func:`parked`
+    the ``runs_*`` indexes, :func:`job_stats`, :func:`dead_note`, :func:`paused`, :func:`parked`,
+    :func:`result` and :func:`results_channel`
     (``tests/integration/lua`` checks they spell them as here)."""
     return f"{_root(queue_prefix)}:"
 

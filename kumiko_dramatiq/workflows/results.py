@@ -17,8 +17,11 @@ one that kept nothing); a message with neither is looked for where it waits
 (``Admin.waiting_state``). A wait with ``timeout_s`` listens on the channel through one
 subscription per runner (:class:`ResultListener`, its own thread and connection, shared by
 every waiter of the process: a thousand waiters cost Redis one idle connection, no polling)
-and looks again when its id is announced, when the subscription reconnects, and every
-:data:`RECHECK_S` in case an end was not announced (a cancel of a queued message, a purge).
+and looks again when its id is announced (a settle, a cancel), when every id is (a purge),
+when the subscription reconnects, and every :data:`RECHECK_S` in case an end was not
+announced (a message dead-lettered unrun). A settle's announcement carries a value of at most
+8 KiB with the id: the waiter takes it without a read of its own (a thousand waiters of ends
+that come together do not queue for reads).
 
 Memory: a kept result is one string key, its JSON plus about 110-130 bytes of key and expiry
 (docs/workflows.md); it never blocks a dedup key, a retry or a new dispatch of the job.
@@ -56,8 +59,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kumiko_dramatiq")
 
 #: How often a waiting ``result`` looks again without being told (s): an end nobody announced
-#: (a cancel, a purge) is noticed within this; announced ends wake it at once.
-RECHECK_S: Final = 5.0
+#: (a message dead-lettered unrun, after ``max_deliveries`` or as poison) is noticed within
+#: this; announced ends wake it at once. A thousand idle waiters cost Redis about 17 looks a
+#: second.
+RECHECK_S: Final = 60.0
+
+#: The most looks a runner's waiters make at once: a thousand waiters woken together (a purge,
+#: a reconnect, a burst of ends) queue here instead of taking every connection of the pool
+#: (redis-py's default pool holds 100).
+LOOKS_AT_ONCE: Final = 16
+
+#: Announced instead of an id (a purge): every waiter looks again.
+EVERY_RESULT: Final = "*"
 
 #: The longest ``result`` waits (s): a day.
 MAX_RESULT_WAIT_S: Final = 86_400
@@ -71,6 +84,13 @@ class _Pending:
 
     def __init__(self, state: str) -> None:
         self.state = state
+
+
+class _Found:
+    """A value that came with an announcement (it may be falsy: ``0``, ``None``, ``[]``)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
 
 def encode_result(job: JobDefinition, value: Any, *, max_bytes: int) -> str:
@@ -148,6 +168,8 @@ class ResultListener:
         self._channel = keys.results_channel(queue_prefix)
         self._lock = threading.Lock()
         self._waiters: dict[str, set[threading.Event]] = {}
+        #: (job, encoded value) announced for an id that has waiters
+        self._delivered: dict[str, tuple[str, str]] = {}
         self._ready = threading.Event()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -168,6 +190,11 @@ class ResultListener:
         self._ready.wait(ready_within_s)
         return event
 
+    def delivered(self, message_id: str) -> tuple[str, str] | None:
+        """The (job, encoded value) announced with ``message_id``'s end, if it came with one."""
+        with self._lock:
+            return self._delivered.get(message_id)
+
     def forget(self, message_id: str, event: threading.Event) -> None:
         with self._lock:
             events = self._waiters.get(message_id)
@@ -175,6 +202,7 @@ class ResultListener:
                 events.discard(event)
                 if not events:
                     del self._waiters[message_id]
+                    self._delivered.pop(message_id, None)
 
     def close(self) -> None:
         self._closed.set()
@@ -203,8 +231,16 @@ class ResultListener:
                     announced = message["data"]
                     if isinstance(announced, bytes):
                         announced = announced.decode()
+                    if announced == EVERY_RESULT:
+                        self._wake_all()
+                        continue
+                    message_id, _, value = announced.partition("\t")
                     with self._lock:
-                        for event in self._waiters.get(announced, ()):
+                        events = self._waiters.get(message_id, ())
+                        if value and events:
+                            job, _, encoded = value.partition("\t")
+                            self._delivered[message_id] = (job, encoded)
+                        for event in events:
                             event.set()
             except redis.RedisError as exc:
                 self._ready.clear()
@@ -231,6 +267,7 @@ class Results:
         self.registry = registry
         self._admin = admin
         self.listener = ResultListener(client, queue_prefix)
+        self._looks = threading.BoundedSemaphore(LOOKS_AT_ONCE)
 
     def result(self, message_id: str, *, timeout_s: float = 0) -> Any:
         """The value the job of ``message_id`` returned (see ``JobRunner.result``)."""
@@ -241,7 +278,7 @@ class Results:
         event = self.listener.listen(message_id, ready_within_s=min(timeout_s, 2.0))
         try:
             while True:
-                found = self.look(message_id)
+                found = self._announced(message_id) or self.look(message_id)
                 remaining = deadline - time.monotonic()
                 if not isinstance(found, _Pending) or remaining <= 0:
                     return self._outcome(message_id, found, timeout_s)
@@ -249,6 +286,15 @@ class Results:
                 event.clear()
         finally:
             self.listener.forget(message_id, event)
+
+    def _announced(self, message_id: str) -> Any:
+        """The value that came with ``message_id``'s announcement, as :class:`_Found`, or
+        ``None`` (none came: look)."""
+        delivered = self.listener.delivered(message_id)
+        if delivered is None:
+            return None
+        job, encoded = delivered
+        return _Found(decode_result(self.registry.jobs.get(job), message_id, encoded))
 
     def announce(self, message_id: str) -> None:
         """Wake the waiters of ``message_id`` (a cancel: no settle announces it)."""
@@ -261,13 +307,21 @@ class Results:
     def _outcome(message_id: str, found: Any, timeout_s: float) -> Any:
         if isinstance(found, _Pending):
             raise ResultPending(message_id, timeout_s, found.state)
+        if isinstance(found, _Found):
+            return found.value
         return found
 
     def look(self, message_id: str) -> Any:
         """The kept value of ``message_id``, or :class:`_Pending` if it has not ended; raises
         :class:`JobFailedError` or :class:`NotFoundError` when it ended without a value or is
-        not known (see ``JobRunner.result``)."""
-        for _ in range(2):
+        not known (see ``JobRunner.result``). At most :data:`LOOKS_AT_ONCE` at a time."""
+        with self._looks:
+            return self._look(message_id)
+
+    def _look(self, message_id: str) -> Any:
+        for last in (False, True):
+            # a message that ends between these reads leaves the first look with nothing
+            # certain: the second one reads its value or record
             encoded, records = self._read(message_id)
             if encoded is not None:
                 return decode_result(self._job_of(records), message_id, encoded)
@@ -277,10 +331,13 @@ class Results:
             state = admin.waiting_state(message_id)
             if state is not None:
                 return _Pending(state)
-            carried = admin.history.runs(origin_id=message_id, limit=1)
-            if carried:  # a sequential hand-off carried it on (a message id of its own)
+            carried = [
+                run
+                for run in admin.history.runs(origin_id=message_id, limit=2)
+                if run.message_id != message_id
+            ]
+            if carried and last:  # a sequential hand-off carried it on (an id of its own)
                 return self._ended_without_value(message_id, [_record_of(carried[0])])
-            # neither recorded nor waiting: it may have ended between the two reads
         raise NotFoundError(f"{message_id}: no such message (unknown, or its records expired)")
 
     def _read(self, message_id: str) -> tuple[str | None, list[dict[str, Any]]]:

@@ -232,4 +232,53 @@ def test_a_result_that_breaks_the_model_is_a_result_error() -> None:
         encode_result(registry_of().jobs["reports:job:plain"], "x" * 2000, max_bytes=1000)
 
 
+def test_a_purge_wakes_the_waiters_of_what_it_removed(make_runner: RunnerFactory) -> None:
+    # Given a delayed message and a waiter (the purge announces every result, not an id)
+    runner = make_runner(registry_of())
+    message_id = runner.dispatch("reports:job:later", {}, delay_ms=3_600_000)
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            runner.result(message_id, timeout_s=50)
+        except BaseException as exc:
+            raised.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    # When the job's delayed messages are purged
+    assert runner.purge("reports:job:later", state="delayed") == 1
+    waiter.join(40)
+    # Then the waiter learns at once that no such message is left (well before its 50 s)
+    assert not waiter.is_alive()
+    assert len(raised) == 1
+    assert isinstance(raised[0], NotFoundError)
+
+
+def test_a_sequential_hand_off_keeps_its_result_under_the_dispatched_id(
+    make_runner: RunnerFactory,
+) -> None:
+    # Given a sequential job whose first run holds the lock until a gate opens
+    gate = threading.Event()
+    feature = Feature("seq")
+
+    @feature.job("step", concurrency="sequential", keep_result_s=600)
+    def step(payload: dict[str, Any], ctx: JobContext) -> str:
+        if payload.get("block"):
+            gate.wait(30)
+        return f"done {payload['n']}"
+
+    runner = make_runner(Registry([feature]), sequential_retry_delay_ms=50)
+    runner.start()
+    first = runner.dispatch("seq:job:step", {"n": 1, "block": True})
+    second = runner.dispatch("seq:job:step", {"n": 2})  # finds the lock held: handed off
+
+    # When the lock frees, the hand-off runs (a message id of its own)
+    gate.set()
+
+    # Then both values are read by the ids dispatch returned
+    assert runner.result(first, timeout_s=30) == "done 1"
+    assert runner.result(second, timeout_s=30) == "done 2"
+
+
 APP = registry_of()

@@ -51,7 +51,8 @@
 --   to that run.   +7 the end of a job that keeps results (with a run record only):
 --   "<TTL ms> <JSON value>" (a completed run: the value is set at root .. "result:" ..
 --   origin for the TTL), "-" (a dead one: no value), or "": none; either of the first two
---   publishes the origin id on root .. "results", where runner.result's waiters listen.
+--   publishes on root .. "results", where runner.result's waiters listen: the origin id,
+--   followed by "\t<job>\t<value>" for a value of at most 8 KiB.
 -- Each delivery as if settled alone, in order: writes its run record (with the deliveries
 -- count when more than one); then, iff the delivery is this worker's: removes its in-flight
 -- entry; "ack" and "completed" forget the message, "retry" forgets it and enqueues its retry
@@ -257,15 +258,18 @@ for i, rid in ipairs(rids) do
         if root and at and ARGV[at + 7] ~= "" then
             -- the end of a job that keeps results: its value (a completed run), then the
             -- announcement its waiters wake on (a completed or dead one)
-            local kept = ARGV[at + 7]
+            local kept, announced = ARGV[at + 7], origin
             if kept ~= "-" then
                 local ttl, value = string.match(kept, "^(%d+) (.*)$")
                 if not ttl then
                     error("kumiko: malformed result " .. string.sub(kept, 1, 40))
                 end
                 redis.call("set", root .. "result:" .. origin, value, "PX", ttl)
+                if #value <= 8192 then -- a small value travels with it: no read per waiter
+                    announced = origin .. "\t" .. job .. "\t" .. value
+                end
             end
-            redis.call("publish", root .. "results", origin)
+            redis.call("publish", root .. "results", announced)
         end
         if mine then
             results[i] = 1

@@ -1074,18 +1074,30 @@ def test_nack_scores_the_dead_letter_by_a_real_millisecond_clock(env: Env) -> No
 
 
 # The end of a job that keeps results: a completed run's value is set at root .. "result:"
-# .. origin for its TTL and the origin id is published on root .. "results"; a dead end
-# ("-") publishes without a value; a job that keeps none ("") writes and publishes nothing.
+# .. origin for its TTL and the origin id is published on root .. "results", with its job and
+# value when the value is at most 8 KiB; a dead end ("-") publishes the id alone; a job that
+# keeps none ("") writes and publishes nothing.
 @pytest.mark.parametrize(
     ("kept", "value", "announced"),
     [
-        pytest.param('600000 {"v":[1,2]}', '{"v":[1,2]}', True, id="completed-value-kept"),
-        pytest.param("-", None, True, id="dead-end-announced-without-a-value"),
-        pytest.param("", None, False, id="no-result-kept"),
+        pytest.param(
+            '600000 {"v":[1,2]}',
+            '{"v":[1,2]}',
+            b'm1\tapp:job:sync\t{"v":[1,2]}',
+            id="completed-value-kept-and-announced-with-it",
+        ),
+        pytest.param(
+            "600000 " + '"' + "x" * 8200 + '"',
+            '"' + "x" * 8200 + '"',
+            b"m1",
+            id="a-value-over-8-KiB-announced-without-it",
+        ),
+        pytest.param("-", None, b"m1", id="dead-end-announced-without-a-value"),
+        pytest.param("", None, None, id="no-result-kept"),
     ],
 )
 def test_settle_keeps_the_result_and_announces_the_end(
-    env: Env, kept: str, value: str | None, announced: bool
+    env: Env, kept: str, value: str | None, announced: bytes | None
 ) -> None:
     env.seed(SETTLE_M1)
     pubsub = env.client.pubsub(ignore_subscribe_messages=True)
@@ -1101,5 +1113,5 @@ def test_settle_keeps_the_result_and_announces_the_end(
     if value is not None:
         assert 0 < env.client.pttl(result_key) <= 600_000
     message = pubsub.get_message(timeout=2 if announced else 0.2)
-    assert (message is not None and message["data"] == b"m1") == announced
+    assert (None if message is None else message["data"]) == announced
     pubsub.close()
