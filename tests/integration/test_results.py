@@ -18,6 +18,7 @@ from kumiko_dramatiq import (
     JobConfigError,
     JobContext,
     JobFailedError,
+    JobRunner,
     NotFoundError,
     Registry,
     ResultError,
@@ -69,6 +70,23 @@ def registry_of(gate: threading.Event | None = None) -> Registry:
         return 1
 
     return Registry([reports])
+
+
+def waiting(
+    runner: JobRunner, message_id: str, *, timeout_s: float
+) -> tuple[threading.Thread, list[BaseException]]:
+    """A started thread waiting in ``runner.result``, and what it raised (once it ended)."""
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            runner.result(message_id, timeout_s=timeout_s)
+        except BaseException as exc:
+            raised.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    return waiter, raised
 
 
 def test_a_model_result_comes_back_as_an_instance_once_the_job_ends(
@@ -162,16 +180,7 @@ def test_a_cancelled_message_wakes_its_waiter_with_job_failed(
     # Given a message delayed for an hour, and a waiter
     runner = make_runner(registry_of())
     message_id = runner.dispatch("reports:job:later", {}, delay_ms=3_600_000)
-    raised: list[BaseException] = []
-
-    def wait() -> None:
-        try:
-            runner.result(message_id, timeout_s=60)
-        except BaseException as exc:
-            raised.append(exc)
-
-    waiter = threading.Thread(target=wait)
-    waiter.start()
+    waiter, raised = waiting(runner, message_id, timeout_s=60)
     # When it is cancelled
     assert runner.cancel(message_id)
     waiter.join(40)
@@ -236,16 +245,7 @@ def test_a_purge_wakes_the_waiters_of_what_it_removed(make_runner: RunnerFactory
     # Given a delayed message and a waiter (the purge announces every result, not an id)
     runner = make_runner(registry_of())
     message_id = runner.dispatch("reports:job:later", {}, delay_ms=3_600_000)
-    raised: list[BaseException] = []
-
-    def wait() -> None:
-        try:
-            runner.result(message_id, timeout_s=50)
-        except BaseException as exc:
-            raised.append(exc)
-
-    waiter = threading.Thread(target=wait)
-    waiter.start()
+    waiter, raised = waiting(runner, message_id, timeout_s=50)
     # When the job's delayed messages are purged
     assert runner.purge("reports:job:later", state="delayed") == 1
     waiter.join(40)
