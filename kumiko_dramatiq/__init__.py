@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from kumiko_dramatiq.ops.stats import JobStats
     from kumiko_dramatiq.ops.waiting import QueuedMessage
     from kumiko_dramatiq.runner import JobRunner
+    from kumiko_dramatiq.workflows.batches import BatchResult, BatchStatus
 
 #: Public names whose modules load redis-py: imported on first use.
 _LAZY = {
@@ -47,6 +48,8 @@ _LAZY = {
     "JobRun": "kumiko_dramatiq.ops.history",
     "JobStats": "kumiko_dramatiq.ops.stats",
     "QueuedMessage": "kumiko_dramatiq.ops.waiting",
+    "BatchResult": "kumiko_dramatiq.workflows.batches",
+    "BatchStatus": "kumiko_dramatiq.workflows.batches",
 }
 
 
@@ -63,6 +66,8 @@ if not TYPE_CHECKING:  # type checkers see the imports above, and no catch-all
 
 __all__ = [
     "Backoff",
+    "BatchResult",
+    "BatchStatus",
     "Cron",
     "Event",
     "Feature",

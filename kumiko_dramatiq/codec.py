@@ -15,6 +15,9 @@ these, all JSON-native so they survive the JSON round trip of delays and retries
 ``kumiko_scheduled_at``     ISO-8601 tick of a cron message, with its UTC offset (absent = none)
 ``kumiko_origin_id``        the id the caller got back for the work this message carries on (a
                             hand-off's, a per-tenant child's); absent = the message's own id
+``kumiko_batch``            the batch (or chain step) the message is a child of: its end is
+                            counted there (``lua/include/batch.lua``); absent = none
+``kumiko_batch_callback``   the batch the message is a callback of (absent = none)
 ``kumiko_caps``             the job's caps (``build_message_options``; absent = none): an object
                             with ``max_running`` (int, 1 to :data:`MAX_CAP_RUNNING`) and/or
                             ``rate_limit`` ([count, per_ms, per_tenant]: count 1 to
@@ -61,6 +64,8 @@ TENANT_ID: Final = "kumiko_tenant_id"
 DEDUP_KEY: Final = "kumiko_dedup_key"
 SCHEDULED_AT: Final = "kumiko_scheduled_at"
 ORIGIN_ID: Final = "kumiko_origin_id"
+BATCH: Final = "kumiko_batch"
+BATCH_CALLBACK: Final = "kumiko_batch_callback"
 TRACE: Final = "kumiko_trace"
 CAPS: Final = "kumiko_caps"
 
@@ -127,6 +132,8 @@ def encode_run(
     dedup_key: str | None = None,
     scheduled_at: datetime | None = None,
     origin_id: str | None = None,
+    batch: str | None = None,
+    batch_callback: str | None = None,
 ) -> dict[str, Any]:
     """The per-message keys; those at their default (0 failures, no tenant...) are left out."""
     options: dict[str, Any] = {TRIGGER: trigger}
@@ -140,6 +147,10 @@ def encode_run(
         options[SCHEDULED_AT] = scheduled_at.isoformat()
     if origin_id is not None:
         options[ORIGIN_ID] = origin_id
+    if batch is not None:
+        options[BATCH] = batch
+    if batch_callback is not None:
+        options[BATCH_CALLBACK] = batch_callback
     return options
 
 
@@ -179,6 +190,8 @@ class KumikoOptions:
     origin_id: str | None = None
     trace: TraceContext | None = None
     caps: Caps | None = None
+    batch: str | None = None
+    batch_callback: str | None = None
 
     def encode(self) -> dict[str, Any]:
         """JSON-native options; keys at their default (0 failures, no tenant...) are left out."""
@@ -193,6 +206,8 @@ class KumikoOptions:
                 dedup_key=self.dedup_key,
                 scheduled_at=self.scheduled_at,
                 origin_id=self.origin_id,
+                batch=self.batch,
+                batch_callback=self.batch_callback,
             ),
             **(encode_trace(self.trace.parent, self.trace.link) if self.trace else {}),
         }
@@ -239,6 +254,8 @@ class KumikoOptions:
             origin_id=_text(options, ORIGIN_ID),
             trace=_trace(options),
             caps=_caps(options),
+            batch=_text(options, BATCH),
+            batch_callback=_text(options, BATCH_CALLBACK),
         )
 
     @property

@@ -5,7 +5,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kumiko_dramatiq.workflows.batches import BatchHandle
 
 Trigger = Literal["manual", "event", "cron", "boot", "gate", "fanout", "requeue"]
 
@@ -69,3 +74,15 @@ class JobContext:
     def scheduled_at(self) -> datetime | None:
         """The tick a cron run belongs to (aware), else ``None``."""
         return self.meta.scheduled_at
+
+    #: the batch of a batch child or callback (``.id``, ``.results()``, ``.add(job, payload)``:
+    #: :class:`~kumiko_dramatiq.workflows.batches.BatchHandle`), else ``None``
+    batch: BatchHandle | None = field(default=None, compare=False)
+    #: reads ``previous_result`` (a chain step's child), else ``None``
+    previous_reader: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def previous_result(self) -> Any:
+        """In a chain, the value the step before returned (a group: the list of its values in
+        order); ``None`` in the first step and outside chains. Read when asked (one read)."""
+        return None if self.previous_reader is None else self.previous_reader()

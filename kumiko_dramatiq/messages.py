@@ -47,6 +47,8 @@ def build_message(
     dedup_key: str | None = None,
     scheduled_at: datetime | None = None,
     origin_id: str | None = None,
+    batch: str | None = None,
+    batch_callback: str | None = None,
 ) -> Message[Any]:
     """The message that runs ``job`` once with ``payload``.
 
@@ -54,6 +56,8 @@ def build_message(
     actor (a child). ``failures`` carries spent attempts (a sequential hand-off keeps them;
     a retry is a copy, not a new build). ``origin_id``: the id the caller got back, when this
     message carries on another's work (a hand-off, a per-tenant child); ``None`` = its own.
+    ``batch``: the batch or chain step it is a child of; ``batch_callback``: the batch it is a
+    callback of (:mod:`kumiko_dramatiq.workflows.batches`).
     """
     options = {
         **build_message_options(job),
@@ -64,6 +68,8 @@ def build_message(
             dedup_key=dedup_key,
             scheduled_at=scheduled_at,
             origin_id=origin_id,
+            batch=batch,
+            batch_callback=batch_callback,
         ),
     }
     is_wrapper = job.options.per_tenant and tenant_id is None

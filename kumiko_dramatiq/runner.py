@@ -14,7 +14,7 @@ import functools
 import logging
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -72,6 +72,7 @@ from kumiko_dramatiq.worker.actors import declare_actors
 from kumiko_dramatiq.worker.execution import KumikoMessages
 from kumiko_dramatiq.worker.logs import install_log_filter
 from kumiko_dramatiq.worker.runtime import FailedHook, HookSet, Runtime, StartHook, TenantResolver
+from kumiko_dramatiq.workflows.batches import BATCH_STATES, BatchStatus, Item
 from kumiko_dramatiq.workflows.results import EVERY_RESULT, MAX_RESULT_WAIT_S, Results
 
 logger = logging.getLogger("kumiko_dramatiq")
@@ -469,6 +470,70 @@ class JobRunner:
             )
         with self._redis("reading a result"):
             return self.results.result(message_id, timeout_s=timeout_s)
+
+    # -- batches and chains (see kumiko_dramatiq.workflows.batches) ----------
+    def dispatch_batch(
+        self,
+        items: Sequence[Item],
+        *,
+        on_success: Item | None = None,
+        on_complete: Item | None = None,
+    ) -> str:
+        """Enqueue one child per ``(job_name, payload)`` item as one batch; return its id.
+
+        Every item is validated first (``PayloadError`` naming its index; an unknown job
+        names it too): nothing is enqueued then. No child starts unless every child was
+        written, also when Redis fails mid-call (all or none: ``RedisUnavailableError``, and
+        nothing of the batch ever runs). When every child ended (completed, dead, cancelled,
+        purged), ``on_complete`` is enqueued once; ``on_success`` once if every child
+        completed. Each callback's ``ctx.batch.results()`` tells how each child ended, in
+        dispatch order, with its value."""
+        with self._redis("dispatching a batch"):
+            return self.runtime.batches.dispatch_batch(
+                items, on_success=on_success, on_complete=on_complete
+            )
+
+    def dispatch_chain(self, steps: Sequence[Item | Sequence[Item]]) -> str:
+        """Enqueue a chain: each step (an item, or a list of items: a group) once the step
+        before completed, its handlers seeing ``ctx.previous_result``; a step that does not
+        complete stops the chain (``failed``). All steps are validated and written first,
+        all or none. ``result(chain_id)`` is the last step's value."""
+        with self._redis("dispatching a chain"):
+            return self.runtime.batches.dispatch_chain(steps)
+
+    def batch(self, batch_id: str) -> BatchStatus:
+        """The state and counts of a batch or chain; ``NotFoundError`` for an unknown id."""
+        _check_message_id(batch_id)
+        with self._redis("reading a batch"):
+            return self.runtime.batches.status(batch_id)
+
+    def batches(self, *, state: str | None = None, limit: int = 100) -> list[BatchStatus]:
+        """Batches and chains, newest first, at most ``limit``, those in ``state`` if given
+        (``running``, ``succeeded``, ``failed``, ``cancelled``)."""
+        if state is not None and state not in BATCH_STATES:
+            raise ValueError(f"state must be one of {', '.join(BATCH_STATES)}, got {state!r}")
+        if not 0 < limit <= 1_000:
+            raise ValueError(f"limit must be from 1 to 1000, got {limit!r}")
+        with self._redis("reading the batches"):
+            return self.runtime.batches.listed(state=state, limit=limit)
+
+    def cancel_batch(self, batch_id: str) -> int:
+        """Cancel a batch or chain: children not started never start (returns how many),
+        running ones end as they do; it ends ``cancelled``: ``on_complete`` still runs,
+        ``on_success`` does not, a chain opens no further step. ``NotFoundError`` for an
+        unknown id."""
+        _check_message_id(batch_id)
+
+        def cancel_one(message_id: str) -> bool:
+            try:
+                return self.cancel(message_id)
+            except NotFoundError:
+                return False
+
+        with self._redis("cancelling a batch"):
+            cancelled = self.runtime.batches.cancel(batch_id, cancel_one)
+            self.results.announce(batch_id)
+            return cancelled
 
     # -- operating (see kumiko_dramatiq.ops.admin) ----------------------------
     @property

@@ -785,6 +785,7 @@ class KumikoConsumer(Consumer):
             dedup=settlement.dedup,
             tombstone=_written_by_enqueue(delivery),
             result=settlement.result,
+            batch=settlement.batch,
         )
 
     def _settled_one(

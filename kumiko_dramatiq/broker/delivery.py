@@ -61,6 +61,8 @@ class Settlement:
     ``result``: the end of a job that keeps results, as ``lua/settle.lua`` takes it
     (:func:`kumiko_dramatiq.workflows.results.result_write`): its value and TTL, ``"-"``
     for a dead end (its waiters are told), ``""`` for none.
+    ``batch``: the batch the message belongs to, as ``lua/settle.lua`` takes it
+    (:func:`kumiko_dramatiq.workflows.batches.batch_write`), ``""`` for none.
     """
 
     retry: tuple[Message[Any], int | None] | None = None
@@ -71,6 +73,7 @@ class Settlement:
     dedup: tuple[str, str, str] | None = None
     dedup_hand_over: Callable[[], None] | None = None
     result: str = ""
+    batch: str = ""
 
     def hand_over_dedup(self) -> None:
         """The settle left this delivery for its dedup key's follow-up: hand the key over

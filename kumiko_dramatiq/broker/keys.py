@@ -148,6 +148,19 @@ def stop_request(queue_prefix: str, message_id: str) -> str:
 STOP_REQUEST_TTL_MS = 60_000
 
 
+def progress(queue_prefix: str, message_id: str, attempt: int) -> str:
+    """The latest ``ctx.progress`` of a running attempt (JSON ``{"v", "n", "w"}``: value,
+    note, the worker's ``host:pid``; TTL :data:`PROGRESS_TTL_MS`, refreshed by its writes),
+    written by its worker's :mod:`~kumiko_dramatiq.worker.progress` writer and deleted at the
+    attempt's end; ``runner.running()`` reads them in one ``MGET``."""
+    return f"{_root(queue_prefix)}:progress:{message_id}:{attempt}"
+
+
+#: How long a progress key outlives its last write (ms): three of its refreshes
+#: (:data:`kumiko_dramatiq.progress.REFRESH_S`), so a dead worker's expires by itself.
+PROGRESS_TTL_MS = 180_000
+
+
 def paused(queue_prefix: str) -> str:
     """Set of the names of paused jobs."""
     return f"{_root(queue_prefix)}:paused"
@@ -246,6 +259,23 @@ def results_channel(queue_prefix: str) -> str:
     """Pub/sub channel on which a settle announces the id of each ended message whose job
     keeps results (``root .. "results"``): ``runner.result`` waiters wake on it."""
     return f"{_root(queue_prefix)}:results"
+
+
+def batch(queue_prefix: str, batch_id: str) -> str:
+    """Hash: the record of a batch, chain or chain step (``lua/include/batch.lua``: its
+    state and counts; ``:children``, ``:ended`` and ``:staged`` beside it); built in Lua
+    from the root as ``root .. "batch:" .. id``."""
+    return f"{_root(queue_prefix)}:batch:{batch_id}"
+
+
+def batches(queue_prefix: str) -> str:
+    """Sorted set of batch and chain ids by creation time (ms): ``kumiko batches``."""
+    return f"{_root(queue_prefix)}:batches"
+
+
+def batch_outcomes(queue_prefix: str) -> str:
+    """Hash: outcome -> batches and chains ended so (``kumiko_batches_total``)."""
+    return f"{_root(queue_prefix)}:batch-outcomes"
 
 
 def channel_patterns(queue_prefix: str | None) -> list[str]:

@@ -65,7 +65,7 @@ LINGER_SHARE: Final = 1.0
 #: The number of a delivery's fields in a ``lua/settle.lua`` call (its extras, when it has
 #: any, follow all the call's deliveries), and the extras of one that has none.
 SETTLE_FIELDS: Final = 11
-NO_EXTRAS: Final = ("",) * 8
+NO_EXTRAS: Final = ("",) * 9
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +74,7 @@ class SettleEntry:
     outcome (with the capped slot it gives back), the key its end writes (its "already
     completed" marker, or its "sent" tombstone, or ""), its run record, its actor as decoded
     at fetch ("" unknown), and its extras (tenant, origin, dead letter note, the retry's
-    queue, redis id and encoding, the dedup key it ends, the result it keeps),
+    queue, redis id and encoding, the dedup key it ends, the result it keeps, its batch),
     :data:`NO_EXTRAS` for most."""
 
     redis_id: str
@@ -428,6 +428,7 @@ class SettleCalls:
         dedup: tuple[str, str, str] | None = None,
         tombstone: bool = True,
         result: str = "",
+        batch: str = "",
     ) -> SettleEntry:
         """The settle of one delivery from a lane queue (see ``lua/settle.lua``): ``retry`` the
         prepared retry or hand-off and its delay (outcome "retry"), ``run`` its run record,
@@ -437,7 +438,8 @@ class SettleCalls:
         the dedup key its job ended with for good, ``tombstone``: whether an outcome other than
         "completed" leaves the "sent" tombstone of ``redis_message_id`` (``False`` for a copy
         a settle wrote, a retry or a hand-off, whose redis id no enqueue command carries),
-        ``result`` the end of a job that keeps results (``Settlement.result``)."""
+        ``result`` the end of a job that keeps results (``Settlement.result``), ``batch`` the
+        batch its message belongs to (``Settlement.batch``)."""
         tenant = origin = note = ""
         if run is not None:
             tenant, note = run.tenant, run.dead_note
@@ -451,7 +453,7 @@ class SettleCalls:
                 self.encode(message, delay),
             )
         ended = "" if dedup is None else "\t".join(dedup)
-        extras = (tenant, origin, note, *retried, ended, result)
+        extras = (tenant, origin, note, *retried, ended, result, batch)
         if outcome == "completed":
             end_key = keys.completed(self.queue_prefix, message_id)
         elif tombstone:

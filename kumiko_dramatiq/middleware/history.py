@@ -49,6 +49,7 @@ from kumiko_dramatiq.broker.delivery import Delivery, RunWrite, Settlement
 from kumiko_dramatiq.ops.history import RunStatus, error_fields
 from kumiko_dramatiq.settings import Settings
 from kumiko_dramatiq.worker.execution import Execution, execution_of
+from kumiko_dramatiq.workflows.batches import batch_write
 from kumiko_dramatiq.workflows.results import result_write
 
 logger = logging.getLogger("kumiko_dramatiq")
@@ -145,7 +146,9 @@ class History(Middleware):
     (:mod:`kumiko_dramatiq.middleware.history`).
 
     The end of an attempt of a job that keeps results hands the settle its value (or tells
-    its waiters it died): :func:`~kumiko_dramatiq.workflows.results.result_write`.
+    its waiters it died): :func:`~kumiko_dramatiq.workflows.results.result_write`; the end of a
+    batch child or callback is counted by its batch in the same call
+    (:func:`~kumiko_dramatiq.workflows.batches.batch_write`).
 
     Before ``Retries`` in the chain (after ``Boot``, ``Metrics``, ``Tracing``), so its
     ``after_process_message`` runs after
@@ -185,6 +188,7 @@ class History(Middleware):
             execution, status, exception=exception, settings=self.settings, worker=_worker(broker)
         )
         message.settlement.result = result_write(execution, status)
+        message.settlement.batch = batch_write(execution)
         if status == "completed" and logger.isEnabledFor(logging.DEBUG):
             # its arguments (a dict, a clock read) cost more than the check: every run
             logger.debug(
@@ -205,6 +209,7 @@ class History(Middleware):
                 execution, status, exception=None, settings=self.settings, worker=_worker(broker)
             )
             message.settlement.result = result_write(execution, status)
+            message.settlement.batch = batch_write(execution)
 
 
 def _worker(broker: Broker) -> str:

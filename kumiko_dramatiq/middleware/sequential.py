@@ -212,6 +212,8 @@ class Sequential(Middleware):
             dedup_key=options.dedup_key,
             scheduled_at=options.scheduled_at,
             origin_id=execution.origin_id,
+            batch=options.batch,
+            batch_callback=options.batch_callback,
         )
         broker = self.runtime.broker
         prepared = broker.prepare(

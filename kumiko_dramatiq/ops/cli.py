@@ -19,6 +19,9 @@ kumiko_dramatiq.scheduler``).
                                  remove a job's messages in that state (asks first)
     retry MESSAGE_ID | --all [--job J]                  re-enqueue dead letters
     cancel MESSAGE_ID            a message that has not started never starts
+    batches [--state S] [--limit N]  batches and chains, newest first, with their progress
+    batch ID                     one batch or chain: state, counts, its ended children
+    cancel-batch ID              its children not started never start (on_complete runs)
     result MESSAGE_ID [--wait S] the value its completed run returned (JSON), waiting up to
                                  S seconds for it to end (status 1: not ended, ended without
                                  a value, or none kept)
@@ -103,6 +106,8 @@ from kumiko_dramatiq.ops.terminal import indented, parse_when, table, without_fr
 from kumiko_dramatiq.ops.waiting import WAITING_STATES, QueuedMessage
 from kumiko_dramatiq.runner import JobRunner
 from kumiko_dramatiq.scheduler import Scheduler
+from kumiko_dramatiq.workflows.commands import COMMANDS as WORKFLOW_COMMANDS
+from kumiko_dramatiq.workflows.commands import add_parsers as add_workflow_parsers
 from kumiko_dramatiq.workflows.results import MAX_RESULT_WAIT_S
 
 EXIT_OK = 0
@@ -220,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     retry.add_argument("--job", help="with --all: only this job's")
     cancel = command("cancel", "a queued, delayed or waiting message never starts")
     cancel.add_argument("message_id", metavar="MESSAGE_ID", help=an_id)
+    add_workflow_parsers(command)
     result = command("result", "the value a message's completed run returned (keep_result_s)")
     result.add_argument("message_id", metavar="MESSAGE_ID", help=an_id)
     result.add_argument(
@@ -974,6 +980,7 @@ _COMMANDS: dict[str, Callable[[JobRunner, argparse.Namespace], Result]] = {
     "locks": _locks,
     "dedup": _dedup,
     "reset-boot": _reset_boot,
+    **WORKFLOW_COMMANDS,
 }
 
 

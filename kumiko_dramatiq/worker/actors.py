@@ -90,7 +90,7 @@ def _job_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]]
                 lambda: runtime.call_handler(job, argument, context)
             )
         check_elapsed(job, started)
-        if keeps_result:
+        if keeps_result or execution.options.batch is not None:  # a batch child's goes to it
             execution.result = encode_result(job, value, max_bytes=max_result_bytes)
 
     run.__name__ = run.__qualname__ = job.qualified_name

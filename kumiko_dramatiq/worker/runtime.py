@@ -10,6 +10,7 @@ calls with the payload only, finds the execution of its thread through
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -26,6 +27,7 @@ from kumiko_dramatiq.worker.fencing import Fence, HoldLost
 from kumiko_dramatiq.worker.loop import EventLoopThread
 from kumiko_dramatiq.worker.stops import StopWatch
 from kumiko_dramatiq.worker.supervision import Deferred
+from kumiko_dramatiq.workflows.batches import Batches, BatchHandle
 
 logger = logging.getLogger("kumiko_dramatiq")
 
@@ -138,13 +140,28 @@ class Runtime:
             logger.exception("hook %s raised for job %s (message %s)", name, args[0], args[1])
 
     def context_for(self, execution: Execution) -> JobContext:
+        options = execution.options
+        batch_id = options.batch or options.batch_callback
+        batch = previous = None
+        if batch_id is not None:
+            batch = BatchHandle(self.batches, batch_id, execution.origin_id)
+            if options.batch is not None and "." in options.batch:  # a chain step's child
+                step = options.batch
+                previous = functools.partial(self.batches.previous_result, step)
         return JobContext(
             job_name=execution.job.qualified_name,
             message_id=execution.message_id,
             meta=execution.meta,
             app=self.app,
             stop_event=execution.stop,
+            batch=batch,
+            previous_reader=previous,
         )
+
+    @functools.cached_property
+    def batches(self) -> Batches:
+        """The batch and chain records (``ctx.batch``, ``ctx.previous_result``)."""
+        return Batches(self.broker, self.registry, self.settings)
 
 
 async def _await(awaitable: Any) -> Any:

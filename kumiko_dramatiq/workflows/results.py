@@ -147,9 +147,12 @@ def decode_result(job: JobDefinition | None, message_id: str, encoded: str) -> A
 def result_write(execution: Execution, status: str) -> str:
     """``Settlement.result`` for the end of ``execution``'s attempt (``lua/settle.lua``,
     extra +7): the value and its TTL for a completed run that kept one, :data:`DEAD_END` for a
-    dead one, ``""`` otherwise (a job that keeps no result, a failed attempt to be retried)."""
+    dead one, ``""`` otherwise (a job that keeps no result, a failed attempt to be retried).
+    A batch child's value goes to its batch whatever its job keeps: TTL 0 when it keeps none."""
     keep_s = execution.job.options.keep_result_s
     if keep_s is None:
+        if status == "completed" and execution.options.batch is not None:
+            return f"0 {execution.result or 'null'}"  # for its batch only: TTL 0 keeps none
         return ""
     if status == "completed" and execution.result is not None:
         return f"{keep_s * 1000} {execution.result}"
@@ -322,7 +325,9 @@ class Results:
         for last in (False, True):
             # a message that ends between these reads leaves the first look with nothing
             # certain: the second one reads its value or record
-            encoded, records = self._read(message_id)
+            encoded, records, chain = self._read(message_id)
+            if chain is not None:
+                return self._of_chain(message_id, encoded, chain)
             if encoded is not None:
                 return decode_result(self._job_of(records), message_id, encoded)
             if records:
@@ -340,14 +345,36 @@ class Results:
                 return self._ended_without_value(message_id, [_record_of(carried[0])])
         raise NotFoundError(f"{message_id}: no such message (unknown, or its records expired)")
 
-    def _read(self, message_id: str) -> tuple[str | None, list[dict[str, Any]]]:
+    def _read(
+        self, message_id: str
+    ) -> tuple[str | None, list[dict[str, Any]], tuple[str, str, str] | None]:
+        """The kept value, the run records, and for a chain id (state, step, steps)."""
         pipe = self.client.pipeline(transaction=True)
         pipe.get(keys.result(self.prefix, message_id))
         pipe.hvals(keys.run_record(self.prefix, message_id))
-        encoded, raw = pipe.execute()
+        pipe.hmget(keys.batch(self.prefix, message_id), "kind", "state", "step", "steps")
+        encoded, raw, batch = pipe.execute()
         records = sorted((json.loads(value) for value in raw), key=lambda r: int(r.get("a", 0)))
         text = encoded.decode() if isinstance(encoded, bytes) else encoded
-        return text, records
+        chain = None
+        if batch[0] == b"chain":
+            chain = (batch[1].decode(), (batch[2] or b"?").decode(), (batch[3] or b"?").decode())
+        return text, records, chain
+
+    @staticmethod
+    def _of_chain(chain_id: str, encoded: str | None, chain: tuple[str, str, str]) -> Any:
+        """A chain's result: its last step's value once it succeeded."""
+        state, step, steps = chain
+        if encoded is not None:
+            return decode_result(None, chain_id, encoded)
+        if state in ("running", "writing"):
+            return _Pending("running")
+        if state == "succeeded":
+            raise NotFoundError(f"{chain_id}: succeeded, but its result is past its TTL")
+        status = "cancelled" if state == "cancelled" else "dead"
+        raise JobFailedError(
+            chain_id, "chain", status, "ChainStopped", f"step {step} of {steps} did not complete"
+        )
 
     def _job_of(self, records: list[dict[str, Any]]) -> JobDefinition | None:
         name = records[-1].get("j") if records else None

@@ -230,6 +230,11 @@ class LuaScripts:
     hold_takeover: Script
     hold_ask_job: Script
     hold_ask: Script
+    # batches and chains (workflows/batches.py)
+    batch_write: Script
+    batch_commit: Script
+    batch_add: Script
+    batch_cancel: Script
     # operating
     cancel: Script
     move_now: Script

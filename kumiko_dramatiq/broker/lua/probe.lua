@@ -26,7 +26,7 @@ local specs = {
     llen = {K}, lpop = {K},
     lpos = {K, "v"},
     lpush = {K, "v"}, lrange = {K, "0", "0"}, lrem = {K, "0", "v"}, mget = {K}, multi = {},
-    pexpire = {K, "60000"}, ping = {}, pttl = {K}, role = {}, rpop = {K}, rpush = {K, "v"},
+    persist = {K}, pexpire = {K, "60000"}, ping = {}, pttl = {K}, role = {}, rpop = {K}, rpush = {K, "v"},
     sadd = {K, "m"}, scan = {"0"}, scard = {K}, ["script|load"] = {"return 1"},
     select = {"0"}, set = {K, "v", "PX", "60000"}, sismember = {K, "m"}, smembers = {K}, smismember = {K, "m"},
     srem = {K, "m"}, time = {}, zadd = {K, "0", "m"}, zcard = {K}, zcount = {K, "0", "0"},

@@ -9,7 +9,8 @@
 -- lane's dead letters, oldest first)
 -- ARGV[4] the lane queue   ARGV[5] the cursor (0 to start; what the previous step returned)
 -- ARGV[6] how many entries this step reads at most (for "delayed": HSCAN's COUNT)
--- ARGV[7] now (ms, unused)   ARGV[8] how many bytes of bodies this step reads at most
+-- ARGV[7] now (ms: the end of a batch child it removes)
+-- ARGV[8] how many bytes of bodies this step reads at most
 -- ARGV[9] "1": only count, change nothing (kumiko purge --dry-run)
 -- A step is bounded twice: it reads at most ARGV[6] entries, and once the bodies it read
 -- reach ARGV[8] bytes it reads no more (one body at a time, HGET, so it reads at most one body
@@ -36,6 +37,7 @@
 -- on); a dry run counts each list's length (a cap's list holds its job's ids only). dead
 -- cursors: "0", then "d<offset>".
 -- @include cancelling
+-- @include batch
 local namespace, root, job, mode = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
 local queue, cursor, batch = ARGV[4], ARGV[5], tonumber(ARGV[6])
 local byte_budget = tonumber(ARGV[8])
@@ -115,6 +117,7 @@ if mode == "queued" or mode == "suspects" then
                 redis.call("hdel", list .. ".msgs", rid)
                 redis.call("sadd", list .. ":withdrawn", rid)
                 free_dedup(root, job, message)
+                batch_message_cancelled(root, message, tonumber(ARGV[7]))
             end
         end
     end
@@ -138,6 +141,7 @@ elseif mode == "delayed" then
                 count_body(bodies, rid, body, -1)
                 redis.call("hdel", bodies, rid)
                 free_dedup(root, job, message)
+                batch_message_cancelled(root, message, tonumber(ARGV[7]))
             end
         end
     end
@@ -173,6 +177,7 @@ elseif mode == "parked" then
         count_body(list .. ".msgs", found[1], found[3], -1)
         redis.call("hdel", list .. ".msgs", found[1])
         free_dedup(root, job, found[2])
+        batch_message_cancelled(root, found[2], tonumber(ARGV[7]))
     end
     if #rids == #window and #window < batch then
         redis.call("del", withdrawn)
@@ -214,6 +219,7 @@ elseif mode == "capwait" then
                 if message then
                     removed = removed + 1
                     free_dedup(root, job, message)
+                    batch_message_cancelled(root, message, tonumber(ARGV[7]))
                 end
             else
                 -- withdrawn by an older cancel (body gone): forget it

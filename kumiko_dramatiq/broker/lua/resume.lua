@@ -15,6 +15,7 @@
 -- is empty its withdrawn set goes too. The queue's doorbell rings if any went back.
 -- Returns {1 if the job was paused, requeued, dropped, parked ids left}.
 -- @include history
+-- @include batch
 -- @include bell
 -- @include counts
 local drop = {}
@@ -35,6 +36,7 @@ for _, rid in ipairs(step) do
             put_run(ARGV[2], run.m, run.a, run.j, "cancelled", run.t or "", run.o,
                 run.q or tonumber(ARGV[3]), cjson.encode(run), tonumber(ARGV[4]),
                 tonumber(ARGV[5]), tonumber(ARGV[3]))
+            batch_run_ended(ARGV[2], run, "cancelled", tonumber(ARGV[3]))
         end
         uncount(KEYS[4], rid)
         redis.call("hdel", KEYS[4], rid)

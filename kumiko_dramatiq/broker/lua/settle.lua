@@ -28,7 +28,7 @@
 --   its body reads as kumiko's, its attempt's record says "dead" with the reason in +8
 --   +8 the run record (JSON)   +9 the actor name of the delivered message as the worker
 --   decoded it ("" = not known: read off its body; see forget_bodies in include/counts.lua)
---   +10 "+" if the delivery's 8 extra arguments follow the deliveries, else "" (they are
+--   +10 "+" if the delivery's 9 extra arguments follow the deliveries, else "" (they are
 --   then all "": most deliveries have none, and an argument costs Redis's Lua about 1,000
 --   instructions however short; a header in one argument to split, about 12,000): the
 --   extras of the deliveries that have them, in the deliveries' order, from ARGV[5 + 11 *
@@ -53,6 +53,11 @@
 --   origin for the TTL), "-" (a dead one: no value), or "": none; either of the first two
 --   publishes on root .. "results", where runner.result's waiters listen: the origin id,
 --   followed by "\t<job>\t<value>" for a value of at most 8 KiB.
+--   A TTL of 0 keeps nothing and announces nothing: the value of a batch child whose job
+--   keeps no result, for its batch only (+8).   +8 the batch the delivery's message belongs
+--   to (include/batch.lua): "b <batch id>" (a child: its end, completed, dead or cancelled,
+--   is counted there once, with its value from +7), "c <batch id>" (one of its callbacks),
+--   or "".
 -- Each delivery as if settled alone, in order: writes its run record (with the deliveries
 -- count when more than one); then, iff the delivery is this worker's: removes its in-flight
 -- entry; "ack" and "completed" forget the message, "retry" forgets it and enqueues its retry
@@ -89,6 +94,7 @@
 -- @include dead_letter
 -- @include ttl
 -- @include history
+-- @include batch
 -- @include caps_release
 -- @include holds
 local count, marker_ttl, completed_ttl, failed_ttl, cap, trim, tombstone_ttl, vouched, hold_args =
@@ -104,7 +110,7 @@ end
 ttl_ms(tombstone_ttl, "sent tombstone")
 completed_ttl = ttl_ms(completed_ttl, "completed run record")
 failed_ttl = ttl_ms(failed_ttl, "failed run record")
-local FIELDS, EXTRAS = 11, 8
+local FIELDS, EXTRAS = 11, 9
 local root_of_runs = ARGV[4]
 -- each delivery's redis id, and where its extras are (extra_at[i], or nil: none)
 local rids, extra_at = {}, {}
@@ -244,6 +250,7 @@ for i, rid in ipairs(rids) do
                 end
                 put_run(root, run.m, run.a, run.j, "dead", run.t or "", run.o, run.q or now,
                     cjson.encode(run), completed_ttl, failed_ttl, now)
+                batch_run_ended(root, run, "dead", now)
             end
         elseif root and status ~= "" then
             local record = ARGV[base + 8]
@@ -255,21 +262,45 @@ for i, rid in ipairs(rids) do
                 completed_ttl, failed_ttl, now, owned[i] and deliveries <= 1, vouched == "1")
             indexed_job = indexed_job or job
         end
+        local value = nil
         if root and at and ARGV[at + 7] ~= "" then
             -- the end of a job that keeps results: its value (a completed run), then the
             -- announcement its waiters wake on (a completed or dead one)
-            local kept, announced = ARGV[at + 7], origin
+            local kept, announced, ttl = ARGV[at + 7], origin, nil
             if kept ~= "-" then
-                local ttl, value = string.match(kept, "^(%d+) (.*)$")
+                ttl, value = string.match(kept, "^(%d+) (.*)$")
                 if not ttl then
                     error("kumiko: malformed result " .. string.sub(kept, 1, 40))
                 end
-                redis.call("set", root .. "result:" .. origin, value, "PX", ttl)
+                if ttl ~= "0" then
+                    redis.call("set", root .. "result:" .. origin, value, "PX", ttl)
+                end
                 if #value <= 8192 then -- a small value travels with it: no read per waiter
                     announced = origin .. "\t" .. job .. "\t" .. value
                 end
             end
-            redis.call("publish", root .. "results", announced)
+            if ttl ~= "0" then
+                redis.call("publish", root .. "results", announced)
+            end
+        end
+        if root and at and ARGV[at + 8] ~= "" and (status == "completed" or status == "dead"
+            or status == "cancelled") then
+            local kind, batch = string.match(ARGV[at + 8], "^([bc]) (.+)$")
+            if kind == "c" then
+                batch_callback_ended(root, batch, mid)
+            elseif kind == "b" then
+                local head = {s = status, j = job}
+                if tenant ~= "" then
+                    head.t = tenant
+                end
+                if status ~= "completed" then
+                    local run = cjson.decode(ARGV[base + 8])
+                    head.et, head.em = run.et, run.em
+                end
+                batch_child_ended(root, batch, origin, cjson.encode(head), value, now)
+            else
+                error("kumiko: malformed batch end " .. string.sub(ARGV[at + 8], 1, 60))
+            end
         end
         if mine then
             results[i] = 1

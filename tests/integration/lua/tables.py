@@ -474,19 +474,20 @@ class Env:
         tombstone_ttl: int | None = None,
         vouched: bool | None = None,
         result: str = "",
+        batch: str = "",
     ) -> Any:
         """settle (of r1, message m1) as the broker calls it, a batch of one: ARGV[3] the
         batch head ("1 <marker TTL> <completed TTL> <failed TTL> <cap> <trim>", the TTLs, cap
         and trim from ``run_header``, :func:`header`'s old single-settle layout), then the
         kumiko root, then the delivery's 11 arguments: redis id, outcome, marker key, record
         header (message id, attempt, job, status, order score "" = now; all "" without
-        ``run_header``), record, the message's actor name ("" = not known), "+" if its 8
+        ``run_header``), record, the message's actor name ("" = not known), "+" if its 9
         extras follow (as the broker sends them: only when one is not ""): tenant, origin,
         dead note, retry (queue, redis id, body), the dedup key it ended ("<index>\t<message
         id>\t<key>", keys unprefixed, or ""), the result it keeps ("<TTL ms> <JSON>", "-"
-        or ""). With ``tombstone_ttl`` the head ends with it and
-        an outcome other than "completed" carries r1's "sent" key (:data:`SENT`) as the broker
-        sends it; without, "" (no tombstone). With ``vouched``, the head ends with "1" (the
+        or ""), its batch ("b <id>", "c <id>" or ""). With ``tombstone_ttl`` the head ends with
+        it and an outcome other than "completed" carries r1's "sent" key (:data:`SENT`) as the
+        broker sends it; without, "" (no tombstone). With ``vouched``, the head ends with "1" (the
         caller vouches for the record's job and status indexes: their TTLs are not refreshed)
         or "0" (after the tombstone TTL, the marker TTL when ``tombstone_ttl`` is None)."""
         completed_ttl, failed_ttl, cap, trim = COMPLETED_TTL, FAILED_TTL, CAP, 0
@@ -496,7 +497,7 @@ class Env:
             completed_ttl, failed_ttl, cap, trim = (int(f) for f in fields[7:11])
             root, record_header, tenant, origin = fields[0], [*fields[1:5], ""], *fields[5:7]
         retried = ["", "", ""] if retry is None else [self.key(retry[0]), retry[1], retry[2]]
-        extras = [tenant, origin, self.encode(note), *retried, dedup, result]
+        extras = [tenant, origin, self.encode(note), *retried, dedup, result, batch]
         args = [
             *self.head(worker=worker, now=now),
             f"1 {marker_ttl} {completed_ttl} {failed_ttl} {cap} {trim}"

@@ -8,6 +8,7 @@
 -- @include counts
 -- @include dedup_index
 -- @include history
+-- @include batch
 
 local function forget_body(messages, rid)
     uncount(messages, rid)
@@ -32,5 +33,6 @@ local function record_cancelled(root, body, now, completed_ttl, failed_ttl)
         put_run(root, run.m, run.a, run.j, "cancelled", run.t or "", run.o, run.q or now,
             cjson.encode(run), completed_ttl, failed_ttl, now)
         flush_runs()
+        batch_run_ended(root, run, "cancelled", now)
     end
 end

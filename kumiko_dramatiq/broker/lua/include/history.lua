@@ -389,5 +389,6 @@ local function run_of(root, body, worker)
         ma = (tonumber(options.kumiko_retries) or 0) + 1,
         q = tonumber(message.message_timestamp), w = worker,
         sa = text(options.kumiko_scheduled_at), dk = text(options.kumiko_dedup_key),
+        b = text(options.kumiko_batch), cb = text(options.kumiko_batch_callback),
     }
 end

@@ -22,6 +22,7 @@
 -- @include caps
 -- @include dead_letter
 -- @include history
+-- @include batch
 -- @include bell
 
 local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, released)
@@ -296,6 +297,7 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
                     r = rid, q = queue, j = run.j, m = run.m, o = run.o, t = run.t, a = run.a,
                     ma = run.ma, et = "WorkerDied", em = reason, at = now,
                 }), "PX", dead_ttl)
+                batch_run_ended(root, run, "dead", now)
             end
         elseif idle and #fetched == 0 and #cand_rids == 0 and alone == 0 then
             local body = redis.call("hget", queue_messages, rid)

@@ -1,0 +1,422 @@
+"""Batches and chains: many jobs written all or none, callbacks counted by child.
+
+A batch is one record in Redis (``lua/include/batch.lua`` lays it out): its children's ids in
+dispatch order, how each ended, and its counts. ``dispatch_batch`` validates every item, then
+writes the children in chunks of :data:`WRITE_CHUNK` *staged*, beside the record and on no
+queue (``lua/batch_write.lua``; while written the record expires after
+:data:`WRITING_TTL_MS`, so a producer that dies half-way leaves nothing that ever runs), then
+opens the batch (``lua/batch_commit.lua``: from here on its children may start) and moves them
+onto their queues :data:`MOVE_STEP` per call. No single command holds Redis long, and no child
+starts before every child was written. A producer that dies after the open leaves the rest
+staged: the ends of the children moved already move them (``batch_child_ended``).
+
+A child's end is counted by the settle that writes its last run record, in the same Lua call
+(``lua/settle.lua``, extra +8), and likewise by every other way a message ends for good (a
+cancel, a purge, the dead letter of a message delivered ``max_deliveries`` times): the count
+sets the child's id in the batch's ``ended`` hash first, so a child redelivered, retried,
+run twice or settled again after a fail-over counts once, never twice, never not at all. The
+end that leaves no child pending enqueues ``on_complete`` (and ``on_success`` if every child
+completed) in that same call: exactly once.
+
+A chain is a record of its own and one batch per step (ids ``<chain id>.<n>``), all written
+before it opens; a step that succeeds opens the next, in the Lua call that counts its last
+child; one that does not ends the chain ``failed`` (``cancelled`` after ``cancel_batch``) and
+the later steps never run. The last step's value is kept as the chain's result.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Final, Literal
+from uuid import NAMESPACE_URL, uuid4, uuid5
+
+from pydantic import BaseModel
+
+from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.errors import NotFoundError, PayloadError
+from kumiko_dramatiq.messages import build_message
+from kumiko_dramatiq.payloads import payload_to_enqueue
+from kumiko_dramatiq.workflows.results import decode_result
+
+if TYPE_CHECKING:
+    from dramatiq import Message
+
+    from kumiko_dramatiq.broker.broker import KumikoBroker
+    from kumiko_dramatiq.registry import JobDefinition, Registry
+    from kumiko_dramatiq.settings import Settings
+    from kumiko_dramatiq.worker.execution import Execution
+
+#: Children per ``lua/batch_write.lua`` call, and staged children moved onto their queues
+#: per ``lua/batch_commit.lua`` call: each well under a millisecond or two of Redis.
+WRITE_CHUNK: Final = 500
+MOVE_STEP: Final = 500
+
+#: How long a batch being written lives unopened (ms): a producer that died half-way leaves
+#: nothing behind for longer.
+WRITING_TTL_MS: Final = 3_600_000
+
+#: The states ``kumiko batches --state`` takes.
+BATCH_STATES: Final = ("running", "succeeded", "failed", "cancelled")
+
+BatchState = Literal["running", "succeeded", "failed", "cancelled"]
+ChildStatus = Literal["completed", "dead", "cancelled"]
+Item = tuple[str, "dict[str, Any] | BaseModel | None"]
+
+_ADDED = uuid5(NAMESPACE_URL, "kumiko:batch-add")
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """How one child of a batch ended (``ctx.batch.results()``), in dispatch order."""
+
+    message_id: str
+    job_name: str
+    tenant_id: str | None
+    status: ChildStatus
+    #: what its handler returned (a model instance for a model-annotated handler), or None
+    value: Any
+    error_type: str | None
+    error_message: str | None
+
+
+@dataclass(frozen=True)
+class BatchStatus:
+    """A batch or chain as ``runner.batch(id)`` reads it."""
+
+    id: str
+    kind: Literal["batch", "chain"]
+    state: BatchState
+    total: int
+    pending: int
+    completed: int
+    dead: int
+    cancelled: int
+    created_at: datetime
+    ended_at: datetime | None
+
+
+def batch_write(execution: Execution) -> str:
+    """``Settlement.batch`` for the end of ``execution``'s attempt (``lua/settle.lua``, extra
+    +8): ``"b <id>"`` for a batch child, ``"c <id>"`` for a callback, ``""`` otherwise."""
+    options = execution.options
+    if options.batch is not None:
+        return f"b {options.batch}"
+    if options.batch_callback is not None:
+        return f"c {options.batch_callback}"
+    return ""
+
+
+def _ms_time(value: Any) -> datetime | None:
+    if value in (None, b"", ""):
+        return None
+    return datetime.fromtimestamp(int(value) / 1000, tz=UTC)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class Batches:
+    """Writes and reads batches and chains (``runner.dispatch_batch`` and friends). Redis
+    errors go through as they are (the runner turns them into ``RedisUnavailableError``)."""
+
+    def __init__(self, broker: KumikoBroker, registry: Registry, settings: Settings) -> None:
+        self.broker = broker
+        self.registry = registry
+        self.settings = settings
+        self.prefix = settings.queue_prefix
+        self.root = keys.root(settings.queue_prefix)
+
+    # -- writing ----------------------------------------------------------
+    def dispatch_batch(
+        self,
+        items: Sequence[Item],
+        *,
+        on_success: Item | None = None,
+        on_complete: Item | None = None,
+    ) -> str:
+        """See ``JobRunner.dispatch_batch``."""
+        batch_id = str(uuid4())
+        children = self._children(batch_id, items, "items")
+        header: dict[str, str] = {"kind": "batch"}
+        for field, item in (("on_success", on_success), ("on_complete", on_complete)):
+            if item is not None:
+                header[field] = self._entry(self._callback(batch_id, item, field))
+        self._write(batch_id, children, header)
+        self._open(batch_id)
+        return batch_id
+
+    def dispatch_chain(self, steps: Sequence[Item | Sequence[Item]]) -> str:
+        """See ``JobRunner.dispatch_chain``."""
+        if isinstance(steps, str | bytes) or not isinstance(steps, Sequence) or not steps:
+            raise PayloadError("dispatch_chain", "steps", "must be a non-empty list of steps")
+        chain_id = str(uuid4())
+        written: list[tuple[str, list[Message[Any]], bool]] = []
+        for n, step in enumerate(steps, 1):
+            group = isinstance(step, list)
+            items: Sequence[Item] = step if isinstance(step, list) else [step]  # type: ignore[list-item]
+            step_id = f"{chain_id}.{n}"
+            written.append((step_id, self._children(step_id, items, f"steps[{n - 1}]"), group))
+        for n, (step_id, children, group) in enumerate(written, 1):
+            header = {"kind": "step", "chain": chain_id, "step": str(n)}
+            if group:
+                header["group"] = "1"
+            self._write(step_id, children, header)
+        self._write(chain_id, [], {"kind": "chain", "steps": str(len(written))})
+        self._open(chain_id)
+        return chain_id
+
+    def add(self, batch_id: str, adder_id: str, n: int, job_name: str, payload: Any) -> str:
+        """A running child (``adder_id``) adds its ``n``-th child to ``batch_id``; returns
+        the new child's id (derived, so a run that runs again adds the same children)."""
+        job = self._job(job_name, "job_name")
+        if job.options.per_tenant:
+            raise PayloadError(job.qualified_name, "job_name", "is per tenant: not a batch child")
+        body = payload_to_enqueue(job, payload, max_bytes=self.settings.max_payload_bytes)
+        child_id = str(uuid5(_ADDED, f"{adder_id}+{n}"))
+        message = build_message(
+            job,
+            body,
+            queue_prefix=self.prefix,
+            trigger="manual",
+            message_id=child_id,
+            batch=batch_id,
+        )
+        queue, rid, encoded = self._parts(message)
+        self.broker.lua.batch_add(
+            keys=[keys.batch(self.prefix, batch_id)],
+            args=[self.root, child_id, queue, rid, encoded],
+        )
+        return child_id
+
+    def cancel(self, batch_id: str, cancel_one: Any) -> int:
+        """See ``JobRunner.cancel_batch``; ``cancel_one(message_id) -> bool`` cancels one
+        child that has not started."""
+        reply = self.broker.lua.batch_cancel(
+            keys=[keys.batch(self.prefix, batch_id)],
+            args=[self.root, batch_id, int(time.time() * 1000)],
+        )
+        if int(reply[0]) < 0:
+            raise NotFoundError(f"{batch_id}: no such batch or chain (unknown, or expired)")
+        dropped, later, open_ids = int(reply[0]), int(reply[1]), reply[2]
+        cancelled = sum(1 for each in open_ids if cancel_one(_text(each)))
+        return dropped + later + cancelled
+
+    # -- reading ----------------------------------------------------------
+    def status(self, batch_id: str) -> BatchStatus:
+        """See ``JobRunner.batch``."""
+        found = self._status(batch_id)
+        if found is None:
+            raise NotFoundError(f"{batch_id}: no such batch or chain (unknown, or expired)")
+        return found
+
+    def listed(self, *, state: str | None = None, limit: int = 100) -> list[BatchStatus]:
+        """Batches and chains, newest first, at most ``limit`` (those in ``state``)."""
+        found: list[BatchStatus] = []
+        start = 0
+        index = keys.batches(self.prefix)
+        while len(found) < limit:
+            ids = self.broker.client.zrevrange(index, start, start + 199)
+            if not ids:
+                break
+            start += len(ids)
+            for each in ids:
+                status = self._status(_text(each))
+                if status is not None and (state is None or status.state == state):
+                    found.append(status)
+                    if len(found) == limit:
+                        break
+        return found
+
+    def results(self, batch_id: str) -> list[BatchResult]:
+        """How each child of ``batch_id`` ended, in dispatch order (only those that ended)."""
+        out: list[BatchResult] = []
+        for child_id, head, value in self._ended(batch_id):
+            name = str(head.get("j", "?"))
+            job = self.registry.jobs.get(name)
+            decoded = None if value in (None, "null") else decode_result(job, child_id, value)
+            out.append(
+                BatchResult(
+                    message_id=child_id,
+                    job_name=name,
+                    tenant_id=head.get("t"),
+                    status=head["s"],
+                    value=decoded,
+                    error_type=head.get("et"),
+                    error_message=head.get("em"),
+                )
+            )
+        return out
+
+    def previous_result(self, step_batch_id: str) -> Any:
+        """``ctx.previous_result`` of a child of chain step ``step_batch_id``: the value of
+        the step before (a group's: the list of its values), None for the first step."""
+        step = self.broker.client.hmget(keys.batch(self.prefix, step_batch_id), "chain", "step")
+        if step[0] is None or step[1] is None or int(step[1]) <= 1:
+            return None
+        before = f"{_text(step[0])}.{int(step[1]) - 1}"
+        group = self.broker.client.hget(keys.batch(self.prefix, before), "group") is not None
+        values = [result.value for result in self.results(before)]
+        if group:
+            return values
+        return values[0] if values else None
+
+    def outcomes(self) -> dict[str, int]:
+        """Batches and chains ended so far, by outcome (``kumiko_batches_total``)."""
+        raw = self.broker.client.hgetall(keys.batch_outcomes(self.prefix))
+        return {_text(k): int(v) for k, v in raw.items()}
+
+    # -- internals --------------------------------------------------------
+    def _job(self, name: Any, path: str) -> JobDefinition:
+        job = self.registry.jobs.get(name) if isinstance(name, str) else None
+        if job is None:
+            raise PayloadError(
+                "dispatch_batch", path, "names no declared job", name, note="see runner.job()"
+            )
+        return job
+
+    def _item(self, item: Any, path: str) -> tuple[JobDefinition, dict[str, Any]]:
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise PayloadError("dispatch_batch", path, "must be a (job_name, payload) pair", item)
+        job = self._job(item[0], f"{path}[0]")
+        body = payload_to_enqueue(
+            job, item[1], max_bytes=self.settings.max_payload_bytes, path=f"{path}[1]"
+        )
+        return job, body
+
+    def _children(self, batch_id: str, items: Sequence[Item], path: str) -> list[Message[Any]]:
+        if isinstance(items, str | bytes) or not isinstance(items, Sequence) or not items:
+            raise PayloadError("dispatch_batch", path, "must be a non-empty list of items")
+        messages = []
+        for i, item in enumerate(items):
+            job, body = self._item(item, f"{path}[{i}]")
+            if job.options.per_tenant:
+                raise PayloadError(
+                    job.qualified_name,
+                    f"{path}[{i}]",
+                    "is a per-tenant job: not yet a batch child (declare on_complete= on it)",
+                )
+            messages.append(
+                build_message(job, body, queue_prefix=self.prefix, trigger="manual", batch=batch_id)
+            )
+        return messages
+
+    def _callback(self, batch_id: str, item: Any, path: str) -> Message[Any]:
+        job, body = self._item(item, path)
+        return build_message(
+            job, body, queue_prefix=self.prefix, trigger="event", batch_callback=batch_id
+        )
+
+    def _parts(self, message: Message[Any]) -> tuple[str, str, bytes]:
+        prepared = self.broker.prepare(message, None)
+        self.broker.emit_before("enqueue", prepared, None)
+        return (
+            prepared.queue_name,
+            prepared.options["redis_message_id"],
+            self.broker.encode(prepared, None),
+        )
+
+    def _entry(self, message: Message[Any]) -> str:
+        queue, rid, encoded = self._parts(message)
+        return f"{queue}\t{rid}\t{encoded.decode()}"
+
+    def _write(self, batch_id: str, children: list[Message[Any]], header: dict[str, str]) -> None:
+        header = {
+            **header,
+            "ns": self.broker.namespace,
+            "created": str(int(time.time() * 1000)),
+            "ttl": str(self.settings.retention.completed_age_s * 1000),
+        }
+        key = keys.batch(self.prefix, batch_id)
+        first = True
+        for start in range(0, max(len(children), 1), WRITE_CHUNK):
+            args: list[Any] = [WRITING_TTL_MS, len(header) if first else 0]
+            if first:
+                for name, value in header.items():
+                    args += (name, value)
+            for message in children[start : start + WRITE_CHUNK]:
+                args += (str(message.message_id), *self._parts(message))
+            self.broker.lua.batch_write(keys=[key], args=args)
+            first = False
+
+    def _open(self, batch_id: str) -> None:
+        key = keys.batch(self.prefix, batch_id)
+        while True:
+            state, left = self.broker.lua.batch_commit(
+                keys=[key], args=[self.root, batch_id, int(time.time() * 1000), MOVE_STEP]
+            )
+            if _text(state) == "gone":
+                raise NotFoundError(f"{batch_id}: the batch expired before it was opened")
+            if int(left) == 0:
+                return
+
+    def _status(self, batch_id: str) -> BatchStatus | None:
+        raw = self.broker.client.hmget(
+            keys.batch(self.prefix, batch_id),
+            "kind",
+            "state",
+            "total",
+            "pending",
+            "completed",
+            "dead",
+            "cancelled",
+            "created",
+            "ended",
+        )
+        kind, state = raw[0], raw[1]
+        if kind is None or state is None or _text(kind) == "step" or _text(state) == "writing":
+            return None
+        counts = [int(each or 0) for each in raw[2:7]]
+        created = _ms_time(raw[7])
+        return BatchStatus(
+            id=batch_id,
+            kind="chain" if _text(kind) == "chain" else "batch",
+            state=_text(state),  # type: ignore[arg-type]
+            total=counts[0],
+            pending=counts[1],
+            completed=counts[2],
+            dead=counts[3],
+            cancelled=counts[4],
+            created_at=created or datetime.now(UTC),
+            ended_at=_ms_time(raw[8]),
+        )
+
+    def _ended(self, batch_id: str) -> list[tuple[str, dict[str, Any], str | None]]:
+        key = keys.batch(self.prefix, batch_id)
+        client = self.broker.client
+        children = [_text(each) for each in client.lrange(f"{key}:children", 0, -1)]
+        out = []
+        for start in range(0, len(children), 1000):
+            ids = children[start : start + 1000]
+            for child_id, entry in zip(ids, client.hmget(f"{key}:ended", ids), strict=True):
+                if entry is None:
+                    continue
+                head, _, value = _text(entry).partition("\n")
+                out.append((child_id, json.loads(head), value or None))
+        return out
+
+
+class BatchHandle:
+    """``ctx.batch`` of a batch child or callback: the batch's ``id``, ``results()`` (how its
+    children ended, in dispatch order) and ``add(job_name, payload)`` (a child of a running
+    batch adds another: the batch does not end before it does)."""
+
+    def __init__(self, batches: Batches, batch_id: str, adder_id: str) -> None:
+        self.id = batch_id
+        self._batches = batches
+        self._adder = adder_id
+        self._added = 0
+
+    def results(self) -> list[BatchResult]:
+        return self._batches.results(self.id)
+
+    def add(self, job_name: str, payload: dict[str, Any] | BaseModel | None = None) -> str:
+        self._added += 1
+        return self._batches.add(self.id, self._adder, self._added, job_name, payload)
+
+    def __repr__(self) -> str:
+        return f"BatchHandle({self.id!r})"
