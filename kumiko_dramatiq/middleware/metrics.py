@@ -37,6 +37,8 @@ lane}``                                   (a retry follows), ``dead``; the statu
 ``kumiko_queue_messages{lane,state}``     read from Redis at scrape time: ``queued``,
                                           ``delayed``, ``running``, ``parked``, ``dead``
 ``kumiko_run_history_records{status}``    read from Redis at scrape time
+``kumiko_batches_total{outcome}``          batches and chains ended: ``succeeded``,
+                                          ``failed``, ``cancelled`` (read from Redis)
 ``kumiko_redis_up``                       1 if that read worked
 ``kumiko_consumers_down``                 read from the live workers' liveness records at
                                           scrape time: consumer threads down (ended and
@@ -190,6 +192,13 @@ SPECS: Final[tuple[Spec, ...]] = (
         "gauge",
         ("status",),
         "Run records the history keeps, by status",
+        scraped=True,
+    ),
+    Spec(
+        "batches_total",
+        "counter",
+        ("outcome",),
+        "Batches and chains of the dataset ended so far, by outcome (kept in Redis)",
         scraped=True,
     ),
     Spec("redis_up", "gauge", (), "1 if this scrape read the dataset from Redis", scraped=True),

@@ -227,6 +227,8 @@ class DatasetReading:
     #: per capped job: ``max_running`` (0: none), slots held, starts in its rate limit's
     #: window (a per-tenant one: not summed, 0), messages waiting for its caps
     caps: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
+    #: batches and chains ended so far, by outcome (succeeded, failed, cancelled)
+    batches: dict[str, int] = field(default_factory=dict)
 
 
 def lane_counts(
@@ -259,7 +261,8 @@ def lane_counts(
 class DatasetCollector:
     """Scrape-time gauges of one dataset, read in ONE round trip (a ``MULTI`` pipeline, so
     the counts are one consistent snapshot): ``kumiko_queue_messages{lane,state}``,
-    ``kumiko_run_history_records{status}``, ``kumiko_consumers_down`` and ``kumiko_redis_up``
+    ``kumiko_run_history_records{status}``, ``kumiko_batches_total{outcome}``,
+    ``kumiko_consumers_down`` and ``kumiko_redis_up``
     (0 when the read failed; the others are then left out). Never called on a message's path."""
 
     def __init__(
@@ -306,7 +309,8 @@ class DatasetCollector:
                 "+inf",
             )
         pipe.hgetall(keys.cap_waits(self.prefix))
-        *counts, waits = pipe.execute()
+        pipe.hgetall(keys.batch_outcomes(self.prefix))
+        *counts, waits, outcomes = pipe.execute()
         waiting = {text(name): max(0, int(count)) for name, count in waits.items()}
         replies = iter(int(reply) for reply in counts)
         messages: dict[tuple[str, str], int] = {}
@@ -334,7 +338,8 @@ class DatasetCollector:
             )
             for capped_job in self.capped
         }
-        return DatasetReading(messages, records, caps)
+        batches = {text(outcome): int(n) for outcome, n in outcomes.items()}
+        return DatasetReading(messages, records, caps, batches)
 
     def collect(self) -> Iterator[Any]:
         core = importlib.import_module("prometheus_client.core")
@@ -366,6 +371,14 @@ class DatasetCollector:
         for status, count in reading.records.items():
             records.add_metric([status], count)
         yield records
+        batches = core.CounterMetricFamily(
+            metric_name("batches"),
+            "Batches and chains of the dataset ended so far, by outcome (kept in Redis)",
+            labels=["outcome"],
+        )
+        for outcome in ("succeeded", "failed", "cancelled"):
+            batches.add_metric([outcome], reading.batches.get(outcome, 0))
+        yield batches
         yield from self.collect_consumers_down(core)
         if not reading.caps:
             return

@@ -25,6 +25,7 @@ from kumiko_dramatiq import (
 )
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.ops import cli
+from kumiko_dramatiq.ops.exposition import DatasetCollector
 from tests.conftest import RunnerFactory
 
 
@@ -129,6 +130,9 @@ def test_every_child_completed_runs_both_callbacks_once_with_the_results_in_orde
     assert (status.total, status.pending, status.completed, status.dead) == (3, 0, 3, 0)
     assert status.ended_at is not None
     assert status.ended_at >= status.created_at
+    # and kumiko_batches_total{outcome} counts it
+    reading = DatasetCollector(runner.broker, runner.registry).read()
+    assert reading.batches == {"succeeded": 1}
 
 
 def test_a_dead_child_runs_on_complete_only_and_the_batch_failed(
