@@ -154,6 +154,8 @@ class JobOptions(BaseModel):
     max_running: int | None = Field(default=None, ge=1, le=MAX_CAP_RUNNING)
     rate_limit: RateLimit | None = None
     keep_result_s: int | None = Field(default=None, gt=0, le=MAX_DURATION_MS // 1000)
+    on_complete: str | None = None
+    on_success: str | None = None
 
     @field_validator("rate_limit", mode="before")
     @classmethod
@@ -230,6 +232,14 @@ class JobOptions(BaseModel):
                 "with boot_gate=True is not supported: a gate runs in-process, its value "
                 "goes nowhere",
             )
+        for name in ("on_complete", "on_success"):
+            if getattr(self, name) is not None and not self.per_tenant:
+                raise _FieldProblem(
+                    name,
+                    "needs per_tenant=True: a plain job's dispatch is one run (use "
+                    "runner.dispatch_batch for a callback)",
+                    getattr(self, name),
+                )
         if self.boot_gate and self.per_tenant:
             raise _FieldProblem(
                 "boot_gate", "with per_tenant=True is not supported: a gate runs once, in-process"
@@ -266,6 +276,8 @@ _PROBLEMS: dict[str, str] = {
     "max_running": "must be an integer >= 1 or None",
     "rate_limit": "must be None or RateLimit(count, per_ms, per_tenant=False)",
     "keep_result_s": "must be a positive integer (seconds, at most 366 days) or None",
+    "on_complete": 'must be a qualified job name ("feature:job:name") or None',
+    "on_success": 'must be a qualified job name ("feature:job:name") or None',
 }
 
 

@@ -127,6 +127,12 @@ class JobDefinition:
         return self.options.max_running is not None or self.options.rate_limit is not None
 
     @property
+    def has_callbacks(self) -> bool:
+        """Whether each dispatch of this (per-tenant) job is a batch of its tenant children
+        with a callback: ``on_complete`` or ``on_success``."""
+        return self.options.on_complete is not None or self.options.on_success is not None
+
+    @property
     def wrapper_actor_name(self) -> str:
         """Actor name of a per-tenant job's fan-out wrapper (contains the qualified name)."""
         return self.qualified_name + WRAPPER_SUFFIX
@@ -209,6 +215,13 @@ class Registry:
                 settle_payload_model(job)
                 jobs[qualified] = job
         self.jobs: Mapping[str, JobDefinition] = MappingProxyType(jobs)
+        for job in jobs.values():
+            for option in ("on_complete", "on_success"):
+                callback = getattr(job.options, option)
+                if callback is not None and callback not in jobs:
+                    raise JobConfigError(
+                        job.qualified_name, option, "names no declared job", callback
+                    )
         events: dict[str, list[JobDefinition]] = {}
         for job in jobs.values():
             if job.event_name is not None:

@@ -76,7 +76,8 @@ CLIENT_COMMANDS: Final[dict[str, str]] = {
     "client|unblock": "wakes consumers waiting on a doorbell at shutdown, or when a settle "
     "claimed messages for them",
     # reads and writes outside scripts: status, listings, presence, run history
-    "del": "presence records, reset-boot, stop requests a worker acted on",
+    "del": "presence records, reset-boot, stop requests a worker acted on, the progress of "
+    "an attempt that ended",
     "exists": "stop_run: whether a message that does not run left a trace",
     "get": "status, locks, dedup records, dead-letter details",
     "hget": "run records",
@@ -90,14 +91,15 @@ CLIENT_COMMANDS: Final[dict[str, str]] = {
     "llen": "status: queued messages",
     "lrange": "parked messages of paused jobs; the head of an older version's delay queue list; "
     "kumiko queued: waiting messages",
-    "mget": "presence, boot markers, the start-up check's Cluster probe, stop requests",
+    "mget": "presence, boot markers, the start-up check's Cluster probe, stop requests, "
+    "the progress of running attempts",
     "pexpire": "presence records",
     "pttl": "locks and dedup records: time left",
     "role": "a connection to a Sentinel-managed primary checks it is one",
     "sadd": "pause",
     "scan": "testing.delete_dataset (no command or page walks the keyspace)",
     "scard": "status: running messages",
-    "set": "presence records, stop requests",
+    "set": "presence records, stop requests, ctx.progress",
     "sismember": "paused jobs",
     "smembers": "paused jobs",
     "zadd": "presence",

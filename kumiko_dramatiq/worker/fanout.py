@@ -39,6 +39,12 @@ id the dispatch returned finds the children's runs) and nothing else: not its
 attempts. Locking of sequential children is the ``Sequential`` middleware's
 business (per child, i.e. per tenant); wrappers are never locked.
 
+A wrapper that is a batch child (``dispatch_batch``), or of a job that declares
+``on_complete``/``on_success`` (each dispatch a batch of its own, begun by the wrapper's
+first attempt, id = the wrapper's), has its children join that batch before they are
+enqueued, and they carry it: the batch ends when the wrapper and every tenant child ended
+(:mod:`kumiko_dramatiq.workflows.batches`).
+
 Redis keys written: ``keys.enqueue_guard`` per child, plus the queue's
 message hash and list (through the script). Never deleted by kumiko: a guard
 expires after ``completed_age_s``.
@@ -77,6 +83,9 @@ def fan_out(runtime: Runtime, execution: Execution, payload: dict[str, Any]) -> 
     """
     job = execution.job
     wrapper_id = execution.message_id
+    batch = execution.options.batch
+    if batch is None and job.has_callbacks:
+        batch = runtime.batches.begin(job, wrapper_id, payload)
     tenants = tenant_ids(job.qualified_name, _resolve(runtime))
     if not tenants:
         logger.info(
@@ -91,6 +100,7 @@ def fan_out(runtime: Runtime, execution: Execution, payload: dict[str, Any]) -> 
         tenants,
         scheduled_at=execution.options.scheduled_at,
         origin_id=execution.origin_id,
+        batch=batch,
     )
     logger.info(
         "%s wrapper %s fanned out to %d tenant(s): %d newly enqueued, %d already enqueued",
@@ -146,18 +156,21 @@ def enqueue_children(
     *,
     scheduled_at: datetime | None = None,
     origin_id: str | None = None,
+    batch: str | None = None,
 ) -> int:
     """Enqueue the child of each tenant not enqueued before; return how many were new.
 
     One Lua call (round trip) per :data:`CHILD_BATCH_SIZE` tenants (read at
     call time). A failure raises after the earlier batches were enqueued;
-    their guards make the next attempt skip them.
+    their guards make the next attempt skip them. With ``batch`` the children join that
+    batch first, chunk by chunk (``lua/batch_join.lua``), before they are enqueued: the
+    wrapper is a child itself until it ends, so the batch cannot end in between.
     """
     prefix = runtime.queue_prefix
     fresh = 0
-    for batch in batches(tenants, CHILD_BATCH_SIZE):
+    for chunk in batches(tenants, CHILD_BATCH_SIZE):
         messages, guards = [], []
-        for tenant in batch:
+        for tenant in chunk:
             child_id = child_message_id(wrapper_id, tenant)
             messages.append(
                 build_message(
@@ -169,9 +182,12 @@ def enqueue_children(
                     tenant_id=tenant,
                     scheduled_at=scheduled_at,
                     origin_id=origin_id,
+                    batch=batch,
                 )
             )
             guards.append(keys.enqueue_guard(prefix, child_id))
+        if batch is not None:  # counted by origin and tenant (lua/include/batch.lua)
+            runtime.batches.join(batch, [f"{origin_id or wrapper_id}/{tenant}" for tenant in chunk])
         fresh += sum(
             runtime.broker.enqueue_guarded_batch(
                 messages,

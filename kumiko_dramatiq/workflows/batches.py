@@ -38,6 +38,7 @@ from pydantic import BaseModel
 
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.errors import NotFoundError, PayloadError
+from kumiko_dramatiq.ids import child_message_id
 from kumiko_dramatiq.messages import build_message
 from kumiko_dramatiq.payloads import payload_to_enqueue
 from kumiko_dramatiq.workflows.results import decode_result
@@ -107,7 +108,16 @@ def batch_write(execution: Execution) -> str:
         return f"b {options.batch}"
     if options.batch_callback is not None:
         return f"c {options.batch_callback}"
+    if execution.job.has_callbacks and options.tenant_id is None:  # the wrapper: its batch's
+        return f"b {execution.message_id}"
     return ""
+
+
+def child_id_of(member: str) -> str:
+    """The message id of a batch member: the id itself, or for a per-tenant child
+    (``"<wrapper id>/<tenant>"``, ``lua/include/batch.lua``) the tenant child's id."""
+    wrapper_id, sep, tenant = member.partition("/")
+    return child_message_id(wrapper_id, tenant) if sep else member
 
 
 def _ms_time(value: Any) -> datetime | None:
@@ -174,8 +184,10 @@ class Batches:
         """A running child (``adder_id``) adds its ``n``-th child to ``batch_id``; returns
         the new child's id (derived, so a run that runs again adds the same children)."""
         job = self._job(job_name, "job_name")
-        if job.options.per_tenant:
-            raise PayloadError(job.qualified_name, "job_name", "is per tenant: not a batch child")
+        if job.has_callbacks:
+            raise PayloadError(
+                job.qualified_name, "job_name", "declares on_complete/on_success: not a child"
+            )
         body = payload_to_enqueue(job, payload, max_bytes=self.settings.max_payload_bytes)
         child_id = str(uuid5(_ADDED, f"{adder_id}+{n}"))
         message = build_message(
@@ -193,6 +205,39 @@ class Batches:
         )
         return child_id
 
+    def begin(self, job: JobDefinition, wrapper_id: str, payload: dict[str, Any]) -> str:
+        """The batch of one dispatch of per-tenant ``job`` (which declares ``on_complete`` or
+        ``on_success``), begun by its wrapper ``wrapper_id`` (once; again a no-op): id = the
+        wrapper's, the callbacks get the wrapper's payload."""
+        entries = []
+        for field in ("on_complete", "on_success"):
+            callback = getattr(job.options, field)
+            entries.append(
+                ""
+                if callback is None
+                else self._entry(self._callback(wrapper_id, (callback, payload), field))
+            )
+        self.broker.lua.batch_begin(
+            keys=[keys.batch(self.prefix, wrapper_id)],
+            args=[
+                self.root,
+                wrapper_id,
+                int(time.time() * 1000),
+                self.broker.namespace,
+                self.settings.retention.completed_age_s * 1000,
+                *entries,
+            ],
+        )
+        return wrapper_id
+
+    def join(self, batch_id: str, child_ids: Sequence[str]) -> int:
+        """``child_ids`` join running ``batch_id`` before they are enqueued (a fan-out)."""
+        return int(
+            self.broker.lua.batch_join(
+                keys=[keys.batch(self.prefix, batch_id)], args=[self.root, *child_ids]
+            )
+        )
+
     def cancel(self, batch_id: str, cancel_one: Any) -> int:
         """See ``JobRunner.cancel_batch``; ``cancel_one(message_id) -> bool`` cancels one
         child that has not started."""
@@ -203,7 +248,7 @@ class Batches:
         if int(reply[0]) < 0:
             raise NotFoundError(f"{batch_id}: no such batch or chain (unknown, or expired)")
         dropped, later, open_ids = int(reply[0]), int(reply[1]), reply[2]
-        cancelled = sum(1 for each in open_ids if cancel_one(_text(each)))
+        cancelled = sum(1 for each in open_ids if cancel_one(child_id_of(_text(each))))
         return dropped + later + cancelled
 
     # -- reading ----------------------------------------------------------
@@ -233,11 +278,15 @@ class Batches:
         return found
 
     def results(self, batch_id: str) -> list[BatchResult]:
-        """How each child of ``batch_id`` ended, in dispatch order (only those that ended)."""
+        """How each child of ``batch_id`` ended, in dispatch order (only those that ended; a
+        per-tenant child as its tenant children, in the order they joined)."""
         out: list[BatchResult] = []
         for child_id, head, value in self._ended(batch_id):
             name = str(head.get("j", "?"))
             job = self.registry.jobs.get(name)
+            if job is not None and job.options.per_tenant and head.get("t") is None:
+                continue  # a per-tenant wrapper: its tenant children are the results
+            child_id = child_id_of(child_id)
             decoded = None if value in (None, "null") else decode_result(job, child_id, value)
             out.append(
                 BatchResult(
@@ -294,11 +343,12 @@ class Batches:
         messages = []
         for i, item in enumerate(items):
             job, body = self._item(item, f"{path}[{i}]")
-            if job.options.per_tenant:
+            if job.has_callbacks:
                 raise PayloadError(
                     job.qualified_name,
                     f"{path}[{i}]",
-                    "is a per-tenant job: not yet a batch child (declare on_complete= on it)",
+                    "declares on_complete/on_success (each dispatch a batch of its own): "
+                    "not a child of another batch",
                 )
             messages.append(
                 build_message(job, body, queue_prefix=self.prefix, trigger="manual", batch=batch_id)

@@ -16,6 +16,7 @@ import redis
 from kumiko_dramatiq import (
     BatchResult,
     Feature,
+    JobConfigError,
     JobContext,
     JobFailedError,
     JobRunner,
@@ -379,3 +380,83 @@ def test_the_cli_shows_lists_and_cancels_batches(
 
 
 APP = registry_of(Seen())
+
+
+def tenant_registry(seen: Seen) -> Registry:
+    nightly = Feature("nightly")
+
+    @nightly.job("export", per_tenant=True)
+    def export(payload: dict[str, Any], ctx: JobContext) -> Any:
+        return {"tenant": ctx.tenant_id, "day": payload["day"]}
+
+    @nightly.job("export_then_mail", per_tenant=True, on_complete="nightly:job:summary",
+                 on_success="nightly:job:mail")  # fmt: skip
+    def export_then_mail(payload: dict[str, Any], ctx: JobContext) -> Any:
+        return ctx.tenant_id
+
+    @nightly.job("summary")
+    def summary(payload: dict[str, Any], ctx: JobContext) -> None:
+        assert ctx.batch is not None
+        seen.add("summary", (payload, ctx.batch.id, ctx.batch.results()))
+
+    @nightly.job("mail")
+    def mail(payload: dict[str, Any], ctx: JobContext) -> None:
+        seen.add("mail", payload)
+
+    return Registry([nightly])
+
+
+def test_a_per_tenant_child_ends_when_every_tenant_child_ended(
+    make_runner: RunnerFactory,
+) -> None:
+    seen = Seen()
+    runner = make_runner(tenant_registry(seen), get_active_tenant_ids=lambda: ["acme", "globex"])
+    runner.start()
+
+    batch_id = runner.dispatch_batch(
+        [("nightly:job:export", {"day": "2026-12-06"})],
+        on_complete=("nightly:job:summary", {"all": True}),
+    )
+    runner.drain(timeout_s=30)
+
+    [(payload, got_id, results)] = seen.of("summary")
+    assert (payload, got_id) == ({"all": True}, batch_id)
+    assert sorted((r.tenant_id, r.value["tenant"]) for r in results) == [
+        ("acme", "acme"),
+        ("globex", "globex"),
+    ]
+    status = runner.batch(batch_id)
+    assert status.state == "succeeded"
+    # the wrapper counts as a child too, with one per tenant
+    assert (status.total, status.completed) == (3, 3)
+
+
+def test_a_per_tenant_job_with_on_complete_makes_each_dispatch_a_batch(
+    make_runner: RunnerFactory,
+) -> None:
+    seen = Seen()
+    runner = make_runner(tenant_registry(seen), get_active_tenant_ids=lambda: ["acme", "globex"])
+    runner.start()
+
+    wrapper_id = runner.dispatch("nightly:job:export_then_mail", {"day": "2026-12-06"})
+    runner.drain(timeout_s=30)
+
+    [(payload, got_id, results)] = seen.of("summary")
+    assert (payload, got_id) == ({"day": "2026-12-06"}, wrapper_id)
+    assert sorted(r.value for r in results) == ["acme", "globex"]
+    assert seen.of("mail") == [{"day": "2026-12-06"}]
+    assert runner.batch(wrapper_id).state == "succeeded"
+
+
+def test_callbacks_must_name_declared_jobs_of_a_per_tenant_job() -> None:
+    feature = Feature("f")
+    with pytest.raises(JobConfigError, match="on_complete needs per_tenant=True"):
+        feature.job("plain", on_complete="f:job:plain")
+
+    other = Feature("g")
+
+    @other.job("fan", per_tenant=True, on_success="g:job:nope")
+    def fan(payload: dict[str, Any], ctx: JobContext) -> None: ...
+
+    with pytest.raises(JobConfigError, match="on_success names no declared job"):
+        Registry([other])

@@ -234,6 +234,8 @@ class LuaScripts:
     batch_write: Script
     batch_commit: Script
     batch_add: Script
+    batch_join: Script
+    batch_begin: Script
     batch_cancel: Script
     # operating
     cancel: Script

@@ -297,7 +297,8 @@ for i, rid in ipairs(rids) do
                     local run = cjson.decode(ARGV[base + 8])
                     head.et, head.em = run.et, run.em
                 end
-                batch_child_ended(root, batch, origin, cjson.encode(head), value, now)
+                batch_child_ended(root, batch, batch_member(origin, tenant), cjson.encode(head),
+                    value, now)
             else
                 error("kumiko: malformed batch end " .. string.sub(ARGV[at + 8], 1, 60))
             end

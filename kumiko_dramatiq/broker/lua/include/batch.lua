@@ -11,7 +11,9 @@
 --                      callback's end, counted once), "a:<id>" (a child added by a running
 --                      child, counted once); a chain: steps, step (the running one); a step
 --                      of chain C (id "C.<n>"): chain, step, group ("1": a list of jobs)
---   batch:B:children   list of the children's message ids, in dispatch order
+--   batch:B:children   list of the children's ids, in dispatch order: a child's id is the
+--                      id its dispatch returned (its origin id), "<origin>/<tenant>" for a
+--                      per-tenant child (batch_member)
 --   batch:B:ended      hash child id -> "<head JSON>\n<value JSON>": how it ended (s status,
 --                      j job, t tenant, et/em error), then its value (null for none); a
 --                      child is counted the first time its id is set here, never again
@@ -28,6 +30,8 @@
 -- batch_run_ended(root, run, status, now): the same for a decoded run record table (run_of
 --   in include/history.lua: its b = batch, cb = the batch it is a callback of)
 -- batch_callback_ended(root, batch, id): a callback ended; the last lets the records expire
+-- batch_join(root, key, ids) -> how many of `ids` joined the running batch at `key` as new
+--   children (an id joins once: "a:<id>"); an error when it is not running
 -- batch_message_cancelled(root, message, now): the same for a decoded message taken out
 --   before it ran (a purge)
 -- @include enqueue
@@ -38,6 +42,14 @@ local BATCH_MOVE_STEP = 500
 -- @per-call
 local batch_moved = {}
 -- @end per-call
+
+-- the id a child is counted by: its origin id ("" tenant: none), with its tenant if it has one
+local function batch_member(origin, tenant)
+    if tenant and tenant ~= "" then
+        return origin .. "/" .. tenant
+    end
+    return origin
+end
 
 local function batch_key(root, id)
     return root .. "batch:" .. id
@@ -217,6 +229,30 @@ local function batch_child_ended(root, batch, child, head, value, now)
     end
 end
 
+local function batch_join(root, key, ids)
+    local head = redis.call("hmget", key, "state", "chain")
+    if head[1] ~= "running" then
+        error("kumiko: batch " .. string.sub(key, #root + 7) .. " is "
+            .. tostring(head[1] or "gone") .. ", not running: no child can join it")
+    end
+    local joined = {}
+    for _, id in ipairs(ids) do
+        if redis.call("hsetnx", key, "a:" .. id, "1") == 1 then
+            joined[#joined + 1] = id
+        end
+    end
+    if #joined > 0 then
+        redis.call("rpush", key .. ":children", unpack(joined))
+        redis.call("hincrby", key, "total", #joined)
+        redis.call("hincrby", key, "pending", #joined)
+        if head[2] then
+            redis.call("hincrby", batch_key(root, head[2]), "total", #joined)
+            redis.call("hincrby", batch_key(root, head[2]), "pending", #joined)
+        end
+    end
+    return #joined
+end
+
 local function batch_callback_ended(root, batch, id)
     local key = batch_key(root, batch)
     if redis.call("exists", key) == 0 or redis.call("hsetnx", key, "cb:" .. id, "1") == 0 then
@@ -229,7 +265,7 @@ end
 
 local function batch_run_ended(root, run, status, now)
     if run.b then
-        batch_child_ended(root, run.b, run.o, cjson.encode({
+        batch_child_ended(root, run.b, batch_member(run.o, run.t), cjson.encode({
             s = status, j = run.j, t = run.t, et = run.et, em = run.em,
         }), nil, now)
     end
