@@ -66,6 +66,9 @@ LINGER_SHARE: Final = 1.0
 #: any, follow all the call's deliveries), and the extras of one that has none.
 SETTLE_FIELDS: Final = 11
 NO_EXTRAS: Final = ("",) * 9
+#: How many of the extras carry a delivery's other ends (all but its result and batch): a
+#: delivery whose only extras are those two sends them alone (marker "b", ``lua/settle.lua``).
+_OTHER_EXTRAS: Final = 7
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +110,22 @@ class SettleEntry:
             *header,
             record,
             self.actor,
-            "" if self.extras == NO_EXTRAS else "+",
+            self.marker,
         ]
+
+    @property
+    def marker(self) -> str:
+        """Field +10: "" (no extras), "b" (its result and batch only: two arguments), "+"."""
+        if self.extras == NO_EXTRAS:
+            return ""
+        return "b" if not any(self.extras[:_OTHER_EXTRAS]) else "+"
+
+    def sent_extras(self) -> tuple[Any, ...]:
+        """The extras the call carries for this entry (see :attr:`marker`)."""
+        marker = self.marker
+        if marker == "b":
+            return self.extras[_OTHER_EXTRAS:]
+        return self.extras if marker else ()
 
 
 @dataclass(frozen=True)
@@ -489,8 +506,7 @@ class SettleCalls:
         extras: list[Any] = []
         for entry in entries:
             args.extend(entry.fields())
-            if entry.extras != NO_EXTRAS:
-                extras.extend(entry.extras)
+            extras.extend(entry.sent_extras())
         args.extend(extras)
         args.extend(block.args)
         if claim is not None:

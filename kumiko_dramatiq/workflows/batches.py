@@ -53,8 +53,8 @@ if TYPE_CHECKING:
 
 #: Children per ``lua/batch_write.lua`` call, and staged children moved onto their queues
 #: per ``lua/batch_commit.lua`` call: each well under a millisecond or two of Redis.
-WRITE_CHUNK: Final = 500
-MOVE_STEP: Final = 500
+WRITE_CHUNK: Final = 250
+MOVE_STEP: Final = 250
 
 #: How long a batch being written lives unopened (ms): a producer that died half-way leaves
 #: nothing behind for longer.

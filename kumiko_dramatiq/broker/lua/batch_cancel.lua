@@ -26,13 +26,12 @@ end
 local target_key = batch_key(root, target)
 local staged = redis.call("lrange", target_key .. ":staged", 0, -1)
 redis.call("del", target_key .. ":staged")
-for _, entry in ipairs(staged) do
-    local body = string.match(entry, "^[^\t]*\t[^\t]*\t(.*)$") or ""
+for i = 3, #staged, 3 do
+    local body = staged[i]
     local mid = message_id_of(body)
     if mid then
-        batch_child_ended(root, target, mid, cjson.encode({
-            s = "cancelled", j = job_of(actor_of(body) or ""),
-        }), nil, now)
+        batch_child_ended(root, target, mid, "cancelled",
+            batch_head("cancelled", job_of(actor_of(body) or "")), nil, now)
     end
 end
 local open = {}
@@ -49,4 +48,4 @@ for start = 1, #children, 1000 do
         end
     end
 end
-return {#staged, later, open}
+return {#staged / 3, later, open}

@@ -25,7 +25,8 @@ end
 local children, staged = {}, {}
 for i = 3 + 2 * fields, #ARGV, 4 do
     children[#children + 1] = ARGV[i]
-    staged[#staged + 1] = ARGV[i + 1] .. "\t" .. ARGV[i + 2] .. "\t" .. ARGV[i + 3]
+    local n = #staged
+    staged[n + 1], staged[n + 2], staged[n + 3] = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
 end
 local held = 0
 if #children > 0 then

@@ -28,7 +28,8 @@
 --   its body reads as kumiko's, its attempt's record says "dead" with the reason in +8
 --   +8 the run record (JSON)   +9 the actor name of the delivered message as the worker
 --   decoded it ("" = not known: read off its body; see forget_bodies in include/counts.lua)
---   +10 "+" if the delivery's 9 extra arguments follow the deliveries, else "" (they are
+--   +10 "+" if the delivery's 9 extra arguments follow the deliveries, "b" if only its
+--   extras +7 and +8 do (two arguments: the end of a batch child), else "" (they are
 --   then all "": most deliveries have none, and an argument costs Redis's Lua about 1,000
 --   instructions however short; a header in one argument to split, about 12,000): the
 --   extras of the deliveries that have them, in the deliveries' order, from ARGV[5 + 11 *
@@ -113,12 +114,31 @@ failed_ttl = ttl_ms(failed_ttl, "failed run record")
 local FIELDS, EXTRAS = 11, 9
 local root_of_runs = ARGV[4]
 -- each delivery's redis id, and where its extras are (extra_at[i], or nil: none)
-local rids, extra_at = {}, {}
+local rids, extra_at, extra_short = {}, {}, {}
+-- extra k (0-8) of delivery i, "" if it has none
+local function extra(i, k)
+    local at = extra_at[i]
+    if not at then
+        return ""
+    elseif extra_short[i] then
+        if k == 7 then
+            return ARGV[at]
+        elseif k == 8 then
+            return ARGV[at + 1]
+        end
+        return ""
+    end
+    return ARGV[at + k]
+end
 local tail = 5 + count * FIELDS
 for i = 1, count do
     local base = 5 + (i - 1) * FIELDS
     rids[i] = ARGV[base]
-    if ARGV[base + 10] ~= "" then
+    local marker = ARGV[base + 10]
+    if marker == "b" then
+        extra_at[i], extra_short[i] = tail, true
+        tail = tail + 2
+    elseif marker ~= "" then
         extra_at[i] = tail
         tail = tail + EXTRAS
     end
@@ -159,7 +179,7 @@ end
 -- fails the call before it writes anything)
 local dedup_ends, deferred = {}, {}
 for i = 1, count do
-    local field = extra_at[i] and ARGV[extra_at[i] + 6] or ""
+    local field = extra(i, 6)
     if field ~= "" then
         local index, mid, key = string.match(field, "^([^\t]*)\t([^\t]*)\t(.*)$")
         local head, job = string.match(index or "", "^(.-)dedupidx:(.*)$")
@@ -175,12 +195,11 @@ for i = 1, count do
     end
 end
 for i = 1, count do
-    local at = extra_at[i]
     -- (an encoded retry comes with outcome "retry" only: the common case reads no outcome)
-    if at and ARGV[at + 5] ~= "" and (owned[i] or recovered[i]) and not deferred[i]
+    if extra(i, 5) ~= "" and (owned[i] or recovered[i]) and not deferred[i]
         and string.match(ARGV[5 + (i - 1) * FIELDS + 1], "^%a+") == "retry" then
-        local retry_list = namespace .. ":" .. ARGV[at + 3]
-        enqueue_message(retry_list .. ".msgs", retry_list, ARGV[at + 4], ARGV[at + 5])
+        local retry_list = namespace .. ":" .. extra(i, 3)
+        enqueue_message(retry_list .. ".msgs", retry_list, extra(i, 4), extra(i, 5))
     end
 end
 -- A delivery left for its key's follow-up stays this worker's: one recovered meanwhile has its
@@ -233,9 +252,9 @@ for i, rid in ipairs(rids) do
             job, status, score = ARGV[base + 5], ARGV[base + 6], ARGV[base + 7]
             tenant, origin = "", mid
             if at then
-                tenant = ARGV[at]
-                if ARGV[at + 1] ~= "" then
-                    origin = ARGV[at + 1]
+                tenant = extra(i, 0)
+                if extra(i, 1) ~= "" then
+                    origin = extra(i, 1)
                 end
             end
         end
@@ -263,10 +282,10 @@ for i, rid in ipairs(rids) do
             indexed_job = indexed_job or job
         end
         local value = nil
-        if root and at and ARGV[at + 7] ~= "" then
+        if root and at and extra(i, 7) ~= "" then
             -- the end of a job that keeps results: its value (a completed run), then the
             -- announcement its waiters wake on (a completed or dead one)
-            local kept, announced, ttl = ARGV[at + 7], origin, nil
+            local kept, announced, ttl = extra(i, 7), origin, nil
             if kept ~= "-" then
                 ttl, value = string.match(kept, "^(%d+) (.*)$")
                 if not ttl then
@@ -283,24 +302,22 @@ for i, rid in ipairs(rids) do
                 redis.call("publish", root .. "results", announced)
             end
         end
-        if root and at and ARGV[at + 8] ~= "" and (status == "completed" or status == "dead"
+        if root and at and extra(i, 8) ~= "" and (status == "completed" or status == "dead"
             or status == "cancelled") then
-            local kind, batch = string.match(ARGV[at + 8], "^([bc]) (.+)$")
+            local kind, batch = string.match(extra(i, 8), "^([bc]) (.+)$")
             if kind == "c" then
                 batch_callback_ended(root, batch, mid)
             elseif kind == "b" then
-                local head = {s = status, j = job}
-                if tenant ~= "" then
-                    head.t = tenant
-                end
+                local error_type, error_message = nil, nil
                 if status ~= "completed" then
                     local run = cjson.decode(ARGV[base + 8])
-                    head.et, head.em = run.et, run.em
+                    error_type, error_message = run.et, run.em
                 end
-                batch_child_ended(root, batch, batch_member(origin, tenant), cjson.encode(head),
-                    value, now)
+                batch_child_ended(root, batch, batch_member(origin, tenant), status,
+                    batch_head(status, job, tenant ~= "" and tenant or nil, error_type,
+                        error_message), value, now)
             else
-                error("kumiko: malformed batch end " .. string.sub(ARGV[at + 8], 1, 60))
+                error("kumiko: malformed batch end " .. string.sub(extra(i, 8), 1, 60))
             end
         end
         if mine then
@@ -320,8 +337,8 @@ for i, rid in ipairs(rids) do
                 dead_count = dead_count + 1
                 dead_letter(rid)
                 now = head_now
-                if root and at and ARGV[at + 2] ~= "" then
-                    redis.call("set", root .. "dead:" .. mid, ARGV[at + 2], "PX", dead_ttl)
+                if root and at and extra(i, 2) ~= "" then
+                    redis.call("set", root .. "dead:" .. mid, extra(i, 2), "PX", dead_ttl)
                 end
             else
                 forgotten[#forgotten + 1] = rid

@@ -17,8 +17,8 @@
 --   batch:B:ended      hash child id -> "<head JSON>\n<value JSON>": how it ended (s status,
 --                      j job, t tenant, et/em error), then its value (null for none); a
 --                      child is counted the first time its id is set here, never again
---   batch:B:staged     list of children written but not yet on their queues
---                      ("<queue>\t<redis id>\t<encoded message>")
+--   batch:B:staged     list of children written but not yet on their queues, three
+--                      entries each: queue, redis id, encoded message (no string to split)
 --   batches            zset of batch and chain ids by creation time (listing)
 --   batch-outcomes     hash outcome -> batches and chains ended so (kumiko_batches_total)
 -- While written ("writing") a batch's keys expire (an abandoned write leaves nothing); once
@@ -26,7 +26,9 @@
 -- batch_open(key, now) -> the state after (a written batch opens: counts set, keys kept)
 -- batch_move(key, ns, limit) -> staged children left, after moving up to `limit` onto their
 --   queues (at most one move per batch per call beyond the caller's own)
--- batch_child_ended(root, batch, child, head, value, now): count the child's end once
+-- batch_child_ended(root, batch, child, status, head, value, now): count the child's end
+--   (status "completed" | "dead" | "cancelled"; head: its JSON, see :ended) once
+-- batch_head(status, job, tenant, error type, error message) -> the head JSON of a child's end
 -- batch_run_ended(root, run, status, now): the same for a decoded run record table (run_of
 --   in include/history.lua: its b = batch, cb = the batch it is a callback of)
 -- batch_callback_ended(root, batch, id): a callback ended; the last lets the records expire
@@ -37,10 +39,10 @@
 -- @include enqueue
 -- @include body
 
-local BATCH_MOVE_STEP = 500
+local BATCH_MOVE_STEP = 250
 
 -- @per-call
-local batch_moved = {}
+local batch_moved, batch_heads, batch_unstaged = {}, {}, {}
 -- @end per-call
 
 -- the id a child is counted by: its origin id ("" tenant: none), with its tenant if it has one
@@ -87,13 +89,18 @@ end
 local function batch_move(key, ns, limit)
     batch_moved[key] = true
     local staged = key .. ":staged"
-    local entries = redis.call("lpop", staged, limit)
+    local entries = redis.call("lpop", staged, 3 * limit)
     if entries then
-        for _, entry in ipairs(entries) do
-            batch_enqueue(ns, entry)
+        for i = 1, #entries, 3 do
+            local list = ns .. ":" .. entries[i]
+            enqueue_message(list .. ".msgs", list, entries[i + 1], entries[i + 2])
         end
     end
-    return redis.call("llen", staged)
+    local left = redis.call("llen", staged) / 3
+    if left == 0 then
+        batch_unstaged[key] = true
+    end
+    return left
 end
 
 -- the value of a step (one job: its value; a group: the list of its values in order)
@@ -200,16 +207,19 @@ local function batch_finish(root, key, now)
     end
 end
 
-local function batch_child_ended(root, batch, child, head, value, now)
+local function batch_child_ended(root, batch, child, status, head, value, now)
     local key = batch_key(root, batch)
-    local state = redis.call("hmget", key, "state", "chain", "ns")
+    local state = batch_heads[key] -- read once per call: a settle ends many of one batch
+    if not state then
+        state = redis.call("hmget", key, "state", "chain", "ns")
+        batch_heads[key] = state
+    end
     if state[1] ~= "running" then
         return -- unknown, expired, or ended already (a child run again after its end)
     end
     if redis.call("hsetnx", key .. ":ended", child, head .. "\n" .. (value or "null")) == 0 then
         return -- counted before: the count is by child
     end
-    local status = cjson.decode(head).s
     local pending = redis.call("hincrby", key, "pending", -1)
     redis.call("hincrby", key, status, 1)
     if state[2] then
@@ -219,14 +229,25 @@ local function batch_child_ended(root, batch, child, head, value, now)
     end
     if pending <= 0 then
         batch_finish(root, key, now)
-    elseif not batch_moved[key] then
+        batch_heads[key] = nil
+    elseif not batch_moved[key] and not batch_unstaged[key] then
         -- a writer that stopped after it opened the batch left children staged: every end
         -- moves the next ones once few of those moved are left
-        local staged = redis.call("llen", key .. ":staged")
-        if staged > 0 and pending - staged < BATCH_MOVE_STEP / 2 then
+        local staged = redis.call("llen", key .. ":staged") / 3
+        if staged == 0 then
+            batch_unstaged[key] = true
+        elseif pending - staged < BATCH_MOVE_STEP / 2 then
             batch_move(key, state[3], BATCH_MOVE_STEP)
         end
     end
+end
+
+-- the head of a child's end (see :ended): a job name needs no escaping (the registry's names)
+local function batch_head(status, job, tenant, error_type, error_message)
+    if not tenant and not error_type and not error_message then
+        return '{"s":"' .. status .. '","j":"' .. job .. '"}'
+    end
+    return cjson.encode({s = status, j = job, t = tenant, et = error_type, em = error_message})
 end
 
 local function batch_join(root, key, ids)
@@ -265,9 +286,8 @@ end
 
 local function batch_run_ended(root, run, status, now)
     if run.b then
-        batch_child_ended(root, run.b, batch_member(run.o, run.t), cjson.encode({
-            s = status, j = run.j, t = run.t, et = run.et, em = run.em,
-        }), nil, now)
+        batch_child_ended(root, run.b, batch_member(run.o, run.t), status,
+            batch_head(status, run.j, run.t, run.et, run.em), nil, now)
     end
     if run.cb then
         batch_callback_ended(root, run.cb, run.m)
