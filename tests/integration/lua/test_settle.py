@@ -5,6 +5,8 @@ that maintenance recovered meanwhile) and ``nack``. Rows and helpers:
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import redis
 
@@ -1115,3 +1117,69 @@ def test_settle_keeps_the_result_and_announces_the_end(
     message = pubsub.get_message(timeout=2 if announced else 0.2)
     assert (None if message is None else message["data"]) == announced
     pubsub.close()
+
+
+def open_batch(env: Env, children: list[str], on_complete: str = "") -> str:
+    """A batch "b1" opened with ``children`` (moved onto no queue: the settles under test
+    count their ends), as lua/batch_write.lua and lua/batch_commit.lua leave it."""
+    key = env.key(ROOT) + "batch:b1"
+    env.client.hset(
+        key,
+        mapping={
+            "kind": "batch",
+            "state": "running",
+            "total": len(children),
+            "pending": len(children),
+            "completed": 0,
+            "dead": 0,
+            "cancelled": 0,
+            "ns": NAMESPACE,
+            "ttl": 600_000,
+            "created": NOW,
+            **({"on_complete": on_complete} if on_complete else {}),
+        },
+    )
+    env.client.rpush(key + ":children", *children)
+    return key
+
+
+def test_a_batch_child_settled_twice_is_counted_once(env: Env) -> None:
+    # Given a batch of two children, the first of which is settled (completed)
+    key = open_batch(env, ["m1", "m2"])
+    env.seed(SETTLE_M1)
+    run = ended()
+    assert (
+        env.settle("completed", run_header=header_of(run), run=run, result="0 7", batch="b b1") == 1
+    )
+    assert env.client.hmget(key, "pending", "completed") == [b"1", b"1"]
+
+    # When the same child is settled again (a second copy of it ran: a redelivery, a
+    # fail-over that lost the first settle's ack)
+    env.seed(SETTLE_M1)
+    env.settle("completed", run_header=header_of(run), run=run, result="0 7", batch="b b1")
+
+    # Then it still counts once, with the value of its first end
+    assert env.client.hmget(key, "pending", "completed", "state") == [b"1", b"1", b"running"]
+    assert env.client.hget(key + ":ended", "m1") == b'{"s":"completed","j":"app:job:sync"}\n7'
+
+
+def test_the_last_child_s_end_enqueues_on_complete_once_and_ends_the_batch(env: Env) -> None:
+    callback = kumiko_message("cb1")
+    key = open_batch(env, ["m1"], on_complete=f"{env.key('{q}')}\tr9\t{callback}")
+    env.seed(SETTLE_M1)
+    run = ended(status="dead", et="ValueError", em="boom")
+    env.settle("dead", run_header=header_of(run), run=run, batch="b b1")
+
+    assert env.client.hmget(key, "state", "dead", "pending", "callbacks") == [
+        b"failed",
+        b"1",
+        b"0",
+        b"1",
+    ]
+    head, value = env.client.hget(key + ":ended", "m1").split(b"\n")
+    assert json.loads(head) == {"s": "dead", "j": "app:job:sync", "et": "ValueError", "em": "boom"}
+    assert value == b"null"
+    queue = NAMESPACE + ":" + env.key("{q}")
+    assert env.client.lrange(queue, 0, -1).count(b"r9") == 1
+    assert env.client.hget(queue + ".msgs", "r9") == callback.encode()
+    assert env.client.hget(env.key(ROOT) + "batch-outcomes", "failed") == b"1"
