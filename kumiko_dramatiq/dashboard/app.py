@@ -85,6 +85,7 @@ NAV: Final = (
     ("/busy", "Busy"),
     ("/runs", "Runs"),
     ("/dead", "Dead letters"),
+    ("/batches", "Batches"),
     ("/locks", "Locks"),
     ("/dedup", "Dedup keys"),
     ("/schedules", "Schedules"),
@@ -204,6 +205,13 @@ class Dashboard:
                 view("run.html", lambda r: pages.run(self.runner, r.path_params["message_id"])),
             ),
             Route("/dead", view("dead.html", lambda r: pages.dead(self.runner, _query(r)))),
+            Route(
+                "/batches", view("batches.html", lambda r: pages.batches(self.runner, _query(r)))
+            ),
+            Route(
+                "/batches/{batch_id}",
+                view("batch.html", lambda r: pages.batch(self.runner, r.path_params["batch_id"])),
+            ),
             Route("/locks", view("locks.html", lambda r: pages.locks(self.runner))),
             Route("/dedup", view("dedup.html", lambda r: pages.dedup(self.runner, _query(r)))),
             Route(
@@ -500,6 +508,16 @@ def _cancel(runner: JobRunner, form: Mapping[str, str]) -> Flash:
     }
 
 
+def _cancel_batch(runner: JobRunner, form: Mapping[str, str]) -> Flash:
+    batch_id = pages.parse_message_id(form.get("batch_id"))
+    never = runner.cancel_batch(batch_id)
+    return {
+        "kind": "ok",
+        "text": f"Batch {batch_id} cancelled: {never} children will never start.",
+        "link": f"/batches/{batch_id}",
+    }
+
+
 def _pause(runner: JobRunner, form: Mapping[str, str]) -> Flash:
     job = pages.parse_job(runner, form)
     if job is None:
@@ -579,6 +597,7 @@ _ACTIONS: Final[dict[str, Callable[[JobRunner, Mapping[str, str]], Flash]]] = {
     "retry": _retry,
     "retry-all": _retry_all,
     "cancel": _cancel,
+    "cancel-batch": _cancel_batch,
     "pause": _pause,
     "resume": _resume,
 }

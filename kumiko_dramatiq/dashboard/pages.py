@@ -33,6 +33,7 @@ from kumiko_dramatiq.ops.admin import DeadCursor, DedupCursor
 from kumiko_dramatiq.ops.history import STATUSES, JobRun
 from kumiko_dramatiq.ops.waiting import WAITING_STATES, QueuedMessage
 from kumiko_dramatiq.runner import JobRunner
+from kumiko_dramatiq.workflows.batches import BATCH_STATES, BatchResult
 
 #: Message ids as the admin API accepts them.
 MESSAGE_ID: Final = re.compile(r"[A-Za-z0-9._:-]{1,200}")
@@ -44,6 +45,8 @@ DEAD_PAGE: Final = 50
 DEDUP_PAGE: Final = 100
 #: Locks shown (held locks number at most the sequential runs in flight).
 LOCKS_PAGE: Final = 500
+#: Batches and chains a page lists (newest first).
+BATCHES_PAGE: Final = 100
 #: Cron fire times shown per job on the schedules page.
 NEXT_FIRES: Final = 3
 #: Ticks (runs) shown per cron job on the schedules page.
@@ -326,6 +329,7 @@ def run(runner: JobRunner, message_id: str) -> dict[str, Any]:
     waiting = runner.admin.waiting_state(message_id)
     return {
         "message_id": message_id,
+        "batch_id": runner.runtime.batches.batch_of(message_id),
         "attempts": attempts,
         "latest": latest,
         "origin": origin,
@@ -351,6 +355,34 @@ def dead(runner: JobRunner, query: Query) -> dict[str, Any]:
         "first_page": after is None,
         "job_names": sorted(runner.registry.jobs),
     }
+
+
+def batches(runner: JobRunner, query: Query) -> dict[str, Any]:
+    state = _text(query, "state", 20)
+    if state is not None and state not in BATCH_STATES:
+        raise BadInput(f"state must be one of {', '.join(BATCH_STATES)}")
+    found = runner.batches(state=state, limit=BATCHES_PAGE + 1)
+    return {
+        "state": state,
+        "states": BATCH_STATES,
+        "batches": found[:BATCHES_PAGE],
+        "more": len(found) > BATCHES_PAGE,
+    }
+
+
+def batch(runner: JobRunner, batch_id: str) -> dict[str, Any]:
+    parse_message_id(batch_id)
+    status = runner.batch(batch_id)
+    workflows = runner.runtime.batches
+    steps: list[tuple[str, list[BatchResult]]] = []
+    if status.kind == "chain":
+        n = 1
+        while (step := workflows.step_results(batch_id, n)) is not None:
+            steps.append((f"step {n}", step))
+            n += 1
+    else:
+        steps.append(("children", workflows.results(batch_id)))
+    return {"status": status, "steps": steps}
 
 
 def locks(runner: JobRunner) -> dict[str, Any]:

@@ -99,6 +99,10 @@ def end_record(
         record["sa"] = options.scheduled_at.isoformat()
     if options.dedup_key is not None:
         record["dk"] = options.dedup_key
+    if options.batch is not None:  # its batch (the dashboard links a child's run to it)
+        record["b"] = options.batch
+    elif options.batch_callback is not None:
+        record["cb"] = options.batch_callback
     if exception is not None:
         record.update(error_fields(exception))
     if settings.record_payloads:

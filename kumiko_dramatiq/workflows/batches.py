@@ -314,6 +314,24 @@ class Batches:
             return values
         return values[0] if values else None
 
+    def step_results(self, chain_id: str, step: int) -> list[BatchResult] | None:
+        """How the children of step ``step`` (1-based) of ``chain_id`` ended; ``None`` past
+        its last step."""
+        if not self.broker.client.exists(keys.batch(self.prefix, f"{chain_id}.{step}")):
+            return None
+        return self.results(f"{chain_id}.{step}")
+
+    def batch_of(self, message_id: str) -> str | None:
+        """The batch (or chain) a message's runs belong to, as a child or a callback, read
+        off its run records; ``None`` for none."""
+        for raw in self.broker.client.hvals(keys.run_record(self.prefix, message_id)):
+            record = json.loads(raw)
+            found = record.get("b") or record.get("cb")
+            if isinstance(found, str):
+                chain, dot, _ = found.partition(".")  # a chain step's: the chain
+                return chain if dot else found
+        return None
+
     def outcomes(self) -> dict[str, int]:
         """Batches and chains ended so far, by outcome (``kumiko_batches_total``)."""
         raw = self.broker.client.hgetall(keys.batch_outcomes(self.prefix))

@@ -460,3 +460,36 @@ def test_callbacks_must_name_declared_jobs_of_a_per_tenant_job() -> None:
 
     with pytest.raises(JobConfigError, match="on_success names no declared job"):
         Registry([other])
+
+
+def test_the_dashboard_lists_batches_with_their_progress_and_children(
+    make_runner: RunnerFactory,
+) -> None:
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+
+    from kumiko_dramatiq.dashboard.app import create_app
+
+    runner = make_runner(registry_of(Seen()))
+    runner.start()
+    batch_id = runner.dispatch_batch(
+        [*renders("INV-1"), ("billing:job:broken", {"invoice": "INV-2"})]
+    )
+    runner.drain(timeout_s=30)
+    [dead] = [r for r in runner.runtime.batches.results(batch_id) if r.status == "dead"]
+    client = TestClient(create_app(runner))
+
+    listed = client.get("/batches")
+    assert listed.status_code == 200
+    assert batch_id[:8] in listed.text
+    assert 'aria-valuenow="2"' in listed.text
+    assert "failed" in listed.text
+    shown = client.get(f"/batches/{batch_id}")
+    assert shown.status_code == 200
+    assert "cannot render INV-2" in shown.text
+    assert dead.message_id[:8] in shown.text
+    run = client.get(f"/runs/{dead.message_id}")
+    assert f"/batches/{batch_id}" in run.text
+    unknown = client.get("/batches/00000000-0000-4000-8000-000000000000")
+    assert unknown.status_code == 400  # the dashboard's answer to any lookup that finds nothing
+    assert "no such batch" in unknown.text
