@@ -40,6 +40,12 @@ def child_message_id(wrapper_message_id: str, tenant_id: str) -> str:
     return _uuid5("child", wrapper_message_id, tenant_id)
 
 
+def added_child_id(adder_message_id: str, n: int) -> str:
+    """Id of the ``n``-th child (1-based) that a running batch child ``adder_message_id`` adds
+    to its batch (``ctx.batch.add``): a run that runs again adds the same children."""
+    return _uuid5("batch-add", adder_message_id, str(n))
+
+
 def boot_message_id(job_name: str, queue_prefix: str, generation: int = 0) -> str:
     """The fixed id of a ``run_on_boot`` job in a dataset: one per ``generation`` (how many
     times ``reset-boot`` reset it; 0 before the first reset), so a run after a reset never

@@ -32,13 +32,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final, Literal
-from uuid import NAMESPACE_URL, uuid4, uuid5
+from uuid import uuid4
 
 from pydantic import BaseModel
 
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.errors import NotFoundError, PayloadError
-from kumiko_dramatiq.ids import child_message_id
+from kumiko_dramatiq.ids import added_child_id, child_message_id
 from kumiko_dramatiq.messages import build_message
 from kumiko_dramatiq.payloads import payload_to_enqueue
 from kumiko_dramatiq.workflows.results import decode_result
@@ -66,8 +66,6 @@ BATCH_STATES: Final = ("running", "succeeded", "failed", "cancelled")
 BatchState = Literal["running", "succeeded", "failed", "cancelled"]
 ChildStatus = Literal["completed", "dead", "cancelled"]
 Item = tuple[str, "dict[str, Any] | BaseModel | None"]
-
-_ADDED = uuid5(NAMESPACE_URL, "kumiko:batch-add")
 
 
 @dataclass(frozen=True)
@@ -189,7 +187,7 @@ class Batches:
                 job.qualified_name, "job_name", "declares on_complete/on_success: not a child"
             )
         body = payload_to_enqueue(job, payload, max_bytes=self.settings.max_payload_bytes)
-        child_id = str(uuid5(_ADDED, f"{adder_id}+{n}"))
+        child_id = added_child_id(adder_id, n)
         message = build_message(
             job,
             body,

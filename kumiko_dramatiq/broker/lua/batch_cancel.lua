@@ -2,8 +2,8 @@
 -- KEYS[1] the batch hash "<root>batch:<id>"
 -- ARGV[1] kumiko root   ARGV[2] the batch id   ARGV[3] now (ms)
 -- Marks it cancelled (it ends "cancelled": on_complete runs, on_success never does; a chain
--- opens no further step), drops the children still staged (each ends "cancelled" now), and
--- returns {dropped, children of later steps that will never start, the ids of the children
+-- opens no further step) and drops the children still staged (each ends "cancelled" now).
+-- Returns {dropped, children of later steps that will never start, the ids of the children
 -- that have not ended (the caller cancels those not started)}, or {-1} for no such batch.
 -- @include batch
 local key, root, id, now = KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3])
