@@ -48,11 +48,13 @@ from kumiko_dramatiq.errors import (
 from kumiko_dramatiq.ids import child_message_id
 from kumiko_dramatiq.limits import tenant_id_problem
 from kumiko_dramatiq.payloads import load_payload, payload_to_enqueue
+from kumiko_dramatiq.progress import InMemoryProgress
 from kumiko_dramatiq.registry import JobDefinition, Registry
 from kumiko_dramatiq.runner import JobRunner
 from kumiko_dramatiq.worker.loop import EventLoopThread
 
 __all__ = [
+    "InMemoryProgress",
     "RunnerFactory",
     "delete_dataset",
     "new_queue_prefix",
@@ -90,6 +92,7 @@ def run_job(
     tenant_id: str | None = None,
     attempt: int = 1,
     app: Any = None,
+    progress: InMemoryProgress | None = None,
 ) -> Any:
     """Run the handler of ``job_name`` once, in this process, and return what it returns.
 
@@ -101,7 +104,9 @@ def run_job(
     ``JobRunner`` built from this environment would use), then handed over as a worker hands
     it: a copy decoded from JSON, or for a typed job (its handler takes a pydantic model; a
     dict or an instance is accepted) the model validated from that JSON, as a worker
-    validates it. ``async def`` handlers run to completion on an event loop
+    validates it. ``ctx.progress`` is checked as on a worker and kept in memory: pass an
+    :class:`InMemoryProgress` as ``progress`` to read every report (``.reports``, ``.value``,
+    ``.note``); nothing is coalesced. ``async def`` handlers run to completion on an event loop
     of their own (a fresh ``asyncio.run``, or a loop thread when called from running async
     code).
 
@@ -150,7 +155,8 @@ def run_job(
             name, "tenant_id", "must be None: only a per-tenant job runs for a tenant", tenant_id
         )
     meta = JobMeta(attempt=attempt, max_attempts=max_attempts, tenant_id=tenant_id, trigger=trigger)
-    ctx = JobContext(job_name=name, message_id=message_id, meta=meta, app=app)
+    sink = InMemoryProgress() if progress is None else progress
+    ctx = JobContext(job_name=name, message_id=message_id, meta=meta, app=app, _progress=sink)
     delivered = load_payload(job, json.loads(json.dumps(body)))
     if job.is_async:
         return _run_coroutine(job.handler(delivered, ctx))

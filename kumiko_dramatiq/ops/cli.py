@@ -30,7 +30,7 @@ kumiko_dramatiq.scheduler``).
     run-now MESSAGE_ID           queue a delayed or backing-off message now
     stats [--job J] [--hours H]  per job and hour: completed, failed, dead, cancelled,
                                  duration p50 and p95 (kept 7 days)
-    busy [--job J]               attempts running now: worker, started, for how long
+    busy [--job J]               attempts running now: worker, started, for how long, progress
     stop MESSAGE_ID              ask a running attempt to stop (it ends cancelled)
     pause JOB / resume JOB       hold a job's messages back / let them run
     locks [--limit N]            held sequential locks and capped jobs' slots, and the runs
@@ -104,6 +104,7 @@ from kumiko_dramatiq.ops.admin import COUNT_STATES
 from kumiko_dramatiq.ops.history import STATUSES, JobRun
 from kumiko_dramatiq.ops.terminal import indented, parse_when, table, without_frames_of
 from kumiko_dramatiq.ops.waiting import WAITING_STATES, QueuedMessage
+from kumiko_dramatiq.progress import progress_label
 from kumiko_dramatiq.runner import JobRunner
 from kumiko_dramatiq.scheduler import Scheduler
 from kumiko_dramatiq.workflows.commands import COMMANDS as WORKFLOW_COMMANDS
@@ -242,7 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     stats = command("stats", "per job and hour: completed, failed, dead, cancelled, p50, p95")
     stats.add_argument("--job", help="qualified job name")
     stats.add_argument("--hours", type=_hours, default=24, help="how far back (1-168)")
-    busy = command("busy", "attempts running now: which worker runs what, for how long")
+    busy = command(
+        "busy", "attempts running now: which worker runs what, for how long, how far it is"
+    )
     busy.add_argument("--job", help="qualified job name")
     stop = command("stop", "ask a running attempt to stop: it ends cancelled, is not retried")
     stop.add_argument("message_id", metavar="MESSAGE_ID", help=an_id)
@@ -796,13 +799,14 @@ def _busy(runner: JobRunner, args: argparse.Namespace) -> Result:
             r.worker or "-",
             _time(r.started_at),
             "" if r.started_at is None else _span(datetime.now(UTC) - r.started_at),
+            progress_label(r.progress, r.progress_note),
         ]
         for r in runs
     ]
     text = table(
-        ["job", "message", "tenant", "att.", "worker", "started", "running for"],
+        ["job", "message", "tenant", "att.", "worker", "started", "running for", "progress"],
         rows,
-        cuttable=("tenant",),
+        cuttable=("tenant", "progress"),
     )
     return {"running": [r.to_json() for r in runs]}, text or "nothing runs", EXIT_OK
 

@@ -35,7 +35,9 @@ attempt (:meth:`RunHistory.put`).
   the longest record age from its last TTL refresh, which a writer does at least once a
   minute while it writes to it),
   ``stats:{job}:{hour}`` (:mod:`kumiko_dramatiq.ops.stats`), ``dead:{message id}`` (a
-  dead letter's error, for ``kumiko dead``).
+  dead letter's error, for ``kumiko dead``), ``progress:{message id}:{attempt}`` (a running
+  attempt's latest ``ctx.progress``, written by its worker, :mod:`kumiko_dramatiq.worker.progress`;
+  :meth:`RunHistory.running` reads them in one ``MGET``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import itertools
 import json
 import traceback as tb
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Final, Literal
 
@@ -121,6 +123,10 @@ class JobRun:
     payload: dict[str, Any] | None = None
     #: unique per record: ``"<message id>:<attempt>"``; the tie-breaker of the run order
     run_id: str = ""
+    #: a running attempt's latest ``ctx.progress`` value (0.0-1.0), else ``None``
+    progress: float | None = None
+    #: a running attempt's latest ``ctx.progress`` note, else ``None``
+    progress_note: str | None = None
 
     def __post_init__(self) -> None:
         if not self.run_id:
@@ -153,7 +159,7 @@ class JobRun:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict with the contract's field names (datetimes as ISO-8601)."""
         out: dict[str, Any] = {}
-        for attribute in (*FIELDS.values(), "run_id"):
+        for attribute in (*FIELDS.values(), "run_id", "progress", "progress_note"):
             value = getattr(self, attribute)
             out[attribute] = value.isoformat() if isinstance(value, datetime) else value
         return out
@@ -253,7 +259,8 @@ class RunHistory:
         """The runs out with a worker now, read off the in-flight hash and their messages (a
         run whose worker died shows until its message is delivered again or dead-lettered). A
         message a worker holds ahead of its threads is not running: it shows once its worker
-        reported its start (``lua/include/inflight.lua``)."""
+        reported its start (``lua/include/inflight.lua``). Each run carries its latest
+        ``ctx.progress`` (:func:`with_progress`: one more command)."""
         entries = {
             text(rid): text(entry)
             for rid, entry in self.client.hgetall(self.inflight).items()
@@ -275,7 +282,7 @@ class RunHistory:
             run = _running_run(body, entries[rid])
             if run is not None:
                 runs.append(run)
-        return runs
+        return with_progress(self.client, self.prefix, runs)
 
     def runs(
         self,
@@ -402,6 +409,34 @@ class RunHistory:
         """What kumiko noted when ``message_id`` was dead-lettered (error, attempt, ...)."""
         raw = self.client.get(keys.dead_note(self.prefix, message_id))
         return None if raw is None else dict(json.loads(raw))
+
+
+def with_progress(client: redis.Redis, queue_prefix: str, runs: list[JobRun]) -> list[JobRun]:
+    """``runs`` (running ones) with their latest ``ctx.progress``: one ``MGET`` of their
+    progress keys (:mod:`kumiko_dramatiq.worker.progress`), none without runs. A key written
+    by another worker than the one running the attempt now (left by a worker that died) is
+    not shown."""
+    if not runs:
+        return runs
+    found = client.mget([keys.progress(queue_prefix, run.message_id, run.attempt) for run in runs])
+    return [_progressed(run, raw) for run, raw in zip(runs, found, strict=True)]
+
+
+def _progressed(run: JobRun, raw: Any) -> JobRun:
+    if raw is None:
+        return run
+    try:
+        data = json.loads(raw)
+        value, note, worker = data.get("v"), data.get("n"), data.get("w")
+    except (ValueError, AttributeError):
+        return run
+    if worker != run.worker:
+        return run
+    return replace(
+        run,
+        progress=float(value) if isinstance(value, int | float) else None,
+        progress_note=note if isinstance(note, str) else None,
+    )
 
 
 def is_held_entry(entry: bytes | str) -> bool:

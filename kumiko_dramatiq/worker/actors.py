@@ -85,7 +85,7 @@ def _job_body(runtime: Runtime, job: JobDefinition) -> Callable[[dict[str, Any]]
             with _refusing_stale(execution):
                 argument = load_payload(job, payload, note=STALE_NOTE, show_value=show_value)
         context = runtime.context_for(execution)
-        with _stoppable(runtime, execution):
+        with _stoppable(runtime, execution), _reporting(execution):
             value = execution.interruptible.run(
                 lambda: runtime.call_handler(job, argument, context)
             )
@@ -127,6 +127,17 @@ def _refusing_stale(execution: Execution) -> Iterator[None]:
     except PayloadError:
         execution.no_retry()
         raise
+
+
+@contextmanager
+def _reporting(execution: Execution) -> Iterator[None]:
+    """The handler call inside may report progress; its end drops it
+    (:mod:`kumiko_dramatiq.worker.progress`)."""
+    try:
+        yield
+    finally:
+        if execution.progress is not None:
+            execution.progress.close()
 
 
 @contextmanager

@@ -34,6 +34,7 @@ from kumiko_dramatiq.worker.stops import StopRequested
 
 if TYPE_CHECKING:
     from kumiko_dramatiq.registry import JobDefinition, Registry
+    from kumiko_dramatiq.worker.progress import ProgressReport
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,9 @@ class Execution:
     #: What the handler returned, encoded (a job with ``keep_result_s`` whose handler
     #: returned: :func:`kumiko_dramatiq.workflows.results.encode_result`), else ``None``.
     result: str | None = None
+    #: Where the handler's ``ctx.progress`` goes (set with its context,
+    #: :mod:`kumiko_dramatiq.worker.progress`); closed when the handler call ends.
+    progress: ProgressReport | None = None
 
     def __post_init__(self) -> None:
         self.meta = self.options.meta()

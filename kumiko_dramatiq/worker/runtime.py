@@ -25,6 +25,7 @@ from kumiko_dramatiq.settings import Settings
 from kumiko_dramatiq.worker.execution import Execution, execution_of
 from kumiko_dramatiq.worker.fencing import Fence, HoldLost
 from kumiko_dramatiq.worker.loop import EventLoopThread
+from kumiko_dramatiq.worker.progress import ProgressReport, ProgressWriter
 from kumiko_dramatiq.worker.stops import StopWatch
 from kumiko_dramatiq.worker.supervision import Deferred
 from kumiko_dramatiq.workflows.batches import Batches, BatchHandle
@@ -71,11 +72,16 @@ class Runtime:
         self.broker: KumikoBroker
         #: brings ``stop_run`` requests to the runs (its thread starts on first use)
         self.stops: StopWatch
+        #: writes the runs' ``ctx.progress`` (its thread starts on first use)
+        self.progress: ProgressWriter
 
     def attach(self, broker: KumikoBroker) -> None:
         """Bind the runtime to the broker it serves (once, at construction)."""
         self.broker = broker
         self.stops = StopWatch(broker.client, self.settings.queue_prefix)
+        self.progress = ProgressWriter(
+            broker.client, self.settings.queue_prefix, broker.worker_identity
+        )
         broker.holds.enforce = self._enforce_hold
 
     def _enforce_hold(self, delivery: Delivery, end_at: float | None) -> None:
@@ -154,9 +160,16 @@ class Runtime:
             meta=execution.meta,
             app=self.app,
             stop_event=execution.stop,
+            _progress=self._progress_of(execution),
             batch=batch,
             previous_reader=previous,
         )
+
+    def _progress_of(self, execution: Execution) -> ProgressReport:
+        """A new progress report for ``execution``'s handler call, kept on it (the actor
+        body closes it)."""
+        execution.progress = self.progress.open(execution.message_id, execution.meta.attempt)
+        return execution.progress
 
     @functools.cached_property
     def batches(self) -> Batches:

@@ -118,7 +118,7 @@ KEY_PIECES = re.compile(
     r"kumiko:|dramatiq:|\.msgs|\.XQ|\.DQ|__acks__|__heartbeats__|"
     r"(?<![\w-])(?:sent|enqueued|boot|lock|locks|dedup|dedupidx|done|cron|inflight|suspects|"
     r"probe|cancel|paused|parked|parked-withdrawn|withdrawn|proc|procs|run|runs|dead|bell|"
-    r"tenant|status|job|origin):"
+    r"tenant|status|job|origin|progress):"
 )
 
 

@@ -34,7 +34,7 @@
     }
   });
 
-  var seconds = Math.max(2, parseInt(main.getAttribute("data-refresh"), 10) || 5);
+  var seconds = Math.max(1, parseInt(main.getAttribute("data-refresh"), 10) || 5);
   var busy = false;
 
   function openDetails() {
