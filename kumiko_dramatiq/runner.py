@@ -14,10 +14,10 @@ import functools
 import logging
 import re
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import redis
 from dramatiq.worker import Worker
@@ -53,11 +53,6 @@ from kumiko_dramatiq.middleware.retries import check_no_dramatiq_retries
 from kumiko_dramatiq.ops.admin import (
     PURGE_WALKS,
     Admin,
-    DeadLetter,
-    DedupInfo,
-    JobInfo,
-    LockInfo,
-    Status,
 )
 from kumiko_dramatiq.ops.draining import Drain
 from kumiko_dramatiq.ops.history import STATUSES, JobRun, RunHistory, RunStatus, run_ttls_ms
@@ -79,6 +74,30 @@ logger = logging.getLogger("kumiko_dramatiq")
 
 #: How many messages ``dispatch_many`` writes per Lua call.
 DISPATCH_BATCH = 500
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _reads_admin(
+    method: Callable[Concatenate[Admin, P], R], action: str, doc: str
+) -> Callable[Concatenate[JobRunner, P], R]:
+    """A ``JobRunner`` method that is ``method`` of its :class:`Admin`: a ``job`` it is given
+    (first argument or keyword) must be declared, a Redis failure while ``action`` becomes
+    ``RedisUnavailableError``."""
+
+    def read(self: JobRunner, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        job = kwargs.get("job", args[0] if args else None)
+        if job is not None:
+            self._job(job)  # type: ignore[arg-type]
+        with self._redis(action):
+            return method(self.admin, *args, **kwargs)
+
+    read.__name__ = method.__name__
+    read.__qualname__ = f"JobRunner.{method.__name__}"
+    read.__doc__ = doc
+    return read
 
 
 class JobRunner:
@@ -541,23 +560,49 @@ class JobRunner:
         """The admin API over this runner's dataset (no connection until used)."""
         return Admin(self.broker, self.registry, self.settings)
 
-    def status(self) -> Status:
+    # Reads straight off the admin API: each checks a ``job`` argument it is given (an
+    # unknown one raises ``UnknownJobError``) and maps a Redis failure to
+    # ``RedisUnavailableError``; the rest is :class:`Admin`'s.
+    status = _reads_admin(
+        Admin.status,
+        "reading the status",
         """Per lane: queued, delayed, running, dead (and parked) counts; live workers and
-        schedulers; paused jobs."""
-        with self._redis("reading the status"):
-            return self.admin.status()
-
-    def jobs(self) -> list[JobInfo]:
-        """Every declared job with its options, lane, next and last cron fire, paused."""
-        with self._redis("reading the jobs"):
-            return self.admin.jobs()
-
-    def dead_letters(self, job: str | None = None, *, limit: int = 100) -> list[DeadLetter]:
-        """Dead-lettered messages, newest first, with their last error and traceback."""
-        if job is not None:
-            self._job(job)
-        with self._redis("reading the dead letters"):
-            return self.admin.dead_letters(job, limit=limit)
+        schedulers; paused jobs.""",
+    )
+    jobs = _reads_admin(
+        Admin.jobs,
+        "reading the jobs",
+        "Every declared job with its options, lane, next and last cron fire, paused.",
+    )
+    dead_letters = _reads_admin(
+        Admin.dead_letters,
+        "reading the dead letters",
+        "Dead-lettered messages, newest first, with their last error and traceback.",
+    )
+    job_counts = _reads_admin(
+        Admin.job_counts,
+        "reading the job counts",
+        """Every declared job -> ``{"queued", "delayed", "running", "parked", "dead"}``:
+        exact, kept by the scripts that move messages (filled in for older data at first
+        use, in bounded steps); messages waiting for a slot count as queued.""",
+    )
+    running = _reads_admin(
+        Admin.running,
+        "reading the running attempts",
+        """The attempts running now (status ``running``, with ``worker`` and ``started_at``,
+        and the ``progress`` an attempt reported), longest running first.""",
+    )
+    locks = _reads_admin(
+        Admin.locks,
+        "reading the locks",
+        """Held sequential locks (at most ``limit``), by job and tenant, with the run holding
+        each, when it was taken and whether its holder's worker is alive.""",
+    )
+    dedup_keys = _reads_admin(
+        Admin.dedup_keys,
+        "reading the dedup keys",
+        "Live dedup keys (at most ``limit``), by job, newest first.",
+    )
 
     def retry_dead(self, message_id: str) -> str | Literal[False]:
         """Re-enqueue dead letter ``message_id`` with a fresh attempt budget (one atomic step
@@ -651,21 +696,6 @@ class JobRunner:
             )
         return moved
 
-    def job_counts(self) -> dict[str, dict[str, int]]:
-        """Every declared job -> ``{"queued", "delayed", "running", "parked", "dead"}``:
-        exact, kept by the scripts that move messages (filled in for older data at first
-        use, in bounded steps); messages waiting for a slot count as queued."""
-        with self._redis("reading the job counts"):
-            return self.admin.job_counts()
-
-    def running(self, job: str | None = None) -> list[JobRun]:
-        """The attempts running now (status ``running``, with ``worker`` and ``started_at``),
-        longest running first."""
-        if job is not None:
-            self._job(job)
-        with self._redis("reading the running attempts"):
-            return self.admin.running(job)
-
     def stop_run(self, message_id: str) -> bool:
         """Ask the running attempt of ``message_id`` to stop: within about a second
         ``ctx.stop_requested`` is true and the handler is interrupted (a sync one as by a
@@ -693,19 +723,6 @@ class JobRunner:
         definition = self._job(job)
         with self._redis("resuming a job"):
             self.admin.resume(definition)
-
-    def locks(self, *, limit: int = 1_000) -> list[LockInfo]:
-        """Held sequential locks (at most ``limit``), by job and tenant, with the run holding
-        each, when it was taken and whether its holder's worker is alive."""
-        with self._redis("reading the locks"):
-            return self.admin.locks(limit=limit)
-
-    def dedup_keys(self, job: str | None = None, *, limit: int = 1_000) -> list[DedupInfo]:
-        """Live dedup keys (at most ``limit``), by job, newest first."""
-        if job is not None:
-            self._job(job)
-        with self._redis("reading the dedup keys"):
-            return self.admin.dedup_keys(job, limit=limit)
 
     # -- consuming --------------------------------------------------------
     def start(self) -> None:

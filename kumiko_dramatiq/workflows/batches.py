@@ -258,7 +258,9 @@ class Batches:
         return found
 
     def listed(self, *, state: str | None = None, limit: int = 100) -> list[BatchStatus]:
-        """Batches and chains, newest first, at most ``limit`` (those in ``state``)."""
+        """Batches and chains, newest first, at most ``limit`` (those in ``state``). An index
+        entry whose record expired is dropped as it is met (so are those of batches that
+        ended over a year ago, by each batch's end: ``lua/include/batch.lua``)."""
         found: list[BatchStatus] = []
         start = 0
         index = keys.batches(self.prefix)
@@ -267,12 +269,18 @@ class Batches:
             if not ids:
                 break
             start += len(ids)
+            gone: list[str] = []
             for each in ids:
                 status = self._status(_text(each))
-                if status is not None and (state is None or status.state == state):
+                if status is None:
+                    gone.append(_text(each))
+                elif state is None or status.state == state:
                     found.append(status)
                     if len(found) == limit:
                         break
+            if gone:  # their records expired: the index forgets them as it meets them
+                self.broker.client.zrem(index, *gone)
+                start -= len(gone)
         return found
 
     def results(self, batch_id: str) -> list[BatchResult]:

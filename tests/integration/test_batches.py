@@ -64,7 +64,7 @@ def registry_of(seen: Seen, gate: threading.Event | None = None) -> Registry:
         assert ctx.batch is not None
         for n in range(payload["more"]):
             ctx.batch.add("billing:job:render", {"invoice": f"ADDED-{n}"})
-        return payload["more"]
+        return int(payload["more"])
 
     @billing.job("mail_all")
     def mail_all(payload: dict[str, Any], ctx: JobContext) -> None:
@@ -166,7 +166,7 @@ def test_a_bad_item_is_refused_naming_its_index_and_nothing_is_enqueued(
     runner = make_runner(registry_of(Seen()))
 
     with pytest.raises(PayloadError, match=r"items\[1\]\[1\]"):
-        runner.dispatch_batch([*renders("INV-1"), ("billing:job:render", ["not", "a", "dict"])])
+        runner.dispatch_batch([*renders("INV-1"), ("billing:job:render", ["not", "a", "dict"])])  # type: ignore[list-item]
     with pytest.raises(PayloadError, match=r"items\[0\]\[0\] names no declared job"):
         runner.dispatch_batch([("billing:job:nope", {})])
     with pytest.raises(PayloadError, match="on_success"):

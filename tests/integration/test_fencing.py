@@ -247,7 +247,7 @@ def _ended(pid: int) -> bool:
     """Whether process ``pid`` is gone or a zombie (it ran its last instruction)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone (reaped while it was read: ESRCH)
         return True
     return stat.rpartition(")")[2].split()[0] in ("Z", "X")
 

@@ -1176,7 +1176,9 @@ def test_the_last_child_s_end_enqueues_on_complete_once_and_ends_the_batch(env: 
         b"0",
         b"1",
     ]
-    head, value = env.client.hget(key + ":ended", "m1").split(b"\n")
+    end = env.client.hget(key + ":ended", "m1")
+    assert isinstance(end, bytes)
+    head, value = end.split(b"\n")
     assert json.loads(head) == {"s": "dead", "j": "app:job:sync", "et": "ValueError", "em": "boom"}
     assert value == b"null"
     queue = NAMESPACE + ":" + env.key("{q}")

@@ -123,8 +123,13 @@ local function step_value(key, group)
     return values[1] or "null"
 end
 
-local function batch_ended_as(root, outcome)
+-- a batch or chain ended: counted by outcome; the index forgets entries over a year and a
+-- day old (their records expired long since, unless one ran that long; `kumiko batches`
+-- drops the others as it meets them)
+local BATCH_INDEX_AGE_MS = 367 * 86400000
+local function batch_ended_as(root, outcome, now)
     redis.call("hincrby", root .. "batch-outcomes", outcome, 1)
+    redis.call("zremrangebyscore", root .. "batches", "-inf", "(" .. (now - BATCH_INDEX_AGE_MS))
 end
 
 -- step n of chain `chain` ended with `outcome`: the next step opens, or the chain ends
@@ -155,7 +160,7 @@ local function chain_step_ended(root, chain, step, outcome, step_key, group, now
         redis.call("del", later_key .. ":staged")
     end
     redis.call("hset", key, "state", ended, "ended", now)
-    batch_ended_as(root, ended)
+    batch_ended_as(root, ended, now)
     local ttl = head[4]
     local announced = chain
     if ended == "succeeded" then
@@ -190,7 +195,7 @@ local function batch_finish(root, key, now)
         chain_step_ended(root, f[9], tonumber(f[10]), outcome, key, f[11] == "1", now)
         return
     end
-    batch_ended_as(root, outcome)
+    batch_ended_as(root, outcome, now)
     local callbacks = 0
     if f[5] then
         batch_enqueue(f[7], f[5])
