@@ -8,9 +8,11 @@ On a private redis-server:
   as many, alternating, no worker running; wall time (median of ``--rounds``) and the slowest
   single Redis command of each (``SLOWLOG`` with every command logged; the contract's bound:
   5 ms).
-- **Redis CPU per child**: 2,000 children drained by an in-process worker of 8 threads (the
-  server's ``INFO cpu``, user + sys, over dispatch and drain) beside 2,000 plain jobs
-  (``dispatch_many``), medians of ``--rounds``; the contract's bound: 1.15x.
+- **Redis CPU per child**: ``--jobs`` children (4,000), in batches of 100 (one Lua call each:
+  the common size) and in one batch (written staged, then moved), written, then drained by an
+  in-process worker of 8 threads (the server's ``INFO cpu``, user + sys, over the write and over the
+  drain) beside as many plain jobs (``dispatch_many``); medians of ``--rounds``, and the median
+  of each round's ratio of the totals (the contract's bound: 1.15x).
 - **callback start**: ``--callbacks`` batches of 10 children, one at a time; each child
   returns when its handler returned (``time.time()``), the ``on_complete`` callback notes when
   it started: p50, p99 and worst of (callback start - last child's return), in ms (the
@@ -25,12 +27,14 @@ import statistics
 import threading
 import time
 import uuid
+from hashlib import sha1
 from typing import Any
 
 import redis
 
 from benchmarks.harness import percentile
 from kumiko_dramatiq import Feature, JobContext, JobRunner, Registry
+from kumiko_dramatiq.broker.lua import LuaScripts, source
 from kumiko_dramatiq.testing import private_redis_server
 
 STARTS: list[float] = []
@@ -61,15 +65,19 @@ def server_cpu(client: redis.Redis) -> float:
 
 
 def slowest_us(client: redis.Redis) -> tuple[int, str]:
-    """The longest command since the last reset (µs, and its first words), then reset;
-    loading a script or the function library (once per server) is left out."""
+    """The longest command since the last reset (µs, and which script), then reset; loading
+    a script or the function library (once per server) is left out."""
     entries = client.slowlog_get(100_000)
     client.slowlog_reset()
-    found = [
-        (int(entry["duration"]), " ".join(entry["command"].decode(errors="replace").split()[:3]))
-        for entry in entries
-        if not entry["command"].upper().startswith((b"SCRIPT", b"FUNCTION", b"SLOWLOG"))
-    ]
+    names = {sha1(source(name).encode()).hexdigest(): name for name in LuaScripts.names()}
+    found = []
+    for entry in entries:
+        words = entry["command"].decode(errors="replace").split()
+        if words[0].upper() in ("SCRIPT", "FUNCTION", "SLOWLOG"):
+            continue
+        found.append(
+            (int(entry["duration"]), names.get(words[1], words[0]) if len(words) > 1 else words[0])
+        )
     return max(found, default=(0, "-"))
 
 
@@ -94,22 +102,29 @@ def write_round(url: str, children: int) -> tuple[float, tuple[int, str], float,
     return batch_s, batch_worst, many_s, many_worst
 
 
-def cpu_round(url: str, count: int, batched: bool) -> float:
+def cpu_round(url: str, count: int, size: int) -> tuple[float, float]:
+    """Redis CPU per job (µs) of writing ``count`` jobs (in batches of ``size``; 0: plain,
+    ``dispatch_many``), and of draining them."""
     client = redis.Redis.from_url(url)
     runner = JobRunner(
         registry(), redis_url=url, queue_prefix=f"bc{uuid.uuid4().hex[:6]}", worker_threads=8
     )
     before = server_cpu(client)
-    if batched:
-        runner.dispatch_batch([("bench:job:noop", {"n": n}) for n in range(count)])
+    if size:
+        for start in range(0, count, size):
+            runner.dispatch_batch(
+                [("bench:job:noop", {"n": n}) for n in range(start, min(count, start + size))]
+            )
     else:
         runner.dispatch_many("bench:job:noop", [{"n": n} for n in range(count)])
+    written = server_cpu(client) - before
     runner.start()
+    before = server_cpu(client)
     runner.drain(timeout_s=300)
-    spent = server_cpu(client) - before
+    drained = server_cpu(client) - before
     runner.stop()
     client.flushdb()
-    return spent / count * 1e6
+    return written / count * 1e6, drained / count * 1e6
 
 
 def callback_starts(url: str, batches: int) -> list[float]:
@@ -141,7 +156,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--children", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--jobs", type=int, default=2_000)
+    parser.add_argument("--jobs", type=int, default=4_000)
     parser.add_argument("--callbacks", type=int, default=200)
     args = parser.parse_args()
     with private_redis_server() as url:
@@ -158,15 +173,23 @@ def main() -> None:
             f"many {slow(r[3] for r in rounds)}"
         )
         client.config_set("slowlog-log-slower-than", 10_000)
-        batched, plain = [], []
-        for _ in range(args.rounds):
-            batched.append(cpu_round(url, args.jobs, batched=True))
-            plain.append(cpu_round(url, args.jobs, batched=False))
-        b, p = statistics.median(batched), statistics.median(plain)
-        print(
-            f"Redis CPU per job, dispatch and drain: batch child {b:.1f} us, plain {p:.1f} us "
-            f"({b / p:.2f}x; medians of {args.rounds})"
-        )
+        for size in (100, args.jobs):
+            rounds_cpu = [
+                (cpu_round(url, args.jobs, size), cpu_round(url, args.jobs, 0))
+                for _ in range(args.rounds)
+            ]
+            for what, at in (("write", 0), ("drain", 1)):
+                b = statistics.median(batch[at] for batch, _ in rounds_cpu)
+                p = statistics.median(plain[at] for _, plain in rounds_cpu)
+                print(
+                    f"Redis CPU per job, batches of {size}, {what}: batch child {b:.1f} us, "
+                    f"plain {p:.1f} us ({b / p:.2f}x)"
+                )
+            total = statistics.median(sum(batch) / sum(plain) for batch, plain in rounds_cpu)
+            print(
+                f"Redis CPU per job, batches of {size}, write and drain: {total:.2f}x a plain "
+                f"job (median of {args.rounds} rounds' ratios)"
+            )
         starts = callback_starts(url, args.callbacks)
         print(
             f"callback start after the last child returned: p50 {statistics.median(starts):.1f}"

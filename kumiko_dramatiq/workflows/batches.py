@@ -1,8 +1,10 @@
 """Batches and chains: many jobs written all or none, callbacks counted by child.
 
 A batch is one record in Redis (``lua/include/batch.lua`` lays it out): its children's ids in
-dispatch order, how each ended, and its counts. ``dispatch_batch`` validates every item, then
-writes the children in chunks of :data:`WRITE_CHUNK` *staged*, beside the record and on no
+dispatch order, how each ended, and its counts. ``dispatch_batch`` validates every item; a
+batch of at most :data:`WRITE_CHUNK` children is then written, opened and enqueued in one Lua
+call (``lua/batch_dispatch.lua``: all or none by itself). A larger one's children are written
+in chunks of :data:`WRITE_CHUNK` *staged*, beside the record and on no
 queue (``lua/batch_write.lua``; while written the record expires after
 :data:`WRITING_TTL_MS`, so a producer that dies half-way leaves nothing that ever runs), then
 opens the batch (``lua/batch_commit.lua``: from here on its children may start) and moves them
@@ -154,6 +156,16 @@ class Batches:
         for field, item in (("on_success", on_success), ("on_complete", on_complete)):
             if item is not None:
                 header[field] = self._entry(self._callback(batch_id, item, field))
+        if len(children) <= WRITE_CHUNK:  # one call: open, on the queues (no staging)
+            args: list[Any] = [self.root, batch_id, int(time.time() * 1000)]
+            header = self._header(header)
+            args.append(len(header))
+            for name, value in header.items():
+                args += (name, value)
+            for message in children:
+                args += (str(message.message_id), *self._parts(message))
+            self.broker.lua.batch_dispatch(keys=[keys.batch(self.prefix, batch_id)], args=args)
+            return batch_id
         self._write(batch_id, children, header)
         self._open(batch_id)
         return batch_id
@@ -398,13 +410,17 @@ class Batches:
         queue, rid, encoded = self._parts(message)
         return f"{queue}\t{rid}\t{encoded.decode()}"
 
-    def _write(self, batch_id: str, children: list[Message[Any]], header: dict[str, str]) -> None:
-        header = {
+    def _header(self, header: dict[str, str]) -> dict[str, str]:
+        """A batch record's fields: ``header`` and what every batch records."""
+        return {
             **header,
             "ns": self.broker.namespace,
             "created": str(int(time.time() * 1000)),
             "ttl": str(self.settings.retention.completed_age_s * 1000),
         }
+
+    def _write(self, batch_id: str, children: list[Message[Any]], header: dict[str, str]) -> None:
+        header = self._header(header)
         key = keys.batch(self.prefix, batch_id)
         first = True
         for start in range(0, max(len(children), 1), WRITE_CHUNK):

@@ -65,6 +65,8 @@ BOOT = "soak:job:boot"
 POISON = "soak:job:poison"
 CAPPED = "soak:job:capped"
 RATED = "soak:job:rated"
+STEP = "soak:job:step"
+BATCH_DONE = "soak:job:batch_done"
 #: ``soak:job:capped``: at most this many runs at once, across every worker process.
 CAPPED_MAX_RUNNING = 2
 #: ``soak:job:rated``: at most this many starts in any window of RATED_PER_MS.
@@ -185,6 +187,28 @@ def capped(payload: dict[str, Any], ctx: JobContext) -> None:
 )
 def rated(payload: dict[str, Any], ctx: JobContext) -> None:
     _run(payload, ctx)
+
+
+@soak.job("batch_done", retries=RETRIES, backoff=Backoff("fixed", delay_ms=BACKOFF_MS))
+def batch_done(payload: dict[str, Any], ctx: JobContext) -> None:
+    """A batch's ``on_complete``: every child it was given has ended, each once, completed
+    (their fail_first is below the attempts), in dispatch order; else it fails for good."""
+    assert ctx.batch is not None
+    got = [(result.status, result.value) for result in ctx.batch.results()]
+    wanted = [("completed", n) for n in payload["children"]]
+    if got != wanted:
+        raise SoakFailure(f"batch {ctx.batch.id}: children ended as {got}, not {wanted}")
+    _run(payload, ctx, may_fail=False)
+
+
+@soak.job("step", retries=RETRIES, backoff=Backoff("fixed", delay_ms=BACKOFF_MS))
+def step(payload: dict[str, Any], ctx: JobContext) -> int:
+    """A batch child or a chain step: returns its n (a step checks the step before's)."""
+    wanted = payload.get("previous")
+    if "previous" in payload and ctx.previous_result != wanted:
+        raise SoakFailure(f"{ctx.message_id}: previous result {ctx.previous_result}, not {wanted}")
+    _run(payload, ctx)
+    return int(payload["n"])
 
 
 @soak.job("tick", trigger=Cron("* * * * * *"))

@@ -699,9 +699,11 @@ def check_boot(job: str, index: RunIndex, explained: frozenset[str]) -> CheckRes
 
 #: Record kinds (the segment after ``kumiko:{prefix}:``) kept ``Retention.completed_age_s``:
 #: the enqueue guards of deterministic ids (``enqueued:{id}``: fan-out children, cron
-#: ticks, the boot job; a sequential hand-off writes none, its ack enqueues it) and the
-#: cron jobs' last ticks (``cron:last:{job}``).
-TTL_BOUND = frozenset({"enqueued", "cron"})
+#: ticks, the boot job; a sequential hand-off writes none, its ack enqueues it), the
+#: cron jobs' last ticks (``cron:last:{job}``) and the records of batches and chains
+#: (``batch:{id}``...: kept that long once their callbacks ended; one without a TTL never
+#: ended) and a chain's result (``result:{chain id}``).
+TTL_BOUND = frozenset({"enqueued", "cron", "batch", "result"})
 #: Per-message markers that only guard against a second copy, each kept the window in which
 #: such a copy can appear (``done``: ``KumikoBroker.completed_ttl_ms``; ``sent``:
 #: ``KumikoBroker.resend_window_ms``; both a minute), not ``completed_age_s``.
@@ -716,9 +718,10 @@ MUST_BE_GONE = frozenset(
 #: minute past its last write.
 HOLD_ASKS = frozenset({"asks", "askbell", "answer"})
 HOLD_ASKS_TTL_MS = 60_000
-#: Documented persistent records: boot markers, and the dataset marker (``dataset``: a token
-#: kept as long as the dataset, whose disappearance reads as a dataset reset).
-PERSISTENT = frozenset({"boot", "dataset"})
+#: Documented persistent records: boot markers, the dataset marker (``dataset``: a token
+#: kept as long as the dataset, whose disappearance reads as a dataset reset), the index of
+#: batches (trimmed as its entries' records expire) and the batches' outcome counts.
+PERSISTENT = frozenset({"boot", "dataset", "batches", "batch-outcomes"})
 #: The per-job hourly stats (``stats:{job}:{hour}``, :mod:`kumiko_dramatiq.ops.stats`): each
 #: hash's TTL set to 8 days by the write that creates any of its fields.
 STATS = frozenset({"stats"})

@@ -7,7 +7,9 @@ It starts a private ``redis-server`` on a free port of 127.0.0.1 (never another 
 the soak kills client connections), two ``dramatiq kumiko_dramatiq.app -p 1 -t 4``
 worker processes and two ``kumiko_dramatiq.scheduler`` processes for
 :mod:`tests.soak.app`, then for the chosen time dispatches a mix of jobs (parallel with
-planned failures, per-tenant over 50 tenants, sequential, dedup-keyed bursts; the app
+planned failures, per-tenant over 50 tenants, sequential, dedup-keyed bursts, batches whose
+``on_complete`` checks that each child ended once and completed, chains of a step, a group and
+a step that check ``ctx.previous_result``; the app
 adds a cron job every second and a boot job) while a fault thread, seeded, injects:
 SIGKILL of a worker (a new one starts at once), ``CLIENT KILL TYPE normal SKIPME yes``,
 SIGTERM and restart of one scheduler (never both), malformed messages pushed
@@ -58,6 +60,7 @@ from kumiko_dramatiq.messages import build_message
 from . import check
 from .app import (
     BACKOFF_MS,
+    BATCH_DONE,
     BOOT,
     CAPPED,
     CAPPED_MAX_RUNNING,
@@ -70,6 +73,7 @@ from .app import (
     RATED_PER_MS,
     RETRIES,
     SEQUENTIAL,
+    STEP,
     TENANTS,
     TICK,
     build_runner,
@@ -92,6 +96,8 @@ RATES = {
     "per_tenant": 1 / 3,
     "capped": 8.0,
     "rated": 3.0,
+    "batch": 0.5,
+    "chain": 0.5,
 }
 DEDUP_KEYS = ("k0", "k1", "k2")
 #: One round of faults; each round is shuffled, so every kind shows up every round.
@@ -536,6 +542,57 @@ class Load:
                     message_id=message_id,
                 )
             )
+
+    def _step(self, **extra: Any) -> tuple[dict[str, Any], check.Expected]:
+        n = self.ledger.token()
+        fail_first = self.rng.choices([0, 1, 2], weights=[70, 20, 10])[0]
+        payload = {
+            "n": n,
+            "fail_first": fail_first,
+            "sleep_ms": self.rng.choice([0, 5, 20]),
+            **extra,
+        }
+        return payload, check.Expected(f"step n={n}", STEP, fail_first, MAX_ATTEMPTS, n=n)
+
+    def _composed(
+        self, kind: str, dispatch: Callable[[], str], expected: list[check.Expected]
+    ) -> None:
+        at = time.time()
+        try:
+            composed_id = dispatch()
+        except KumikoError as exc:  # all or none: nothing of it runs
+            self.ledger.uncertain.append(f"{kind}: {exc}")
+            return
+        self.ledger.dispatched[kind] += 1
+        self.ledger.log.append((at, kind, expected[0].n or 0, composed_id))
+        self.ledger.expected.extend(expected)
+
+    def batch(self) -> None:
+        """A batch of 2-8 steps and an on_complete that checks their ends (exactly once)."""
+        children = [self._step() for _ in range(self.rng.randint(2, 8))]
+        n = self.ledger.token()
+        done = {"n": n, "children": [payload["n"] for payload, _ in children]}
+        self._composed(
+            "batch",
+            lambda: self.producer.dispatch_batch(
+                [(STEP, payload) for payload, _ in children], on_complete=(BATCH_DONE, done)
+            ),
+            [*(expected for _, expected in children),
+             check.Expected(f"batch n={n} on_complete", BATCH_DONE, 0, MAX_ATTEMPTS, n=n)],
+        )  # fmt: skip
+
+    def chain(self) -> None:
+        """A chain: a step, a group of two, a step; each sees the step before's value."""
+        first = self._step()
+        group = [self._step(previous=first[0]["n"]) for _ in range(2)]
+        last = self._step(previous=[payload["n"] for payload, _ in group])
+        self._composed(
+            "chain",
+            lambda: self.producer.dispatch_chain(
+                [(STEP, first[0]), [(STEP, payload) for payload, _ in group], (STEP, last[0])]
+            ),
+            [first[1], *(expected for _, expected in group), last[1]],
+        )
 
     def per_tenant(self) -> None:
         n = self.ledger.token()

@@ -231,6 +231,7 @@ class LuaScripts:
     hold_ask_job: Script
     hold_ask: Script
     # batches and chains (workflows/batches.py)
+    batch_dispatch: Script
     batch_write: Script
     batch_commit: Script
     batch_add: Script

@@ -315,7 +315,7 @@ for i, rid in ipairs(rids) do
                 end
                 batch_child_ended(root, batch, batch_member(origin, tenant), status,
                     batch_head(status, job, tenant ~= "" and tenant or nil, error_type,
-                        error_message), value, now)
+                        error_message), value, now, true)
             else
                 error("kumiko: malformed batch end " .. string.sub(extra(i, 8), 1, 60))
             end
@@ -364,6 +364,9 @@ if #acked > 0 then
 end
 forget_bodies(queue_messages, forgotten, forgotten_actors)
 flush_runs()
+-- the batch ends counted above, one write per counter and batch (a callback they enqueue may
+-- be claimed below)
+batch_flush(root_of_runs, now)
 if tonumber(trim) > 0 then
     if root_of_runs ~= "" then
         trim_runs(root_of_runs, tonumber(cap), tonumber(trim), completed_ttl, failed_ttl, now,

@@ -26,8 +26,9 @@
 -- batch_open(key, now) -> the state after (a written batch opens: counts set, keys kept)
 -- batch_move(key, ns, limit) -> staged children left, after moving up to `limit` onto their
 --   queues (at most one move per batch per call beyond the caller's own)
--- batch_child_ended(root, batch, child, status, head, value, now): count the child's end
---   (status "completed" | "dead" | "cancelled"; head: its JSON, see :ended) once
+-- batch_child_ended(root, batch, child, status, head, value, now, deferred): count the child's
+--   end (status "completed" | "dead" | "cancelled"; head: its JSON, see :ended) once; with
+--   `deferred` its counters are written by the caller's batch_flush(root, now), once per call
 -- batch_head(status, job, tenant, error type, error message) -> the head JSON of a child's end
 -- batch_run_ended(root, run, status, now): the same for a decoded run record table (run_of
 --   in include/history.lua: its b = batch, cb = the batch it is a callback of)
@@ -42,7 +43,7 @@
 local BATCH_MOVE_STEP = 250
 
 -- @per-call
-local batch_moved, batch_heads, batch_unstaged = {}, {}, {}
+local batch_moved, batch_heads, batch_unstaged, batch_counts, batch_counted = {}, {}, {}, {}, {}
 -- @end per-call
 
 -- the id a child is counted by: its origin id ("" tenant: none), with its tenant if it has one
@@ -212,7 +213,58 @@ local function batch_finish(root, key, now)
     end
 end
 
-local function batch_child_ended(root, batch, child, status, head, value, now)
+-- the ends counted so far this call, written by batch_flush: one HINCRBY per counter and
+-- batch for all of a settle's children of one batch
+local function batch_count(key, state, status)
+    local counts = batch_counts[key]
+    if not counts then
+        counts = {completed = 0, dead = 0, cancelled = 0, n = 0, chain = state[2], ns = state[3]}
+        batch_counts[key] = counts
+        batch_counted[#batch_counted + 1] = key
+    end
+    counts[status] = counts[status] + 1
+    counts.n = counts.n + 1
+end
+
+local BATCH_COUNTERS = {"completed", "dead", "cancelled"}
+
+local function batch_flush(root, now)
+    local counted = batch_counted
+    batch_counted = {}
+    for _, key in ipairs(counted) do
+        local counts = batch_counts[key]
+        batch_counts[key] = nil
+        local pending = redis.call("hincrby", key, "pending", -counts.n)
+        local chain_key = counts.chain and batch_key(root, counts.chain)
+        if chain_key then
+            redis.call("hincrby", chain_key, "pending", -counts.n)
+        end
+        for _, status in ipairs(BATCH_COUNTERS) do
+            if counts[status] > 0 then
+                redis.call("hincrby", key, status, counts[status])
+                if chain_key then
+                    redis.call("hincrby", chain_key, status, counts[status])
+                end
+            end
+        end
+        if pending <= 0 then
+            batch_finish(root, key, now)
+            batch_heads[key] = nil
+        elseif not batch_moved[key] and not batch_unstaged[key] then
+            -- a writer that stopped after it opened the batch left children staged: every
+            -- end moves the next ones once few of those moved are left
+            local staged = redis.call("llen", key .. ":staged") / 3
+            if staged == 0 then
+                batch_unstaged[key] = true
+            elseif pending - staged < BATCH_MOVE_STEP / 2 then
+                batch_move(key, counts.ns, BATCH_MOVE_STEP)
+            end
+        end
+    end
+end
+
+-- deferred: the caller calls batch_flush before it returns (a settle, for all its deliveries)
+local function batch_child_ended(root, batch, child, status, head, value, now, deferred)
     local key = batch_key(root, batch)
     local state = batch_heads[key] -- read once per call: a settle ends many of one batch
     if not state then
@@ -225,25 +277,9 @@ local function batch_child_ended(root, batch, child, status, head, value, now)
     if redis.call("hsetnx", key .. ":ended", child, head .. "\n" .. (value or "null")) == 0 then
         return -- counted before: the count is by child
     end
-    local pending = redis.call("hincrby", key, "pending", -1)
-    redis.call("hincrby", key, status, 1)
-    if state[2] then
-        local chain_key = batch_key(root, state[2])
-        redis.call("hincrby", chain_key, "pending", -1)
-        redis.call("hincrby", chain_key, status, 1)
-    end
-    if pending <= 0 then
-        batch_finish(root, key, now)
-        batch_heads[key] = nil
-    elseif not batch_moved[key] and not batch_unstaged[key] then
-        -- a writer that stopped after it opened the batch left children staged: every end
-        -- moves the next ones once few of those moved are left
-        local staged = redis.call("llen", key .. ":staged") / 3
-        if staged == 0 then
-            batch_unstaged[key] = true
-        elseif pending - staged < BATCH_MOVE_STEP / 2 then
-            batch_move(key, state[3], BATCH_MOVE_STEP)
-        end
+    batch_count(key, state, status)
+    if not deferred then
+        batch_flush(root, now)
     end
 end
 
