@@ -30,6 +30,7 @@ VARIABLES: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
     "KUMIKO_MAX_PAYLOAD_BYTES": ("max_payload_bytes", int),
     "KUMIKO_MAX_RESULT_BYTES": ("max_result_bytes", int),
     "KUMIKO_HISTORY_CAP": ("history_cap", int),
+    "KUMIKO_IDEMPOTENCY_TTL_S": ("idempotency_ttl_s", int),
     "KUMIKO_METRICS_PORT": ("metrics_port", int),
 }
 

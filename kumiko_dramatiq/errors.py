@@ -68,14 +68,29 @@ class PayloadError(KumikoError, ValueError):
 
 
 class RedisUnavailableError(KumikoError, ConnectionError):
-    """Redis did not answer within the configured bound."""
+    """Redis did not answer within the configured bound.
+
+    ``maybe_enqueued``: ``False`` when the request certainly never reached Redis (the
+    connection was refused or could not be made, or Redis refused the command); ``True`` when
+    it may have been written (a timeout or a dropped connection after it was sent): the
+    message then says so, and a dispatch retried with the same ``idempotency_key`` is safe.
+    """
 
     def __init__(
-        self, redis_url: str, action: str, cause: BaseException | str | None = None
+        self,
+        redis_url: str,
+        action: str,
+        cause: BaseException | str | None = None,
+        *,
+        maybe_enqueued: bool = False,
     ) -> None:
         self.redis_url = redis_url
+        self.maybe_enqueued = maybe_enqueued
         reason = "" if cause is None else ": " + " ".join(str(cause).split())
-        super().__init__(f"Redis at {redact_url(redis_url)} is unavailable while {action}{reason}")
+        maybe = " (it may have been enqueued)" if maybe_enqueued else ""
+        super().__init__(
+            f"Redis at {redact_url(redis_url)} is unavailable while {action}{reason}{maybe}"
+        )
 
 
 class NotRedisError(RedisUnavailableError):

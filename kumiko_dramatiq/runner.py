@@ -23,6 +23,7 @@ import redis
 from dramatiq.worker import Worker
 from pydantic import BaseModel
 
+from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.acl import check_server, cluster_problem
 from kumiko_dramatiq.broker.broker import KumikoBroker, make_connection_pool
 from kumiko_dramatiq.broker.connection import client as redis_client
@@ -135,6 +136,7 @@ class JobRunner:
         history_cap: int | Unset = UNSET,
         record_payloads: bool | Unset = UNSET,
         metrics_port: int | Unset | None = UNSET,
+        idempotency_ttl_s: int | Unset = UNSET,
     ) -> None:
         if not isinstance(registry, Registry):
             raise JobConfigError(None, "registry", "must be a Registry", registry)
@@ -159,6 +161,7 @@ class JobRunner:
                 "history_cap": history_cap,
                 "record_payloads": record_payloads,
                 "metrics_port": metrics_port,
+                "idempotency_ttl_s": idempotency_ttl_s,
             }
         )
         for name, hook in (
@@ -262,8 +265,14 @@ class JobRunner:
         *,
         dedup_key: str | None = None,
         delay_ms: int | None = None,
+        idempotency_key: str | None = None,
     ) -> str:
         """Enqueue one run of ``job_name``; return its message id.
+
+        With ``idempotency_key``, a dispatch of the same job with a key used within
+        ``idempotency_ttl_s`` returns the first dispatch's id and enqueues nothing, whatever
+        became of that message: for a caller that retries a call whose outcome it does not
+        know (``RedisUnavailableError.maybe_enqueued``). Not with ``dedup_key``.
 
         For a per-tenant job this is the wrapper's id. A typed job (its handler takes a
         pydantic model) takes a dict or an instance of its model, validated here, and
@@ -275,6 +284,18 @@ class JobRunner:
         name = job.qualified_name
         body = payload_to_enqueue(job, payload, max_bytes=self.settings.max_payload_bytes)
         delay_ms = check_delay_ms(name, delay_ms)
+        if idempotency_key is not None:
+            idempotency_key = check_dedup_key(name, "idempotency_key", idempotency_key)
+            if dedup_key is not None:
+                raise PayloadError(name, "idempotency_key", "cannot go with a dedup_key")
+            message = build_message(job, body, queue_prefix=self.queue_prefix, trigger="manual")
+            with self._redis("dispatching " + name):
+                return self.broker.enqueue_idempotent(
+                    message,
+                    keys.idempotency(self.queue_prefix, name, idempotency_key),
+                    self.settings.idempotency_ttl_s * 1000,
+                    delay=delay_ms,
+                )
         if dedup_key is not None:
             dedup_key = check_dedup_key(name, "dedup_key", dedup_key)
             with self._redis("dispatching " + job.qualified_name):
@@ -295,6 +316,7 @@ class JobRunner:
         *,
         dedup_keys: Iterable[str] | None = None,
         delay_ms: int | None = None,
+        idempotency_keys: Iterable[str] | None = None,
     ) -> list[str]:
         """Enqueue one run of ``job_name`` per payload, in order; return their message ids.
 
@@ -324,10 +346,41 @@ class JobRunner:
                 raise PayloadError(
                     name, "dedup_keys", f"must give one key per payload ({len(bodies)})", keyed
                 )
+        idempotent: list[str] | None = None
+        if idempotency_keys is not None:
+            idempotent = [
+                check_dedup_key(name, f"idempotency_keys[{i}]", key)
+                for i, key in enumerate(idempotency_keys)
+            ]
+            if len(idempotent) != len(bodies):
+                raise PayloadError(
+                    name,
+                    "idempotency_keys",
+                    f"must give one key per payload ({len(bodies)})",
+                    idempotent,
+                )
+            if keyed is not None:
+                raise PayloadError(name, "idempotency_keys", "cannot go with dedup_keys")
         ids: list[str] = []
         with self._redis("dispatching " + name):
             for start in range(0, len(bodies), DISPATCH_BATCH):
                 batch = bodies[start : start + DISPATCH_BATCH]
+                if idempotent is not None:
+                    ids += self.broker.enqueue_idempotent_many(
+                        [
+                            build_message(
+                                job, body, queue_prefix=self.queue_prefix, trigger="manual"
+                            )
+                            for body in batch
+                        ],
+                        [
+                            keys.idempotency(self.queue_prefix, name, key)
+                            for key in idempotent[start : start + DISPATCH_BATCH]
+                        ],
+                        self.settings.idempotency_ttl_s * 1000,
+                        delay=delay_ms,
+                    )
+                    continue
                 if keyed is not None:
                     ids += dispatch_many_with_keys(
                         self.runtime,
@@ -682,6 +735,15 @@ class JobRunner:
             raise ValueError(f"limit must be from 1 to 1000, got {limit!r}")
         with self._redis("reading the waiting messages"):
             return self.admin.queued(job, state=state, limit=limit, after=after)
+
+    def job_state(self, message_id: str) -> str:
+        """Where ``message_id`` is in its life: ``"queued"``, ``"delayed"`` (also backing off
+        before a retry), ``"parked"`` (its job is paused), ``"running"``, ``"completed"``,
+        ``"dead"``, ``"cancelled"``, or ``"unknown"`` (never seen, or its records expired).
+        A few key reads, whatever the size of the queues (``kumiko state ID``)."""
+        _check_message_id(message_id)
+        with self._redis("reading a message's state"):
+            return self.admin.job_state(message_id)
 
     def run_now(self, message_id: str) -> bool:
         """Queue a delayed or backing-off message now, same id and attempt: ``True``;

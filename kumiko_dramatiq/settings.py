@@ -20,6 +20,7 @@ setting                          variable                       default
 ``max_result_bytes``             ``KUMIKO_MAX_RESULT_BYTES``    1 048 576 (1 MiB)
 ``log_payloads``                                                ``False``
 ``history_cap``                  ``KUMIKO_HISTORY_CAP``         100 000 run records
+``idempotency_ttl_s``            ``KUMIKO_IDEMPOTENCY_TTL_S``   86 400 (a day)
 ``record_payloads``                                             ``False``
 ``metrics_port``                 ``KUMIKO_METRICS_PORT``        ``None`` (no metrics)
 ``worker_threads``                                              8
@@ -96,6 +97,8 @@ class Settings:
     history_cap: int = 100_000
     #: Whether run records keep the payload of their message.
     record_payloads: bool = False
+    #: How long a dispatch's ``idempotency_key`` stands for its first dispatch (s).
+    idempotency_ttl_s: int = 86_400
     #: The port every worker process (and the scheduler) serves Prometheus metrics on
     #: (:mod:`kumiko_dramatiq.middleware.metrics`; needs ``kumiko_dramatiq[metrics]``);
     #: ``None``: none.
@@ -130,10 +133,14 @@ class Settings:
             "max_payload_bytes",
             "max_result_bytes",
             "history_cap",
+            "idempotency_ttl_s",
         ):
             value = getattr(self, name)
             _check(is_strict_int(value) and value > 0, name, "must be a positive integer", value)
             _check(not name.endswith("_ms") or value <= MAX_DURATION_MS, name, TOO_LARGE, value)
+            _check(
+                not name.endswith("_s") or value * 1000 <= MAX_DURATION_MS, name, TOO_LARGE, value
+            )
         _check(
             is_strict_int(self.maintenance_chance)
             and 0 <= self.maintenance_chance <= MAINTENANCE_SCALE,

@@ -123,6 +123,69 @@ class Enqueueing:
         self.emit_after("enqueue", prepared, delay)
         return prepared
 
+    def enqueue_idempotent(
+        self, message: Message[Any], record: str, ttl_ms: int, *, delay: int | None = None
+    ) -> str:
+        """:meth:`enqueue` behind an idempotency key's ``record`` (``keys.idempotency``): the
+        message and the record (its id, for ``ttl_ms``) in one Lua call, unless the record
+        exists: then nothing is written and the first dispatch's id comes back."""
+        prepared = self.prepare(message, delay)
+        rid = prepared.options["redis_message_id"]
+        self.emit_before("enqueue", prepared, delay)
+        counts, kind = self._counts_of(prepared.queue_name)
+        enqueued, message_id = as_list(
+            self.call(
+                self.lua.idempotent_enqueue,
+                self.thread_client(),
+                keys=[
+                    *self._queue_keys(prepared),
+                    keys.sent(self.queue_prefix, rid),
+                    counts,
+                    record,
+                ],
+                args=[
+                    rid,
+                    self.encode(prepared, delay),
+                    self._sent_ttl(message.queue_name, delay),
+                    "1",
+                    f"{kind}:{prepared.actor_name}",
+                    str(message.message_id),
+                    ttl_ms,
+                ],
+            )
+        )
+        if enqueued == 1:
+            self.emit_after("enqueue", prepared, delay)
+        return text(message_id)
+
+    def enqueue_idempotent_many(
+        self,
+        messages: Sequence[Message[Any]],
+        records: Sequence[str],
+        ttl_ms: int,
+        *,
+        delay: int | None = None,
+    ) -> list[str]:
+        """:meth:`enqueue_idempotent` for many new messages of ONE queue, one Lua call:
+        the id each dispatch stands for (its own, or the first dispatch's of its key)."""
+        reply = self.enqueue_batch(
+            messages,
+            self.lua.idempotent_enqueue_batch,
+            args=[
+                self._sent_ttl(messages[0].queue_name if messages else "", delay),
+                "1",
+                ttl_ms,
+                keys.root(self.queue_prefix),
+            ],
+            leads=lambda message: keys.sent(self.queue_prefix, message.options["redis_message_id"]),
+            tails=[
+                (record, str(message.message_id))
+                for message, record in zip(messages, records, strict=True)
+            ],
+            delay=delay,
+        )
+        return [text(each) for each in reply[1::2]]
+
     @staticmethod
     def encode(prepared: Message[Any], delay: int | None) -> bytes:
         """What an enqueue script is handed for ``prepared`` (a message from :meth:`prepare`):

@@ -22,6 +22,8 @@ Redis Cluster node, any other refused command             database or the deploy
 
 from __future__ import annotations
 
+from typing import Final
+
 import redis
 
 from kumiko_dramatiq.errors import (
@@ -63,4 +65,22 @@ def kumiko_error(redis_url: str, action: str, exc: redis.RedisError) -> KumikoEr
                 "has no such database: give a database number below the server's `databases`",
             )
         return RedisAccessError(redis_url, f"refuses a command kumiko sends: {text}")
-    return RedisUnavailableError(redis_url, action, exc)
+    return RedisUnavailableError(
+        redis_url, action, exc, maybe_enqueued=action.startswith(WRITES) and _maybe_sent(exc)
+    )
+
+
+#: The actions (as the runner names them) that write messages: their errors say whether the
+#: write may have happened.
+WRITES: Final = ("dispatching", "handling event")
+
+
+def _maybe_sent(exc: redis.RedisError) -> bool:
+    """Whether the command may have reached Redis before ``exc``: not when the connection
+    could not be made (refused, unreachable, a connect timeout) or Redis refused the command
+    (READONLY, LOADING, ...: nothing of it ran); else (a reply that timed out, a connection
+    that dropped after the send) it may have."""
+    if isinstance(exc, redis.ResponseError):
+        return False
+    text = str(exc)
+    return not ("connecting to" in text or text.startswith("Timeout connecting"))

@@ -85,6 +85,12 @@ def dedup_index(queue_prefix: str, job_name: str) -> str:
     return f"{_root(queue_prefix)}:dedupidx:{job_name}"
 
 
+def idempotency(queue_prefix: str, job_name: str, key: str) -> str:
+    """String: the message id the first dispatch of ``job_name`` with idempotency key
+    ``key`` returned, kept ``idempotency_ttl_s`` (``lua/idempotent_enqueue.lua``)."""
+    return f"{_root(queue_prefix)}:idem:{job_name}:{key}"
+
+
 def completed(queue_prefix: str, message_id: str) -> str:
     """ "Already completed" marker of a message id, kept the resend window (a minute; see
     :mod:`kumiko_dramatiq.middleware.history`)."""

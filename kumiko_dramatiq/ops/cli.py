@@ -19,6 +19,8 @@ kumiko_dramatiq.scheduler``).
                                  remove a job's messages in that state (asks first)
     retry MESSAGE_ID | --all [--job J]                  re-enqueue dead letters
     cancel MESSAGE_ID            a message that has not started never starts
+    state MESSAGE_ID             queued, delayed, parked, running, completed, dead, cancelled
+                                 or unknown
     batches [--state S] [--limit N]  batches and chains, newest first, with their progress
     batch ID                     one batch or chain: state, counts, its ended children
     cancel-batch ID              its children not started never start (on_complete runs)
@@ -224,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     retry.add_argument("message_id", nargs="?", metavar="MESSAGE_ID", help=an_id)
     retry.add_argument("--all", action="store_true", help="every dead letter (of --job)")
     retry.add_argument("--job", help="with --all: only this job's")
+    state = command("state", "where a message is: queued, delayed, parked, running, completed, ...")
+    state.add_argument("message_id", metavar="MESSAGE_ID", help=an_id)
     cancel = command("cancel", "a queued, delayed or waiting message never starts")
     cancel.add_argument("message_id", metavar="MESSAGE_ID", help=an_id)
     add_workflow_parsers(command)
@@ -676,6 +680,12 @@ def _cancel(runner: JobRunner, args: argparse.Namespace) -> Result:
     return {**document, "state": "cancelled"}, f"{message_id}: cancelled", EXIT_OK
 
 
+def _state(runner: JobRunner, args: argparse.Namespace) -> Result:
+    message_id = resolve_id(runner, args.message_id)
+    state = runner.job_state(message_id)
+    return {"message_id": message_id, "state": state}, state, EXIT_OK
+
+
 def _result(runner: JobRunner, args: argparse.Namespace) -> Result:
     message_id = resolve_id(runner, args.message_id)
     value = runner.result(message_id, timeout_s=args.wait)
@@ -972,6 +982,7 @@ _COMMANDS: dict[str, Callable[[JobRunner, argparse.Namespace], Result]] = {
     "dead": _dead,
     "retry": _retry,
     "cancel": _cancel,
+    "state": _state,
     "result": _result,
     "purge": _purge,
     "queued": _queued,

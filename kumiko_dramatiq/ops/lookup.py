@@ -68,6 +68,11 @@ class LookupAdmin(AdminBase):
         queue, its suspects or a paused job's parked list), ``"delayed"`` (on a delay queue),
         ``"running"`` (claimed by a worker), or ``None`` (none of these: it ended, or never
         was). Two round trips, whatever the size of the queues."""
+        found = self._waiting(message_id)
+        return None if found is None else found[0]
+
+    def _waiting(self, message_id: str) -> tuple[str, Any] | None:
+        """:meth:`waiting_state`'s answer with the body it found."""
         candidates = self.redis_id_candidates(message_id)
         places = [
             (place, rid)
@@ -95,9 +100,40 @@ class LookupAdmin(AdminBase):
             marker, *claims = pipe.execute()
             if keys.is_delay_queue(place):
                 # held in a worker's memory once cancelled: its move drops it
-                return None if marker is not None else "delayed"
-            return "running" if any(claims) else "queued"
+                return None if marker is not None else ("delayed", body)
+            return ("running" if any(claims) else "queued"), body
         return None
+
+    def job_state(self, message_id: str) -> str:
+        """Where ``message_id`` is in its life (``runner.job_state``): ``"queued"``,
+        ``"parked"`` (queued while its job is paused), ``"delayed"`` (also backing off before a
+        retry), ``"running"``, ``"completed"``, ``"dead"``, ``"cancelled"`` or ``"unknown"``
+        (never seen, or its records expired). A sequential hand-off carrying it on counts as
+        it. A few round trips, whatever the size of the queues."""
+        found = self._waiting(message_id)
+        if found is not None:
+            state, body = found
+            if state == "queued" and self.client.sismember(keys.paused(self.prefix), _job_of(body)):
+                return "parked"
+            return state
+        records = [
+            json.loads(raw) for raw in self.client.hvals(keys.run_record(self.prefix, message_id))
+        ]
+        if not records:
+            carried = [
+                run
+                for run in self.history.runs(origin_id=message_id, limit=1)
+                if run.message_id != message_id
+            ]
+            if carried:  # a hand-off carried it on under an id of its own
+                records = [{"a": carried[0].attempt, "s": carried[0].status}]
+        if not records:
+            dead = self.client.exists(keys.dead_note(self.prefix, message_id))
+            return "dead" if dead else "unknown"
+        status = str(max(records, key=lambda r: int(r.get("a", 0))).get("s"))
+        if status == "failed":  # its retry is on its way (it was just moved or enqueued)
+            return "delayed"
+        return status if status in ("completed", "dead", "cancelled", "running") else "unknown"
 
     def known(self, message_id: str) -> bool:
         """Whether ``message_id`` waits, runs, or left a run record or dead letter note."""
@@ -125,6 +161,15 @@ class LookupAdmin(AdminBase):
         size."""
         runs = [run for run in self.history.running() if job is None or run.job_name == job]
         return sorted(runs, key=_started_key)
+
+
+def _job_of(body: Any) -> str:
+    """The job an encoded message runs (a per-tenant wrapper's is its job's), or ``""``."""
+    try:
+        actor = str(json.loads(body)["actor_name"])
+    except (ValueError, KeyError, TypeError):
+        return ""
+    return actor.removesuffix(":fanout")
 
 
 def _carried_id(body: Any, message_id: str) -> str | None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -248,7 +248,7 @@ class Batches:
             )
         )
 
-    def cancel(self, batch_id: str, cancel_one: Any) -> int:
+    def cancel(self, batch_id: str, cancel_one: Callable[[str], bool]) -> int:
         """See ``JobRunner.cancel_batch``; ``cancel_one(message_id) -> bool`` cancels one
         child that has not started."""
         reply = self.broker.lua.batch_cancel(
@@ -349,11 +349,6 @@ class Batches:
                 chain, dot, _ = found.partition(".")  # a chain step's: the chain
                 return chain if dot else found
         return None
-
-    def outcomes(self) -> dict[str, int]:
-        """Batches and chains ended so far, by outcome (``kumiko_batches_total``)."""
-        raw = self.broker.client.hgetall(keys.batch_outcomes(self.prefix))
-        return {_text(k): int(v) for k, v in raw.items()}
 
     # -- internals --------------------------------------------------------
     def _job(self, name: Any, path: str) -> JobDefinition:

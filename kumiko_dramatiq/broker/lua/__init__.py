@@ -210,6 +210,8 @@ class LuaScripts:
     # enqueue steps
     guarded_enqueue: LuaFunction
     guarded_enqueue_batch: Script
+    idempotent_enqueue: Script
+    idempotent_enqueue_batch: Script
     boot_once: Script
     cron_tick: Script
     dedup_dispatch: Script
