@@ -71,6 +71,8 @@ class ProgressReport:
         self.written = False
         #: a write of it is in flight
         self.writing = False
+        #: it reported at least once (an attempt that never does costs its end nothing)
+        self.offered = False
 
     def report(self, value: float | None, note: str | None) -> None:
         self._writer.offer(self, value, note)
@@ -111,6 +113,7 @@ class ProgressWriter:
         with self._cond:
             if report.closed:
                 return
+            report.offered = True
             report.latest = merged(report.latest, value, note)
             if not report.coalescer.offer():
                 return  # a write is pending already: the writer wakes for it
@@ -123,6 +126,9 @@ class ProgressWriter:
             self._cond.notify_all()
 
     def close(self, report: ProgressReport) -> None:
+        if not report.offered:  # the common case: no lock taken (a later offer sees closed)
+            report.closed = True
+            return
         with self._cond:
             if report.closed:
                 return
