@@ -105,14 +105,22 @@ class Enqueueing:
         set for the window. A delayed message goes on its queue's schedule
         (:meth:`encode`)."""
         prepared = self.prepare(message, delay)
-        rid = prepared.options["redis_message_id"]
         self.emit_before("enqueue", prepared, delay)
+        command_keys, args = self._guarded_call(message, prepared, delay)
+        self.call(self.lua.guarded_enqueue, self.thread_client(), keys=command_keys, args=args)
+        self.emit_after("enqueue", prepared, delay)
+        return prepared
+
+    def _guarded_call(
+        self, message: Message[Any], prepared: Message[Any], delay: int | None
+    ) -> tuple[list[Any], list[Any]]:
+        """The keys and arguments of ``lua/guarded_enqueue.lua`` for ``prepared`` (which
+        ``lua/idempotent_enqueue.lua`` extends): queue, "sent" guard, counts."""
+        rid = prepared.options["redis_message_id"]
         counts, kind = self._counts_of(prepared.queue_name)
-        self.call(
-            self.lua.guarded_enqueue,
-            self.thread_client(),
-            keys=[*self._queue_keys(prepared), keys.sent(self.queue_prefix, rid), counts],
-            args=[
+        return (
+            [*self._queue_keys(prepared), keys.sent(self.queue_prefix, rid), counts],
+            [
                 rid,
                 self.encode(prepared, delay),
                 self._sent_ttl(message.queue_name, delay),
@@ -120,8 +128,6 @@ class Enqueueing:
                 f"{kind}:{prepared.actor_name}",
             ],
         )
-        self.emit_after("enqueue", prepared, delay)
-        return prepared
 
     def enqueue_idempotent(
         self, message: Message[Any], record: str, ttl_ms: int, *, delay: int | None = None
@@ -130,28 +136,14 @@ class Enqueueing:
         message and the record (its id, for ``ttl_ms``) in one Lua call, unless the record
         exists: then nothing is written and the first dispatch's id comes back."""
         prepared = self.prepare(message, delay)
-        rid = prepared.options["redis_message_id"]
         self.emit_before("enqueue", prepared, delay)
-        counts, kind = self._counts_of(prepared.queue_name)
+        command_keys, args = self._guarded_call(message, prepared, delay)
         enqueued, message_id = as_list(
             self.call(
                 self.lua.idempotent_enqueue,
                 self.thread_client(),
-                keys=[
-                    *self._queue_keys(prepared),
-                    keys.sent(self.queue_prefix, rid),
-                    counts,
-                    record,
-                ],
-                args=[
-                    rid,
-                    self.encode(prepared, delay),
-                    self._sent_ttl(message.queue_name, delay),
-                    "1",
-                    f"{kind}:{prepared.actor_name}",
-                    str(message.message_id),
-                    ttl_ms,
-                ],
+                keys=[*command_keys, record],
+                args=[*args, str(message.message_id), ttl_ms],
             )
         )
         if enqueued == 1:
