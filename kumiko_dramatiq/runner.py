@@ -23,9 +23,12 @@ import redis
 from dramatiq.worker import Worker
 from pydantic import BaseModel
 
+from kumiko_dramatiq.aio.producer import LoopClients, aresult, asynchronous
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.acl import check_server, cluster_problem
 from kumiko_dramatiq.broker.broker import KumikoBroker, make_connection_pool
+from kumiko_dramatiq.broker.carrier import CarriedRedis
+from kumiko_dramatiq.broker.connection import SentinelPool
 from kumiko_dramatiq.broker.connection import client as redis_client
 from kumiko_dramatiq.broker.faults import kumiko_error
 from kumiko_dramatiq.broker.tls import scheme_problem, tls_problem
@@ -185,7 +188,7 @@ class JobRunner:
             get_active_tenant_ids=get_active_tenant_ids,
         )
         dedup = Dedup(self.runtime)
-        client = redis.Redis(
+        client = CarriedRedis(
             connection_pool=make_connection_pool(
                 settings.redis_url, settings.boot_redis_timeout_ms / 1000
             )
@@ -531,15 +534,7 @@ class JobRunner:
         expired, whose result is past its TTL or whose job keeps none (the message says
         which), :class:`ResultError` for a kept value that no longer validates against the
         return model, :class:`RedisUnavailableError` when Redis does not answer."""
-        _check_message_id(message_id)
-        if (
-            not isinstance(timeout_s, int | float)
-            or isinstance(timeout_s, bool)
-            or not 0 <= timeout_s <= MAX_RESULT_WAIT_S
-        ):
-            raise ValueError(
-                f"timeout_s must be a number from 0 to {MAX_RESULT_WAIT_S}, got {timeout_s!r}"
-            )
+        _check_result_wait(message_id, timeout_s)
         with self._redis("reading a result"):
             return self.results.result(message_id, timeout_s=timeout_s)
 
@@ -886,6 +881,36 @@ class JobRunner:
         """The declared job ``job_name``; ``UnknownJobError`` if the registry lacks it."""
         return self._job(job_name)
 
+    # -- asyncio (see kumiko_dramatiq.aio): each call is its sync twin, carried -----
+    @functools.cached_property
+    def aio(self) -> LoopClients:
+        """This runner's ``redis.asyncio`` clients, one per event loop that calls it."""
+        pool = self.broker.client.connection_pool
+        return LoopClients(
+            self.redis_url,
+            self.settings.boot_redis_timeout_ms / 1000,
+            pool.watch if isinstance(pool, SentinelPool) else None,
+        )
+
+    adispatch = asynchronous(dispatch)
+    adispatch_many = asynchronous(dispatch_many)
+    ahandle_event = asynchronous(handle_event)
+    adispatch_batch = asynchronous(dispatch_batch)
+    adispatch_chain = asynchronous(dispatch_chain)
+    abatch = asynchronous(batch)
+    ajob_state = asynchronous(job_state)
+
+    async def aresult(self, message_id: str, *, timeout_s: float = 0) -> Any:
+        """The asyncio twin of :meth:`result`: waits on the loop, holding no thread."""
+        _check_result_wait(message_id, timeout_s)
+        return await aresult(self, message_id, timeout_s)
+
+    async def aclose(self) -> None:
+        """Close the running loop's async connections of this runner (``stop()`` closes
+        every loop's, and the sync ones)."""
+        if "aio" in self.__dict__:
+            await self.aio.aclose()
+
     # -- internals --------------------------------------------------------
     def _job(self, job_name: str) -> JobDefinition:
         try:
@@ -913,8 +938,22 @@ class JobRunner:
     def _close(self) -> None:
         if "results" in self.__dict__:
             self.results.close()
+        if "aio" in self.__dict__:
+            self.aio.close()
         self.runtime.loop.stop()
         self.broker.close()
+
+
+def _check_result_wait(message_id: object, timeout_s: object) -> None:
+    _check_message_id(message_id)
+    if (
+        not isinstance(timeout_s, int | float)
+        or isinstance(timeout_s, bool)
+        or not 0 <= timeout_s <= MAX_RESULT_WAIT_S
+    ):
+        raise ValueError(
+            f"timeout_s must be a number from 0 to {MAX_RESULT_WAIT_S}, got {timeout_s!r}"
+        )
 
 
 def _check_message_id(message_id: object) -> None:

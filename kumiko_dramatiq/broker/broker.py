@@ -93,6 +93,7 @@ from redis.commands.core import Script
 from redis.retry import Retry
 
 from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.broker.carrier import carrier
 from kumiko_dramatiq.broker.connection import connection_pool
 from kumiko_dramatiq.broker.consumer import KumikoConsumer
 from kumiko_dramatiq.broker.delivery import Delivery, LaneFetch, MessagePolicy
@@ -551,7 +552,11 @@ class KumikoBroker(NoCommandFallback, Enqueueing, SettleCalls, RedisBroker):
         has ended (checked whenever a thread takes its first one, and when a worker shuts
         down) or when the broker closes: a process holds one per live thread that used it.
         A forked child never uses its parent's (it would talk on the parent's socket): the
-        first call after a fork forgets them, as redis-py's pool forgets its connections."""
+        first call after a fork forgets them, as redis-py's pool forgets its connections.
+        Inside :func:`~kumiko_dramatiq.broker.carrier.carried`: the carrier."""
+        found = carrier()
+        if found is not None:
+            return found
         if self._threads_pid != os.getpid():
             # a forked child's first call: the parent's lock may be held by a thread that is
             # not here, so nothing of the parent's is kept, the lock included

@@ -151,11 +151,22 @@ class PrimaryWatch:
     # -- connections --------------------------------------------------------------------
     def check(self, address: Address) -> None:
         """Raise ``redis.ConnectionError`` if kumiko must not write to ``address`` now."""
+        if self.barred(address):
+            self.check_reported(address, self._recent_reports())
+
+    def barred(self, address: Address) -> bool:
+        """Whether ``address`` is behind the barrier or demoted (then :meth:`check_reported`
+        decides, given what the sentinels say now). Never blocks."""
+        with self._lock:
+            return address == self._barrier or address in self._demoted
+
+    def check_reported(
+        self, address: Address, reports: list[tuple[Address | None, bool]] | None
+    ) -> None:
+        """:meth:`check` for a barred ``address`` with the sentinels' ``reports`` (what
+        :meth:`KumikoSentinel.reports` gives; an asyncio caller asks on its loop)."""
         with self._lock:
             barrier, demoted = self._barrier, frozenset(self._demoted)
-        if address != barrier and address not in demoted:
-            return
-        reports = self._recent_reports()
         problem = primary_problem(address, barrier=barrier, demoted=demoted, reports=reports)
         if problem is not None:
             raise redis.ConnectionError(f"{self.master} at {address[0]}:{address[1]}: {problem}")

@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import pydantic
 import redis
@@ -161,6 +161,12 @@ def result_write(execution: Execution, status: str) -> str:
     return ""
 
 
+class Waker(Protocol):
+    """What a waiter is woken through: a ``threading.Event``, or an asyncio waiter's."""
+
+    def set(self) -> None: ...
+
+
 class ResultListener:
     """One subscription to a dataset's results channel, shared by every waiter of a runner:
     a thread of its own that wakes the waiters of each announced id (and every waiter after a
@@ -170,19 +176,22 @@ class ResultListener:
         self._client = client
         self._channel = keys.results_channel(queue_prefix)
         self._lock = threading.Lock()
-        self._waiters: dict[str, set[threading.Event]] = {}
+        self._waiters: dict[str, set[Waker]] = {}
         #: (job, encoded value) announced for an id that has waiters
         self._delivered: dict[str, tuple[str, str]] = {}
         self._ready = threading.Event()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def listen(self, message_id: str, *, ready_within_s: float) -> threading.Event:
-        """An event set when ``message_id`` is announced (or the subscription reconnected);
-        waits up to ``ready_within_s`` for the subscription to be live, so that an end after
-        this call returns is not missed (a wait that starts before then still finds it by
-        looking, see :class:`Results`)."""
-        event = threading.Event()
+    def listen(
+        self, message_id: str, *, ready_within_s: float, waker: Waker | None = None
+    ) -> Waker:
+        """``waker`` (default: a new ``threading.Event``), set when ``message_id`` is
+        announced and whenever the subscription (re)connects; waits up to
+        ``ready_within_s`` for the subscription to be live, so that an end after this call
+        returns is not missed (a wait that starts before then still finds it by looking, see
+        :class:`Results`, and is woken once the subscription is live)."""
+        event = threading.Event() if waker is None else waker
         with self._lock:
             self._waiters.setdefault(message_id, set()).add(event)
             if self._thread is None and not self._closed.is_set():
@@ -198,7 +207,7 @@ class ResultListener:
         with self._lock:
             return self._delivered.get(message_id)
 
-    def forget(self, message_id: str, event: threading.Event) -> None:
+    def forget(self, message_id: str, event: Waker) -> None:
         with self._lock:
             events = self._waiters.get(message_id)
             if events is not None:
@@ -276,21 +285,27 @@ class Results:
         """The value the job of ``message_id`` returned (see ``JobRunner.result``)."""
         deadline = time.monotonic() + timeout_s
         found = self.look(message_id)
-        if not isinstance(found, _Pending) or timeout_s <= 0:
-            return self._outcome(message_id, found, timeout_s)
-        event = self.listener.listen(message_id, ready_within_s=min(timeout_s, 2.0))
+        if not self.pending(found) or timeout_s <= 0:
+            return self.outcome(message_id, found, timeout_s)
+        event = threading.Event()
+        self.listener.listen(message_id, ready_within_s=min(timeout_s, 2.0), waker=event)
         try:
             while True:
-                found = self._announced(message_id) or self.look(message_id)
+                found = self.announced(message_id) or self.look(message_id)
                 remaining = deadline - time.monotonic()
-                if not isinstance(found, _Pending) or remaining <= 0:
-                    return self._outcome(message_id, found, timeout_s)
+                if not self.pending(found) or remaining <= 0:
+                    return self.outcome(message_id, found, timeout_s)
                 event.wait(min(remaining, RECHECK_S))
                 event.clear()
         finally:
             self.listener.forget(message_id, event)
 
-    def _announced(self, message_id: str) -> Any:
+    @staticmethod
+    def pending(found: Any) -> bool:
+        """Whether a :meth:`look` found the message not ended yet."""
+        return isinstance(found, _Pending)
+
+    def announced(self, message_id: str) -> Any:
         """The value that came with ``message_id``'s announcement, as :class:`_Found`, or
         ``None`` (none came: look)."""
         delivered = self.listener.delivered(message_id)
@@ -307,17 +322,22 @@ class Results:
         self.listener.close()
 
     @staticmethod
-    def _outcome(message_id: str, found: Any, timeout_s: float) -> Any:
+    def outcome(message_id: str, found: Any, timeout_s: float) -> Any:
+        """What ``result`` returns or raises for what a :meth:`look` found."""
         if isinstance(found, _Pending):
             raise ResultPending(message_id, timeout_s, found.state)
         if isinstance(found, _Found):
             return found.value
         return found
 
-    def look(self, message_id: str) -> Any:
+    def look(self, message_id: str, *, bounded: bool = True) -> Any:
         """The kept value of ``message_id``, or :class:`_Pending` if it has not ended; raises
         :class:`JobFailedError` or :class:`NotFoundError` when it ended without a value or is
-        not known (see ``JobRunner.result``). At most :data:`LOOKS_AT_ONCE` at a time."""
+        not known (see ``JobRunner.result``). ``bounded``: at most :data:`LOOKS_AT_ONCE` at a
+        time (an asyncio caller bounds its looks on its loop instead: a thread's lock would
+        not let the others of the loop take turns)."""
+        if not bounded:
+            return self._look(message_id)
         with self._looks:
             return self._look(message_id)
 

@@ -13,6 +13,7 @@ private ports (Debian's ``redis-server`` and ``redis-sentinel``).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -492,3 +493,45 @@ def test_a_moved_primary_leaves_the_sentinel_connections_in_use_open(redis_url: 
     sentinel.connection_pool.release(in_use)
     pool.disconnect()
     assert not in_use.is_connected
+
+
+def test_an_async_producer_follows_a_planned_fail_over(group: SentinelGroup) -> None:
+    # Given an asyncio producer and a worker on the Sentinel URL
+    release, ledger = threading.Event(), Ledger()
+    release.set()
+    worker = runner(group.url(), release, ledger)
+    producer = runner(group.url(), release, ledger)
+    worker.start()
+
+    async def produce() -> tuple[list[str], int]:
+        accepted = [await producer.adispatch(WORK, {})]  # discovered the primary, connected
+        admin = group.sentinels[0].client()
+        admin.execute_command("SENTINEL", "FAILOVER", group.master)  # type: ignore[no-untyped-call]
+        admin.close()
+        old_port = group.primary.port
+        failed = 0
+        # When the primary moves while the producer dispatches
+        while True:
+            try:
+                accepted.append(await producer.adispatch(WORK, {}))
+            except RedisUnavailableError:
+                failed += 1
+            if await asyncio.to_thread(group.current_primary_port) != old_port:
+                break
+        for _ in range(20):  # and on, against the new primary
+            accepted.append(await producer.adispatch(WORK, {}))
+        await producer.aclose()
+        return accepted, failed
+
+    try:
+        accepted, failed = asyncio.run(produce())
+        # Then every dispatch that returned an id runs
+        wait_for(
+            lambda: set(accepted) <= set(ledger.completions),
+            timeout_s=30,
+            what="every accepted dispatch to run",
+        )
+    finally:
+        worker.stop(timeout_s=5)
+        producer.stop()
+    print(f"\nasync producer over a fail-over: {len(accepted)} accepted, {failed} refused")

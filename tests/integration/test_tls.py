@@ -5,6 +5,7 @@ certificate is one clear line at start, without waiting out the timeout."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ from urllib.parse import urlencode
 import pytest
 from starlette.testclient import TestClient
 
-from kumiko_dramatiq import JobConfigError, JobRunner
+from kumiko_dramatiq import JobConfigError, JobRunner, KumikoError
 from kumiko_dramatiq.dashboard import create_app
 from kumiko_dramatiq.errors import RedisAccessError
 from tests.conftest import wait_for
@@ -294,3 +295,39 @@ def test_ssl_cert_reqs_optional_verifies_the_server_as_required_does(
     with pytest.raises(RedisAccessError, match="does not verify"):
         runner.check_redis()
     runner.stop()
+
+
+def test_an_async_producer_dispatches_over_tls_with_a_client_certificate(
+    tls_server: Server, certs: Certificates, prefix: str
+) -> None:
+    runner = JobRunner(
+        main_paths_registry(), redis_url=tls_url(tls_server, certs), queue_prefix=prefix
+    )
+
+    async def produce() -> str:
+        mid = await runner.adispatch(WORK, {"n": 1})
+        await runner.aclose()
+        return mid
+
+    with runner:
+        mid = asyncio.run(produce())
+        assert runner.job_state(mid) == "queued"
+
+
+def test_a_wrong_ca_fails_an_async_dispatch_as_it_fails_a_sync_one(
+    tls_server: Server, certs: Certificates, prefix: str
+) -> None:
+    url = tls_url(tls_server, certs, ssl_ca_certs=str(certs.wrong_ca))
+    runner = JobRunner(main_paths_registry(), redis_url=url, queue_prefix=prefix)
+    with runner:
+        with pytest.raises(KumikoError) as sync_error:
+            runner.dispatch(WORK, {})
+
+        async def produce() -> None:
+            await runner.adispatch(WORK, {})
+
+        with pytest.raises(KumikoError) as async_error:
+            asyncio.run(produce())
+    assert type(async_error.value) is type(sync_error.value)
+    assert str(async_error.value) == str(sync_error.value)
+    assert "CERTIFICATE_VERIFY_FAILED" in str(async_error.value)
