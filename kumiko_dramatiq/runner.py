@@ -545,6 +545,7 @@ class JobRunner:
         *,
         on_success: Item | None = None,
         on_complete: Item | None = None,
+        idempotency_key: str | None = None,
     ) -> str:
         """Enqueue one child per ``(job_name, payload)`` item as one batch; return its id.
 
@@ -554,19 +555,27 @@ class JobRunner:
         nothing of the batch ever runs). When every child ended (completed, dead, cancelled,
         purged), ``on_complete`` is enqueued once; ``on_success`` once if every child
         completed. Each callback's ``ctx.batch.results()`` tells how each child ended, in
-        dispatch order, with its value."""
+        dispatch order, with its value. With ``idempotency_key``, a batch dispatched with a
+        key used within ``idempotency_ttl_s`` returns the first batch's id and writes nothing
+        (as ``dispatch``'s key)."""
         with self._redis("dispatching a batch"):
             return self.runtime.batches.dispatch_batch(
-                items, on_success=on_success, on_complete=on_complete
+                items,
+                on_success=on_success,
+                on_complete=on_complete,
+                idempotency_key=idempotency_key,
             )
 
-    def dispatch_chain(self, steps: Sequence[Item | Sequence[Item]]) -> str:
+    def dispatch_chain(
+        self, steps: Sequence[Item | Sequence[Item]], *, idempotency_key: str | None = None
+    ) -> str:
         """Enqueue a chain: each step (an item, or a list of items: a group) once the step
         before completed, its handlers seeing ``ctx.previous_result``; a step that does not
         complete stops the chain (``failed``). All steps are validated and written first,
-        all or none. ``result(chain_id)`` is the last step's value."""
+        all or none. ``result(chain_id)`` is the last step's value. ``idempotency_key``: as
+        ``dispatch_batch``'s."""
         with self._redis("dispatching a chain"):
-            return self.runtime.batches.dispatch_chain(steps)
+            return self.runtime.batches.dispatch_chain(steps, idempotency_key=idempotency_key)
 
     def batch(self, batch_id: str) -> BatchStatus:
         """The state and counts of a batch or chain; ``NotFoundError`` for an unknown id."""

@@ -71,17 +71,37 @@ class LoopClient:
         self._connecting: asyncio.Future[Wire] | None = None
 
     async def call(self, packed: list[bytes]) -> Any:
-        """Send one packed command; its reply (an error reply raised)."""
-        (reply,) = await self.send(packed, 1)
+        """Send one packed command; its reply (an error reply raised). The common case (a
+        connection that is up, a reply) takes one future and no other step; anything else
+        goes the way of :meth:`send`."""
+        wire = self._wire
+        watch = self.watch
+        if (
+            wire is not None
+            and wire.broken is None
+            and (watch is None or wire.generation == watch.generation)
+        ):
+            future = wire.send_one(packed)
+            try:
+                return await future
+            except redis.ResponseError as exc:
+                if not unavailable_reply(exc):
+                    raise
+                _refused(wire, exc, watch)
+            except redis.ConnectionError:
+                pass
+            await asyncio.sleep(RETRY_PAUSE_S)  # the one re-send, on a new connection
+        (reply,) = await self.send(packed, 1, retried=wire is not None)
         if isinstance(reply, redis.RedisError):
             raise reply
         return reply
 
-    async def send(self, packed: list[bytes], replies: int) -> list[Any]:
+    async def send(self, packed: list[bytes], replies: int, *, retried: bool = False) -> list[Any]:
         """Send packed commands that give ``replies`` replies; the replies, an error reply in
-        its place. Raises ``ConnectionError`` / ``TimeoutError`` (after the one re-send)."""
+        its place. Raises ``ConnectionError`` / ``TimeoutError`` (after the one re-send;
+        ``retried``: this is it)."""
         watch = self.watch
-        for attempt in (0, 1):
+        for attempt in (1, 2) if retried else (0, 1):
             wire = self._wire
             if wire is None or wire.broken is not None:
                 wire = await self._connected()
@@ -90,14 +110,7 @@ class LoopClient:
                 wire = await self._connected()
             try:
                 found = await _replies(wire, wire.send(packed, replies), watch)
-                failed = next(
-                    (
-                        each
-                        for each in found
-                        if isinstance(each, redis.ConnectionError | redis.TimeoutError)
-                    ),
-                    None,
-                )
+                failed = next((each for each in found if isinstance(each, _UNAVAILABLE)), None)
                 if failed is not None:
                     raise failed
                 return found
@@ -105,7 +118,7 @@ class LoopClient:
                 if attempt:
                     raise
                 await asyncio.sleep(RETRY_PAUSE_S)
-        raise AssertionError("unreachable")
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def close(self) -> None:
         """Drop the connection (on the loop's thread); a later command opens a new one."""
@@ -282,11 +295,7 @@ async def _replies(
                 found.append(await future)
             except redis.ResponseError as exc:
                 if unavailable_reply(exc):
-                    demoted = isinstance(exc, redis.exceptions.ReadOnlyError)
-                    if demoted and watch is not None and wire.address is not None:
-                        watch.demoted_reply(wire.address)
-                    wire.close()
-                    found.append(redis.ConnectionError(f"Redis refuses writes for now: {exc}"))
+                    found.append(_refused(wire, exc, watch))
                 else:
                     found.append(exc)
             except _UNAVAILABLE as exc:
@@ -296,6 +305,17 @@ async def _replies(
             future.cancel()
         raise
     return found
+
+
+def _refused(
+    wire: Wire, exc: redis.ResponseError, watch: PrimaryWatch | None
+) -> redis.ConnectionError:
+    """A reply by which Redis refuses writes for now: drop ``wire`` (``READONLY``: tell
+    ``watch`` that node was demoted); the ``ConnectionError`` it stands for."""
+    if isinstance(exc, redis.exceptions.ReadOnlyError) and watch is not None and wire.address:
+        watch.demoted_reply(wire.address)
+    wire.close()
+    return redis.ConnectionError(f"Redis refuses writes for now: {exc}")
 
 
 def tls_context(connection: Mapping[str, Any]) -> ssl.SSLContext:

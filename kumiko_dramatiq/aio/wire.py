@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Sequence
 from typing import Any, Final
 
 import redis
-from redis._parsers.base import BaseParser
+
+from kumiko_dramatiq.broker.seam import error_reply
 
 #: the RESP3 type bytes
 _BULK, _SIMPLE, _INT, _BIG, _ARRAY, _SET, _PUSH, _MAP = b"$+:(*~>%"
@@ -34,11 +36,8 @@ class Push(list[Any]):
     """An out-of-band message from the server (RESP3 push): no command's reply."""
 
 
-def _error(text: bytes) -> redis.RedisError:
-    found: redis.RedisError = BaseParser.parse_error(  # type: ignore[no-untyped-call]
-        text.decode("utf-8", errors="replace")
-    )
-    return found
+def _error(text: bytes) -> Exception:
+    return error_reply(text.decode("utf-8", errors="replace"))
 
 
 def parse(buffer: bytes | bytearray, at: int) -> tuple[Any, int]:
@@ -99,6 +98,9 @@ def parse(buffer: bytes | bytearray, at: int) -> tuple[Any, int]:
     )
 
 
+#: the most replies a connection hands to their waiters in one turn of the loop
+REPLIES_PER_TURN: Final = 10
+
 #: how long a connection waits for a command's reply when no timeout is given (s)
 DEFAULT_TIMEOUT_S: Final = 5.0
 
@@ -117,6 +119,8 @@ class Wire(asyncio.Protocol):
         self._buffer = bytearray()
         self._out: list[bytes] = []
         self._timer: asyncio.TimerHandle | None = None
+        #: whether a :meth:`_read` of what the buffer holds is due in the next turn
+        self._reading_later = False
         #: the primary's address and the fail-over watch's generation it connected at
         self.address: tuple[str, int] | None = None
         self.generation = 0
@@ -127,12 +131,27 @@ class Wire(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        if not self._reading_later:
+            self._read()
+
+    def _read(self) -> None:
+        """Hand the replies in the buffer to their waiters, at most :data:`REPLIES_PER_TURN`
+        per turn of the loop: each waiter runs its next step in the next turn, and a hundred
+        of them at once would hold the loop for milliseconds (the rest follow a turn later)."""
+        self._reading_later = False
+        if self.broken is not None:
+            return
         buffer = self._buffer
-        buffer += data
         at = 0
         waiting = self._waiting
+        handed = 0
         try:
             while at < len(buffer):
+                if handed == REPLIES_PER_TURN:
+                    self._reading_later = True
+                    self.loop.call_soon(self._read)
+                    break
                 reply, at = parse(buffer, at)
                 if type(reply) is Push:
                     continue
@@ -142,6 +161,7 @@ class Wire(asyncio.Protocol):
                 future, _ = waiting.popleft()
                 if future.done():  # its waiter gave up
                     continue
+                handed += 1
                 if isinstance(reply, redis.RedisError):
                     future.set_exception(reply)
                 else:
@@ -161,28 +181,36 @@ class Wire(asyncio.Protocol):
     def send(self, packed: list[bytes], replies: int = 1) -> list[asyncio.Future[Any]]:
         """Queue ``packed`` (one or more commands, packed) for this turn's write; the futures
         of its ``replies`` replies, in order."""
+        futures = [self.loop.create_future() for _ in range(replies)]
+        self._queue(packed, futures)
+        return futures
+
+    def send_one(self, packed: list[bytes]) -> asyncio.Future[Any]:
+        """:meth:`send` for one command: its reply's future."""
+        future = self.loop.create_future()
+        self._queue(packed, (future,))
+        return future
+
+    async def call(self, packed: list[bytes]) -> Any:
+        """Send one command; its reply."""
+        return await self.send_one(packed)
+
+    def _queue(self, packed: list[bytes], futures: Sequence[asyncio.Future[Any]]) -> None:
         if self.broken is not None:
             raise self.broken
         loop = self.loop
         deadline = loop.time() + self.timeout_s
         idle = not self._waiting
-        futures = [loop.create_future() for _ in range(replies)]
         self._waiting.extend((future, deadline) for future in futures)
         if self._timer is None:
             self._timer = loop.call_at(deadline, self._check_deadline)
         if idle and not self._out and self.transport is not None:
             # nothing in flight: no reply could come back sooner than this write goes out
             self.transport.write(b"".join(packed) if len(packed) > 1 else packed[0])
-            return futures
+            return
         if not self._out:
             loop.call_soon(self._flush)
         self._out += packed
-        return futures
-
-    async def call(self, packed: list[bytes]) -> Any:
-        """Send one command; its reply."""
-        (future,) = self.send(packed)
-        return await future
 
     def close(self) -> None:
         """Drop the connection; its waiting commands fail with ``ConnectionError``."""

@@ -26,7 +26,7 @@ from typing import Any
 import redis
 from redis.client import Pipeline, PubSub
 
-_CARRIER: ContextVar[redis.Redis | None] = ContextVar("kumiko_carrier", default=None)
+_CARRIER: ContextVar[redis.Redis | None] = ContextVar("kumiko.carrier", default=None)
 
 
 def carrier() -> redis.Redis | None:

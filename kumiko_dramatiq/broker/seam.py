@@ -23,7 +23,8 @@ that breaks when the host library changes what it relies on; see docs/upgrading.
    ``"Time limit exceeded. Raising exception in worker thread %r."`` with the thread id as
    the one argument.
 6. **redis-py's argument encoder** (:func:`argument_encoder`), from ``redis._parsers``, which
-   the command packer falls back on.
+   the command packer falls back on, and its error classes by reply (:func:`error_reply`),
+   which the asyncio connection's reader uses.
 7. **Asynchronous exceptions** (:func:`raise_in_thread`, :func:`clear_pending_in_thread`):
    CPython's ``PyThreadState_SetAsyncExc``, the mechanism Dramatiq's ``TimeLimit`` uses too,
    through ``ctypes``. An exception set for a thread is raised in it the next time it runs
@@ -111,6 +112,7 @@ from dramatiq.errors import ActorNotFound
 from dramatiq.message import Message, get_encoder
 from dramatiq.middleware import Middleware, MiddlewareError, TimeLimit
 from dramatiq.worker import ConsumerThread, Worker, _WorkQueueItem
+from redis._parsers.base import BaseParser
 from redis._parsers.encoders import Encoder
 
 #: A bound hook, with whether it is skipped for a handed-off delivery.
@@ -270,6 +272,14 @@ def argument_encoder(encoding: str, errors: str) -> Callable[[Any], bytes]:
     """redis-py's encoder of command arguments (what its pure-Python packer takes)."""
     encode: Callable[[Any], bytes] = Encoder(encoding, errors, False).encode  # type: ignore[no-untyped-call]
     return encode
+
+
+def error_reply(text: str) -> Exception:
+    """The exception redis-py raises for the error reply ``text`` (``NOSCRIPT ...`` is a
+    ``NoScriptError``, ``READONLY ...`` a ``ReadOnlyError``, ...), from ``redis._parsers``:
+    the asyncio connection (:mod:`kumiko_dramatiq.aio.wire`) reads replies itself."""
+    found: Exception = BaseParser.parse_error(text)  # type: ignore[no-untyped-call]
+    return found
 
 
 #: Dramatiq's ``JSONEncoder``'s ``json.dumps(..., separators=(",", ":"))``, built once

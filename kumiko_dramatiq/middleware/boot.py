@@ -50,6 +50,7 @@ from kumiko_dramatiq.broker.acl import check_server
 from kumiko_dramatiq.broker.connection import client as redis_client
 from kumiko_dramatiq.broker.connection import describe
 from kumiko_dramatiq.broker.counts import backfill_counts
+from kumiko_dramatiq.broker.faults import kumiko_error
 from kumiko_dramatiq.context import JobContext, JobMeta
 from kumiko_dramatiq.errors import (
     BootGateError,
@@ -374,12 +375,11 @@ class Boot(Middleware):
         runtime = self.runtime
         prefix = runtime.queue_prefix
         broker = runtime.broker
+        action = f"enqueuing boot job {job.qualified_name}"
         try:
             generation = boot_generation(broker.client, prefix, job.qualified_name)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise RedisUnavailableError(
-                describe_client(broker.client), f"enqueuing boot job {job.qualified_name}", exc
-            ) from exc
+        except redis.RedisError as exc:  # a refused command (READONLY, OOM) too
+            raise kumiko_error(describe_client(broker.client), action, exc) from exc
         message_id = boot_message_id(job.qualified_name, prefix, generation)
         payload = empty_payload(job, max_bytes=runtime.settings.max_payload_bytes)
         message = build_message(
@@ -395,10 +395,8 @@ class Boot(Middleware):
                 ],
                 args=[runtime.settings.retention.completed_age_s * 1000, message_id],
             )
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise RedisUnavailableError(
-                describe_client(broker.client), f"enqueuing boot job {job.qualified_name}", exc
-            ) from exc
+        except redis.RedisError as exc:
+            raise kumiko_error(describe_client(broker.client), action, exc) from exc
         outcome = reply[1]
         if outcome == "enqueued":
             logger.info("boot job %s enqueued as %s", job.qualified_name, message_id)

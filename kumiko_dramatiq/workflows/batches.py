@@ -41,6 +41,7 @@ from pydantic import BaseModel
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.errors import NotFoundError, PayloadError
 from kumiko_dramatiq.ids import added_child_id, child_message_id
+from kumiko_dramatiq.limits import check_dedup_key
 from kumiko_dramatiq.messages import build_message
 from kumiko_dramatiq.payloads import payload_to_enqueue
 from kumiko_dramatiq.workflows.results import decode_result
@@ -148,8 +149,10 @@ class Batches:
         *,
         on_success: Item | None = None,
         on_complete: Item | None = None,
+        idempotency_key: str | None = None,
     ) -> str:
         """See ``JobRunner.dispatch_batch``."""
+        record = self._record("dispatch_batch", "batch", idempotency_key)
         batch_id = str(uuid4())
         children = self._children(batch_id, items, "items")
         header: dict[str, str] = {"kind": "batch"}
@@ -157,23 +160,30 @@ class Batches:
             if item is not None:
                 header[field] = self._entry(self._callback(batch_id, item, field))
         if len(children) <= WRITE_CHUNK:  # one call: open, on the queues (no staging)
-            args: list[Any] = [self.root, batch_id, int(time.time() * 1000)]
+            args: list[Any] = [self.root, batch_id, int(time.time() * 1000), self._record_ttl_ms]
             header = self._header(header)
             args.append(len(header))
             for name, value in header.items():
                 args += (name, value)
             for message in children:
                 args += (str(message.message_id), *self._parts(message))
-            self.broker.lua.batch_dispatch(keys=[keys.batch(self.prefix, batch_id)], args=args)
-            return batch_id
+            reply = self.broker.lua.batch_dispatch(
+                keys=[keys.batch(self.prefix, batch_id), *record], args=args
+            )
+            return batch_id if isinstance(reply, int) else _text(reply)
+        first = self._first(record)
+        if first is not None:
+            return first
         self._write(batch_id, children, header)
-        self._open(batch_id)
-        return batch_id
+        return self._open(batch_id, record)
 
-    def dispatch_chain(self, steps: Sequence[Item | Sequence[Item]]) -> str:
+    def dispatch_chain(
+        self, steps: Sequence[Item | Sequence[Item]], *, idempotency_key: str | None = None
+    ) -> str:
         """See ``JobRunner.dispatch_chain``."""
         if isinstance(steps, str | bytes) or not isinstance(steps, Sequence) or not steps:
             raise PayloadError("dispatch_chain", "steps", "must be a non-empty list of steps")
+        record = self._record("dispatch_chain", "chain", idempotency_key)
         chain_id = str(uuid4())
         written: list[tuple[str, list[Message[Any]], bool]] = []
         for n, step in enumerate(steps, 1):
@@ -181,14 +191,35 @@ class Batches:
             items: Sequence[Item] = step if isinstance(step, list) else [step]  # type: ignore[list-item]
             step_id = f"{chain_id}.{n}"
             written.append((step_id, self._children(step_id, items, f"steps[{n - 1}]"), group))
+        first = self._first(record)
+        if first is not None:
+            return first
         for n, (step_id, children, group) in enumerate(written, 1):
             header = {"kind": "step", "chain": chain_id, "step": str(n)}
             if group:
                 header["group"] = "1"
             self._write(step_id, children, header)
         self._write(chain_id, [], {"kind": "chain", "steps": str(len(written))})
-        self._open(chain_id)
-        return chain_id
+        return self._open(chain_id, record)
+
+    def _record(self, call: str, kind: str, idempotency_key: str | None) -> list[str]:
+        """The keys of a batch script for ``idempotency_key``: its record, or none."""
+        if idempotency_key is None:
+            return []
+        key = check_dedup_key(call, "idempotency_key", idempotency_key)
+        return [keys.idempotency(self.prefix, kind, key)]
+
+    def _first(self, record: list[str]) -> str | None:
+        """The id a key's record holds already (then nothing is written: a shortcut; the
+        open decides atomically, ``lua/batch_commit.lua``)."""
+        if not record:
+            return None
+        found = self.broker.client.get(record[0])
+        return None if found is None else _text(found)
+
+    @property
+    def _record_ttl_ms(self) -> int:
+        return self.settings.idempotency_ttl_s * 1000
 
     def add(self, batch_id: str, adder_id: str, n: int, job_name: str, payload: Any) -> str:
         """A running child (``adder_id``) adds its ``n``-th child to ``batch_id``; returns
@@ -428,16 +459,27 @@ class Batches:
             self.broker.lua.batch_write(keys=[key], args=args)
             first = False
 
-    def _open(self, batch_id: str) -> None:
+    def _open(self, batch_id: str, record: list[str]) -> str:
+        """Open a written batch or chain and move its children; its id, or with an
+        idempotency key's ``record`` that another dispatch opened first, that one's."""
         key = keys.batch(self.prefix, batch_id)
         while True:
-            state, left = self.broker.lua.batch_commit(
-                keys=[key], args=[self.root, batch_id, int(time.time() * 1000), MOVE_STEP]
+            state, left, *first = self.broker.lua.batch_commit(
+                keys=[key, *record],
+                args=[
+                    self.root,
+                    batch_id,
+                    int(time.time() * 1000),
+                    MOVE_STEP,
+                    self._record_ttl_ms,
+                ],
             )
+            if _text(state) == "taken":
+                return _text(first[0])
             if _text(state) == "gone":
                 raise NotFoundError(f"{batch_id}: the batch expired before it was opened")
             if int(left) == 0:
-                return
+                return batch_id
 
     def _status(self, batch_id: str) -> BatchStatus | None:
         raw = self.broker.client.hmget(

@@ -73,3 +73,62 @@ def test_bad_keys_and_settings_are_refused(make_runner: RunnerFactory) -> None:
     assert runner.job_counts()["app:job:welcome"]["queued"] == 0
     with pytest.raises(JobConfigError, match="idempotency_ttl_s"):
         JobRunner(registry_of([]), idempotency_ttl_s=0)
+
+
+def batch_of(n: int) -> list[tuple[str, dict[str, Any]]]:
+    return [("app:job:welcome", {"user": i}) for i in range(n)]
+
+
+@pytest.mark.parametrize("children", [3, 300])  # one Lua call; staged, then opened
+def test_a_batch_dispatched_again_with_its_key_is_the_first_batch(
+    make_runner: RunnerFactory, children: int
+) -> None:
+    runner = make_runner(registry_of([]))
+    first = runner.dispatch_batch(batch_of(children), idempotency_key="import-7")
+    again = runner.dispatch_batch(batch_of(children), idempotency_key="import-7")
+    other = runner.dispatch_batch(batch_of(children), idempotency_key="import-8")
+    assert again == first != other
+    assert runner.batch(first).total == children
+    assert runner.job_counts()["app:job:welcome"]["queued"] == 2 * children
+
+
+def test_a_staged_batch_whose_writer_died_before_the_open_leaves_the_key_free(
+    make_runner: RunnerFactory, prefix: str
+) -> None:
+    # Given a writer that staged a batch under a key and died before opening it
+    runner = make_runner(registry_of([]))
+    batches = runner.runtime.batches
+    batches._write(
+        "abandoned", batches._children("abandoned", batch_of(2), "items"), {"kind": "batch"}
+    )
+    # When the client retries with the key, Then a batch is written and opened
+    retried = runner.dispatch_batch(batch_of(2), idempotency_key="k")
+    assert retried != "abandoned"
+    assert runner.batch(retried).state == "running"
+    # and the abandoned one can no longer open under the key: the first open won
+    record = [keys.idempotency(prefix, "batch", "k")]
+    assert batches._open("abandoned", record) == retried
+    assert runner.job_counts()["app:job:welcome"]["queued"] == 2
+
+
+def test_a_chain_dispatched_again_with_its_key_is_the_first_chain(
+    make_runner: RunnerFactory,
+) -> None:
+    runs: list[str] = []
+    runner = make_runner(registry_of(runs))
+    steps: list[Any] = [("app:job:welcome", {"step": 1}), ("app:job:welcome", {"step": 2})]
+    first = runner.dispatch_chain(steps, idempotency_key="etl-2026-12-07")
+    assert runner.dispatch_chain(steps, idempotency_key="etl-2026-12-07") == first
+    runner.start()
+    runner.drain(timeout_s=30)
+    assert len(runs) == 2
+    assert runner.batch(first).state == "succeeded"
+
+
+def test_a_bad_batch_key_is_refused_before_anything_is_written(
+    make_runner: RunnerFactory,
+) -> None:
+    runner = make_runner(registry_of([]))
+    with pytest.raises(PayloadError, match="idempotency_key"):
+        runner.dispatch_batch(batch_of(2), idempotency_key="")
+    assert runner.job_counts()["app:job:welcome"]["queued"] == 0

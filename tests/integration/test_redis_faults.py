@@ -129,3 +129,22 @@ def _times_out(client: redis.Redis) -> bool:
     except redis.TimeoutError:
         return True
     return False
+
+
+def test_a_refused_boot_once_enqueue_is_a_kumiko_error(private_url: str) -> None:
+    # Given a server at its maxmemory (noeviction) and a lane with a boot-once job
+    feature = Feature("faults")
+
+    @feature.job("warm", run_on_boot=True)
+    def warm(payload: dict[str, Any], ctx: JobContext) -> None: ...
+
+    client = redis.Redis.from_url(private_url)
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + 64 * 1024)
+    fill(client)
+    runner = JobRunner(Registry([feature]), redis_url=private_url, queue_prefix="faults")
+    # When the worker starts, Then the refused write is kumiko's error, not redis-py's
+    with runner, pytest.raises(RedisUnavailableError, match="maxmemory"):
+        runner.start()
+    client.config_set("maxmemory", 0)
+    client.close()

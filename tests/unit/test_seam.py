@@ -36,6 +36,7 @@ from kumiko_dramatiq.broker.seam import (
     emit_after,
     emit_before,
     encode_message,
+    error_reply,
     has_socket,
     name_interruptions,
     raise_in_thread,
@@ -372,3 +373,10 @@ def test_a_consumer_thread_hands_messages_to_its_worker_threads_through_the_work
         worker.stop(timeout=5_000)
     # and a thread that is not a consumer thread has no hand-off
     assert work_handoff() is None
+
+
+def test_an_error_reply_becomes_the_exception_redis_py_raises_for_it() -> None:
+    assert isinstance(error_reply("NOSCRIPT No matching script"), redis.exceptions.NoScriptError)
+    assert isinstance(error_reply("READONLY You can't write"), redis.exceptions.ReadOnlyError)
+    assert isinstance(error_reply("WRONGPASS invalid"), redis.exceptions.AuthenticationError)
+    assert type(error_reply("ERR unknown command")) is redis.ResponseError

@@ -1,8 +1,13 @@
 -- batch_commit: open a written batch or chain (every child written: they may start now) and
 -- move up to ARGV[4] of its staged children onto their queues (include/batch.lua).
--- KEYS[1] the batch hash "<root>batch:<id>"
+-- KEYS[1] the batch hash "<root>batch:<id>"   KEYS[2] (with an idempotency key) the key's
+-- record "<root>idem:batch:<key>" or "<root>idem:chain:<key>" (the first dispatch's id)
 -- ARGV[1] kumiko root "kumiko:<prefix>:"   ARGV[2] the batch id   ARGV[3] now (ms)
--- ARGV[4] how many staged children to move at most
+-- ARGV[4] how many staged children to move at most   ARGV[5] the record's TTL (ms; with
+-- KEYS[2])
+-- With a key, the batch opens only if the record holds no other id: the first writer to
+-- open wins; another's staged batch is never opened and expires (nothing of it runs), and
+-- {"taken", 0, the first id} comes back. A writer that dies before opening leaves no record.
 -- A chain opens whole: its steps' records are kept, its first step opens; later steps open
 -- as the one before succeeds. Calling it again moves the next children (a writer repeats it
 -- until none is left; the ends of moved children move the rest if the writer stops).
@@ -10,9 +15,19 @@
 -- @include batch
 local key, root, id, now = KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3])
 local limit = tonumber(ARGV[4])
+local record = KEYS[2]
+if record then
+    local first = redis.call("get", record)
+    if first and first ~= id then
+        return {"taken", 0, first}
+    end
+end
 local head = redis.call("hmget", key, "kind", "state", "steps", "ns", "created")
 if not head[1] then
     return {"gone", 0}
+end
+if record and head[2] == "writing" then
+    redis.call("set", record, id, "PX", ARGV[5])
 end
 local moving = key
 if head[1] == "chain" then

@@ -1,0 +1,1 @@
+"""A FastAPI service that dispatches kumiko jobs from ``async def`` endpoints."""
