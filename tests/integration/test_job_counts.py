@@ -102,10 +102,11 @@ def test_older_data_is_counted_once_by_the_backfill_while_messages_come_and_go(
 ) -> None:
     runner = make_runner(registry())
     queue = f"{prefix}-worker"
-    # given messages written before counts were kept (no ~mode yet: nothing counted)
+    # given messages written before counts were kept (an older version wrote no counts
+    # hash: its bodies are here, no ~mode, nothing counted)
     older = runner.dispatch_many(A, [{}] * 1_100)
     runner.dispatch_many(B, [{}] * 300, delay_ms=600_000)
-    assert redis_client.exists(keys.queue_counts(queue)) == 0
+    redis_client.delete(keys.queue_counts(queue))
     # when the backfill has taken its first steps ...
     step = runner.broker.lua.counts_backfill
     backfill_keys = [
@@ -128,3 +129,29 @@ def test_older_data_is_counted_once_by_the_backfill_while_messages_come_and_go(
     assert redis_client.exists(f"{keys.queue_counts(queue)}:seen") == 0
     runner.start()
     wait_for(lambda: counts(runner, A) == zero(), what="a drained")
+
+
+def test_a_dataset_written_by_this_version_is_counted_from_its_first_message(
+    make_runner: RunnerFactory, redis_client: redis.Redis, prefix: str
+) -> None:
+    # Given a fresh dataset, When messages are written (a batch, a delayed one, one at a time)
+    runner = make_runner(registry())
+    queue = f"{prefix}-worker"
+    runner.dispatch_many(A, [{}] * 700)
+    runner.dispatch(B, {}, delay_ms=600_000)
+    runner.dispatch(A, {})
+    # Then the counts were kept from the first body on: ready, no backfill to run
+    assert redis_client.hget(keys.queue_counts(queue), "~mode") == b"r"
+    step = runner.broker.lua.counts_backfill
+    done = step(
+        keys=[
+            keys.queue_counts(queue),
+            keys.queue_messages(queue),
+            keys.queue_messages(dq_name(queue)),
+            keys.dead_letter_messages(queue),
+        ],
+        args=[1],
+    )
+    assert done == 1
+    assert counts(runner, A) == zero(queued=701)
+    assert counts(runner, B) == zero(delayed=1)

@@ -4,9 +4,10 @@
 --       "q:<actor>"  bodies in <queue>.msgs (queued, parked, waiting for a slot, running)
 --       "d:<actor>"  bodies in <queue>.DQ.msgs (delayed, backing off)
 --       "x:<actor>"  bodies in <queue>.XQ.msgs (dead letters)
---       "~mode"      absent: not counted yet (nothing is counted); "b": counting while the
---                    backfill counts what was there before (lua/counts_backfill.lua); "r":
---                    ready, exact
+--       "~mode"      absent: not counted yet (nothing is counted; the first body written to a
+--                    queue that holds no other starts it "r", see counts_start); "b":
+--                    counting while the backfill counts what was there before
+--                    (lua/counts_backfill.lua); "r": ready, exact
 -- While the backfill runs, a body written is noted in "<counts>:fresh" (the backfill skips
 -- it) and a body deleted is uncounted only if it was fresh or the backfill counted it already
 -- ("<counts>:seen"; it leaves the set it was in, so both hold live bodies only, also if a
@@ -43,6 +44,21 @@ local function counts_mode(counts)
     return mode
 end
 
+-- counts_start(counts): a queue whose counts are not kept yet, when the body just written is
+-- the only one it holds (queued, delayed or dead): its counts start out ready ("r"), so a
+-- dataset written only by this version never needs the backfill; else nil (what it held
+-- before is counted by lua/counts_backfill.lua first)
+local function counts_start(counts)
+    local base = string.sub(counts, 1, -8)
+    if redis.call("hlen", base .. ".msgs") + redis.call("hlen", base .. ".DQ.msgs")
+        + redis.call("hlen", base .. ".XQ.msgs") ~= 1 then
+        return nil
+    end
+    redis.call("hset", counts, "~mode", "r")
+    counts_modes[counts] = "r"
+    return "r"
+end
+
 -- count_body(messages, rid, body, delta, counted): body (of redis id rid) was written to (+1)
 -- or is about to leave (-1) message hash `messages`. counted: {counts hash, field}, its
 -- count's names as the caller knows them (the hash of `messages`' queue, "<kind>:<actor>"
@@ -64,7 +80,13 @@ local function count_body(messages, rid, body, delta, counted)
     end
     local mode = counts_mode(counts)
     if not mode then
-        return
+        if delta < 0 then
+            return
+        end
+        mode = counts_start(counts)
+        if not mode then
+            return
+        end
     end
     if not field then
         local actor = actor_of(body)
