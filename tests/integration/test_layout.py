@@ -48,7 +48,8 @@ def snapshot(client: redis.Redis, prefix: str) -> dict[str, Any]:
     """Every Dramatiq key of the test's queues, by type; timestamps reduced to presence.
 
     kumiko's doorbells (``<queue>:bell``, its own keys beside the layout) are left out, each
-    checked to hold at most one token with a TTL."""
+    checked to hold at most one token with a TTL, and so are its per-job counts
+    (``<queue>:counts``), checked to be ready (they start at a queue's first body)."""
     state: dict[str, Any] = {}
     patterns = (f"dramatiq:{prefix}-*", f"dramatiq:__acks__.*.{prefix}-*")
     for pattern in patterns:
@@ -57,6 +58,9 @@ def snapshot(client: redis.Redis, prefix: str) -> dict[str, Any]:
             if key.endswith(":bell"):
                 assert client.lrange(key, 0, -1) == [b"1"], key
                 assert 0 < client.pttl(key) <= 60_000, key
+                continue
+            if key.endswith(":counts"):
+                assert client.hget(key, "~mode") == b"r", key
                 continue
             kind = _text(client.type(key))
             if kind == "list":

@@ -70,6 +70,8 @@ LOCK_2 = "kumiko:{p}:lock:app.job2"
 LOCK_3 = "kumiko:{p}:lock:app.job3"
 INFLIGHT = "kumiko:{p}:inflight"
 COUNTS = "dramatiq:{q}:counts"
+#: a queue's counts hash ready, counting nothing (see Env.assert_state)
+READY_COUNTS = {"~mode": "r"}
 SUSPECTS = "kumiko:{p}:suspects:{q}"
 PAUSED = "kumiko:{p}:paused"
 PARKED = "kumiko:{p}:parked:app:job:sync"
@@ -573,7 +575,18 @@ class Env:
         """The WHOLE state is ``expected``, and every doorbell in it expires within
         :data:`BELL_TTL` (a token nobody takes never outlives its listeners by more)."""
         found = self.state()
-        assert found == self.fill(expected)
+        wanted = self.fill(expected)
+        # a queue's counts start out ready at its first body (include/counts.lua): where a
+        # table does not name them, they may be there, ready, and count nothing (its bodies
+        # are stand-ins without an actor); the counts tests name them
+        counts = self.key(COUNTS)
+        if counts not in wanted and found.get(counts) == READY_COUNTS:
+            del found[counts]
+        assert found == wanted, "state differs: " + "; ".join(
+            f"{key}: found {found.get(key, '(none)')!r}, expected {wanted.get(key, '(none)')!r}"
+            for key in sorted(set(found) | set(wanted))
+            if found.get(key) != wanted.get(key)
+        )
         for key in found:
             if key.endswith(":bell"):
                 actual = int(self.client.pttl(key))

@@ -545,8 +545,11 @@ def test_each_call_reads_the_counts_mode_afresh(env: Env) -> None:
     counts = env.key(MSGS).removesuffix(".msgs") + ":counts"
     keys = [env.key(MSGS), env.key(LIST)]
 
-    # Given: a message written while the queue was not counted
+    # Given: a message written while the queue was not counted (it held an older body, so
+    # its counts did not start at this one: include/counts.lua, counts_start)
+    env.client.hset(env.key(MSGS), "r0", message("m0"))
     env.lua.guarded_enqueue(keys=[*keys, env.key(SENT)], args=["r1", message("m1"), TTL, "1"])
+    assert not env.client.exists(counts)
     # When: the counts are made ready, and another message is written
     env.client.hset(counts, "~mode", "r")
     env.lua.guarded_enqueue(keys=[*keys, env.key(SENT) + "2"], args=["r2", message("m2"), TTL, "1"])

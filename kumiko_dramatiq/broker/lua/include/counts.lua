@@ -50,8 +50,12 @@ end
 -- before is counted by lua/counts_backfill.lua first)
 local function counts_start(counts)
     local base = string.sub(counts, 1, -8)
-    if redis.call("hlen", base .. ".msgs") + redis.call("hlen", base .. ".DQ.msgs")
-        + redis.call("hlen", base .. ".XQ.msgs") ~= 1 then
+    local held = 0
+    for _, suffix in ipairs({".msgs", ".DQ.msgs", ".XQ.msgs"}) do
+        local n = redis.pcall("hlen", base .. suffix)  -- a key of another type: not empty
+        held = held + (type(n) == "number" and n or 2)
+    end
+    if held ~= 1 then
         return nil
     end
     redis.call("hset", counts, "~mode", "r")
