@@ -88,13 +88,16 @@ def _reads_admin(
     method: Callable[Concatenate[Admin, P], R], action: str, doc: str
 ) -> Callable[Concatenate[JobRunner, P], R]:
     """A ``JobRunner`` method that is ``method`` of its :class:`Admin`: a ``job`` it is given
-    (first argument or keyword) must be declared, a Redis failure while ``action`` becomes
+    (first argument or keyword) must be declared, a ``limit`` must be an int from 1 to
+    :data:`MAX_LISTED` (``ValueError``), a Redis failure while ``action`` becomes
     ``RedisUnavailableError``."""
 
     def read(self: JobRunner, /, *args: P.args, **kwargs: P.kwargs) -> R:
         job = kwargs.get("job", args[0] if args else None)
         if job is not None:
             self._job(job)  # type: ignore[arg-type]
+        if "limit" in kwargs:
+            _check_limit(kwargs["limit"], MAX_LISTED)
         with self._redis(action):
             return method(self.admin, *args, **kwargs)
 
@@ -506,6 +509,7 @@ class JobRunner:
 
     def run_record(self, message_id: str) -> list[JobRun]:
         """Every recorded attempt of ``message_id``, oldest first."""
+        _check_message_id(message_id)
         with self._redis("reading the run history"):
             return self.history.run_record(message_id)
 
@@ -588,8 +592,7 @@ class JobRunner:
         (``running``, ``succeeded``, ``failed``, ``cancelled``)."""
         if state is not None and state not in BATCH_STATES:
             raise ValueError(f"state must be one of {', '.join(BATCH_STATES)}, got {state!r}")
-        if not 0 < limit <= 1_000:
-            raise ValueError(f"limit must be from 1 to 1000, got {limit!r}")
+        _check_limit(limit, 1_000)
         with self._redis("reading the batches"):
             return self.runtime.batches.listed(state=state, limit=limit)
 
@@ -735,8 +738,7 @@ class JobRunner:
             self._job(job)
         if state is not None and state not in WAITING_STATES:
             raise ValueError(f"state must be one of {', '.join(WAITING_STATES)}, got {state!r}")
-        if not 0 < limit <= 1_000:
-            raise ValueError(f"limit must be from 1 to 1000, got {limit!r}")
+        _check_limit(limit, 1_000)
         with self._redis("reading the waiting messages"):
             return self.admin.queued(job, state=state, limit=limit, after=after)
 
@@ -963,6 +965,16 @@ def _check_result_wait(message_id: object, timeout_s: object) -> None:
         raise ValueError(
             f"timeout_s must be a number from 0 to {MAX_RESULT_WAIT_S}, got {timeout_s!r}"
         )
+
+
+#: The most entries a listing of the admin reads (``dead_letters``, ``locks``,
+#: ``dedup_keys``) returns at once.
+MAX_LISTED = 10_000
+
+
+def _check_limit(limit: object, most: int) -> None:
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 0 < limit <= most:
+        raise ValueError(f"limit must be an int from 1 to {most}, got {limit!r}")
 
 
 def _check_message_id(message_id: object) -> None:

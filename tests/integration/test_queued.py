@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kumiko_dramatiq import Feature, JobContext, QueuedMessage, Registry
+from kumiko_dramatiq import Feature, JobConfigError, JobContext, QueuedMessage, Registry
 from tests.conftest import RunnerFactory, wait_for
 
 A = "browse:job:a"
@@ -87,3 +87,22 @@ def test_queued_refuses_bad_input(make_runner: RunnerFactory) -> None:
         runner.queued(state="running")
     with pytest.raises(ValueError, match="limit"):
         runner.queued(limit=0)
+
+
+@pytest.mark.parametrize("limit", [0, -1, 10_001, "5", 2.5, True, None])
+def test_every_listing_refuses_a_limit_that_is_not_a_count(
+    make_runner: RunnerFactory, limit: Any
+) -> None:
+    runner = make_runner(registry())
+    for listing in (runner.dead_letters, runner.locks, runner.dedup_keys):
+        with pytest.raises(ValueError, match="limit must be an int from 1 to 10000"):
+            listing(limit=limit)
+    for paged in (runner.queued, runner.batches):
+        with pytest.raises(ValueError, match="limit must be an int from 1 to 1000"):
+            paged(limit=limit)
+
+
+def test_a_malformed_id_is_refused_by_run_record(make_runner: RunnerFactory) -> None:
+    runner = make_runner(registry())
+    with pytest.raises(JobConfigError, match="message_id"):
+        runner.run_record("not an id!")
