@@ -895,7 +895,7 @@ class JobRunner:
     # -- asyncio (see kumiko_dramatiq.aio): each call is its sync twin, carried -----
     @functools.cached_property
     def aio(self) -> LoopClients:
-        """This runner's ``redis.asyncio`` clients, one per event loop that calls it."""
+        """This runner's asyncio clients, one per event loop that calls it."""
         pool = self.broker.client.connection_pool
         return LoopClients(
             self.redis_url,

@@ -1,18 +1,20 @@
-"""Run a sync kumiko call on an event loop: its code as it is, its bytes on ``redis.asyncio``.
+"""Run a sync kumiko call on an event loop: its code as it is, its bytes on the loop's connection.
 
 :func:`carry` runs the call in a greenlet of its own, in a copy of the caller's context (so
 a trace context or any other context variable of the request is seen by the hooks), with a
 :class:`Courier` set as the context's carrier (:mod:`kumiko_dramatiq.broker.carrier`).
 Whenever the call sends a command, the courier switches back to the coroutine that awaits
-:func:`carry`, which awaits the command on the async client and switches the reply (or the
-error) back in. The loop runs other tasks meanwhile: nothing of the call blocks its thread
+:func:`carry`, which awaits the command on the loop's client
+(:class:`~kumiko_dramatiq.aio.clients.LoopClient`) and switches the reply (or the error)
+back in. The loop runs other tasks meanwhile: nothing of the call blocks its thread
 except the Python code between two commands, the same code the sync call runs.
 
 So ``await carry(runner.dispatch, ...)`` builds the message, checks the guards and runs the
 middleware hooks exactly as ``runner.dispatch`` does, with the same arguments, return value
 and errors, and differs only in how its commands travel. A call cancelled while a command is
-in flight (a timeout around the await, a client gone) has that command's connection dropped
-(``redis.asyncio`` does it) and the cancellation raised inside the call, at the command.
+in flight (a timeout around the await, a client gone) has the cancellation raised inside the
+call, at the command; the command's reply is read and dropped when it comes, and the
+connection goes on serving the loop's other calls.
 
 What the sync code must not do inside :func:`carry`, and does not: block on a lock or a
 semaphore that another call on the same thread may hold across a command (greenlets of one
