@@ -219,58 +219,63 @@ class LoopClient:
                 raise
 
     async def _discover(self) -> tuple[str, int]:
-        """The primary's address, from the first sentinel that knows it."""
-        target = self.target
-        master = str(target.master)
+        """The primary's address, from the first sentinel that knows it healthy (as
+        ``KumikoSentinel.discover_master``: ``SENTINEL MASTERS``, the one command a sentinel
+        user needs besides the fail-over events)."""
+        master = str(self.target.master)
         problems: list[str] = []
-        for host, port in target.sentinels:
-            where = f"{host}:{port}"
-            try:
-                wire = await self._open(host, port)
-                try:
-                    await self._hello(wire, target.sentinel_auth, db=0)
-                    found = await wire.call(
-                        self.packer.pack("SENTINEL", "get-master-addr-by-name", master)
-                    )
-                finally:
-                    wire.close()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                problems.append(f"{where}: {str(exc).rstrip('.')}")
-                continue
-            except redis.ResponseError as exc:
-                problems.append(f"{where}: {exc}")
-                continue
-            if not found:
+        for where, state in await self._masters():
+            if isinstance(state, Exception):
+                problems.append(f"{where}: {str(state).rstrip('.')}")
+            elif state is None:
                 problems.append(f"{where}: does not monitor it")
-                continue
-            return found[0].decode(), int(found[1])
+            else:
+                flags = state.get(b"flags", b"").split(b",")
+                if b"master" not in flags or b"s_down" in flags or b"o_down" in flags:
+                    problems.append(f"{where}: reports it down or not a primary")
+                else:
+                    return state[b"ip"].decode(), int(state[b"port"])
         raise MasterNotFoundError(f"No master found for {master!r} ({'; '.join(problems)})")
 
     async def _reports(self) -> list[tuple[Address | None, bool]]:
         """What each sentinel that answers says of the primary now: its address (``None``
         if it does not monitor it) and whether a fail-over is in progress (as
         ``KumikoSentinel.reports``, asked on the loop)."""
-        target = self.target
         found: list[tuple[Address | None, bool]] = []
+        for _, state in await self._masters():
+            if isinstance(state, Exception):
+                continue
+            if state is None:
+                found.append((None, False))
+                continue
+            busy = b"failover_in_progress" in state.get(b"flags", b"")
+            found.append(((state[b"ip"].decode(), int(state[b"port"])), busy))
+        return found
+
+    async def _masters(self) -> list[tuple[str, dict[bytes, Any] | Exception | None]]:
+        """Per sentinel (``host:port``): what ``SENTINEL MASTERS`` says of the URL's primary
+        (its fields, ``None`` if it does not monitor it), or why it could not be asked."""
+        target = self.target
+        master = str(target.master).encode()
+        found: list[tuple[str, dict[bytes, Any] | Exception | None]] = []
         for host, port in target.sentinels:
+            where = f"{host}:{port}"
             try:
                 wire = await self._open(host, port)
                 try:
                     await self._hello(wire, target.sentinel_auth, db=0)
-                    state = await wire.call(
-                        self.packer.pack("SENTINEL", "MASTER", str(target.master))
-                    )
+                    masters = await wire.call(self.packer.pack("SENTINEL", "MASTERS"))
                 finally:
                     wire.close()
-            except redis.ResponseError:
-                found.append((None, False))
+            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
+                found.append((where, exc))
                 continue
-            except (redis.ConnectionError, redis.TimeoutError):
-                continue
-            if isinstance(state, list):
-                state = dict(zip(state[::2], state[1::2], strict=True))
-            busy = b"failover_in_progress" in state.get(b"flags", b"")
-            found.append(((state[b"ip"].decode(), int(state[b"port"])), busy))
+            state: dict[bytes, Any] | None = None
+            for each in masters or ():
+                fields = each if isinstance(each, dict) else _pairs(each)
+                if fields.get(b"name") == master:
+                    state = fields
+            found.append((where, state))
         return found
 
     def _tls_context(self) -> ssl.SSLContext | None:
@@ -330,6 +335,11 @@ def tls_context(connection: Mapping[str, Any]) -> ssl.SSLContext:
     if certfile:
         context.load_cert_chain(certfile, connection.get("ssl_keyfile"))
     return context
+
+
+def _pairs(flat: list[Any]) -> dict[Any, Any]:
+    """A RESP2-style flat list of fields and values, as a dict."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _connect_error(name: str, exc: OSError) -> str:

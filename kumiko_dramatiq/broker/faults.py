@@ -77,10 +77,16 @@ WRITES: Final = ("dispatching", "handling event")
 
 def _maybe_sent(exc: redis.RedisError) -> bool:
     """Whether the command may have reached Redis before ``exc``: not when the connection
-    could not be made (refused, unreachable, a connect timeout) or Redis refused the command
-    (READONLY, LOADING, ...: nothing of it ran); else (a reply that timed out, a connection
-    that dropped after the send) it may have."""
+    could not be made (refused, unreachable, a connect timeout), Redis refused the command
+    (READONLY, LOADING, ...: nothing of it ran; also as the connection error a refusal of
+    writes becomes, ``connection.unavailable_reply``) or kumiko would not send it to a
+    primary being demoted (``failover.primary_problem``); else (a reply that timed out, a
+    connection that dropped after the send) it may have."""
     if isinstance(exc, redis.ResponseError):
         return False
     text = str(exc)
-    return not ("connecting to" in text or text.startswith("Timeout connecting"))
+    return not (
+        "connecting to" in text
+        or text.startswith(("Timeout connecting", "Redis refuses writes for now"))
+        or text.endswith("not writing to it")
+    )

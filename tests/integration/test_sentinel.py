@@ -516,11 +516,23 @@ def test_an_async_producer_follows_a_planned_fail_over(group: SentinelGroup) -> 
                 accepted.append(await producer.adispatch(WORK, {}))
             except RedisUnavailableError:
                 failed += 1
+                await asyncio.sleep(0.01)
             if await asyncio.to_thread(group.current_primary_port) != old_port:
                 break
-        for _ in range(20):  # and on, against the new primary
-            accepted.append(await producer.adispatch(WORK, {}))
+        after = 0
+        refused_after: list[bool] = []
+        while after < 20:  # and on, against the new primary, once the sentinels switched
+            try:
+                accepted.append(await producer.adispatch(WORK, {}))
+                after += 1
+            except RedisUnavailableError as exc:
+                refused_after.append(exc.maybe_enqueued)
+                failed += 1
+                await asyncio.sleep(0.01)
         await producer.aclose()
+        # a dispatch refused once the sentinels named the new primary was never sent: the
+        # old one is behind the barrier until they switch
+        assert not any(refused_after)
         return accepted, failed
 
     try:
