@@ -4,6 +4,7 @@ its commands (or its keys) fails at start, in one line naming what is missing.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -170,3 +171,29 @@ def test_kumiko_status_lacking_the_acks_key_is_one_line(
     assert done.returncode == 1, done.stderr
     [line] = done.stderr.strip().splitlines()
     assert acks in line
+
+
+def test_an_async_producer_needs_no_rule_beyond_the_rule_set(
+    redis_client: redis.Redis, redis_url: str, prefix: str, acl_user: str
+) -> None:
+    # Given a fresh user with the documented rules for this dataset, and nothing else
+    set_user(redis_client, acl_user, acl.rules(prefix))
+    runner = runner_as(redis_url, acl_user, prefix)
+
+    async def produce() -> tuple[str, str, str]:
+        # When it connects from a loop (HELLO 3 with AUTH, SELECT) and dispatches every way
+        one = await runner.adispatch(WORK, {})
+        await runner.adispatch(WORK, {}, idempotency_key="k1")
+        await runner.adispatch_many(WORK, [{}, {}])
+        batch = await runner.adispatch_batch([(WORK, {}), (WORK, {})])
+        state = await runner.ajob_state(one)
+        status = await runner.abatch(batch)
+        await runner.aclose()
+        return one, state, status.state
+
+    with runner:
+        _, state, batch_state = asyncio.run(produce())
+    # Then each call did its work, and Redis refused this user nothing
+    assert state == "queued"
+    assert batch_state == "running"
+    assert refusals(redis_client, acl_user) == []
