@@ -126,6 +126,12 @@ class LoopClient:
             self._wire.close()
             self._wire = None
 
+    def sever(self) -> None:
+        """Drop the connection of a loop that no longer runs (:meth:`Wire.sever`)."""
+        if self._wire is not None:
+            self._wire.sever()
+            self._wire = None
+
     # -- connecting -----------------------------------------------------------
     async def _connected(self) -> Wire:
         if self._connecting is None:

@@ -19,7 +19,7 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
@@ -37,10 +37,31 @@ R = TypeVar("R")
 
 @dataclass
 class _Loop:
-    """What one event loop uses: its client (through a courier) and its bound on looks."""
+    """What one event loop uses: its client (through a courier), its bound on looks, and the
+    watch that closes the client when the loop shuts down (:func:`_closed_at_shutdown`)."""
 
     courier: Courier
     looks: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(LOOKS_AT_ONCE))
+    shutdown: AsyncGenerator[None, None] | None = None
+
+
+async def _until_shutdown(client: LoopClient) -> AsyncGenerator[None, None]:
+    try:
+        yield
+    finally:
+        client.close()
+
+
+def _closed_at_shutdown(client: LoopClient) -> AsyncGenerator[None, None]:
+    """An async generator, started and left waiting, that closes ``client`` when its loop
+    shuts down: ``asyncio.run`` (and uvicorn, anyio, ...) close every live async generator
+    (``loop.shutdown_asyncgens``) before they close the loop, while it still runs. Keep it:
+    the loop holds it weakly."""
+    watch = _until_shutdown(client)
+    step = watch.asend(None)
+    with contextlib.suppress(StopIteration):
+        step.send(None)
+    return watch
 
 
 class LoopClients:
@@ -57,18 +78,28 @@ class LoopClients:
         )
 
     def here(self) -> _Loop:
-        """The running loop's (``RuntimeError`` outside of one)."""
+        """The running loop's (``RuntimeError`` outside of one). Its connection closes
+        when the loop shuts down (``asyncio.run``'s end: :func:`_closed_at_shutdown`); a
+        new loop's first call also shuts the connections of loops closed otherwise (each
+        would stay open as long as the runner)."""
         loop = asyncio.get_running_loop()
         found = self._loops.get(loop)
         if found is None:
             with self._lock:
                 found = self._loops.get(loop)
                 if found is None:
+                    self._forget_closed()
                     client = LoopClient(
                         self._redis_url, timeout_s=self._timeout_s, watch=self._watch
                     )
-                    found = self._loops[loop] = _Loop(Courier(client))
+                    found = self._loops[loop] = _Loop(
+                        Courier(client), shutdown=_closed_at_shutdown(client)
+                    )
         return found
+
+    def _forget_closed(self) -> None:
+        for loop in [each for each in self._loops if each.is_closed()]:
+            self._loops.pop(loop).courier.loop_client.sever()
 
     async def aclose(self) -> None:
         """Close the running loop's connection (a later call opens a new one)."""
@@ -79,13 +110,16 @@ class LoopClients:
 
     def close(self) -> None:
         """Close every loop's connection from sync code (``JobRunner.stop``): on a loop that
-        still runs, on its thread; a closed loop's went with it."""
+        still runs, on its thread; else at once (:meth:`LoopClient.sever`)."""
         with self._lock:
             loops = list(self._loops.items())
             self._loops.clear()
         for loop, found in loops:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(found.courier.loop_client.close)
+            client = found.courier.loop_client
+            if loop.is_running():
+                loop.call_soon_threadsafe(client.close)
+            else:
+                client.sever()
 
 
 def asynchronous(

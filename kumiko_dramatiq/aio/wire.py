@@ -15,6 +15,8 @@ connection stays good. Nothing here blocks the loop's thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, Final
@@ -215,6 +217,16 @@ class Wire(asyncio.Protocol):
     def close(self) -> None:
         """Drop the connection; its waiting commands fail with ``ConnectionError``."""
         self._fail(redis.ConnectionError(f"Connection to {self.name} closed"))
+
+    def sever(self) -> None:
+        """Close the connection of a loop that no longer runs (its transport cannot be closed
+        through the loop any more): the socket is shut down, so Redis drops its side now; its
+        file is freed with the transport."""
+        self.broken = self.broken or redis.ConnectionError(f"Connection to {self.name} closed")
+        sock = None if self.transport is None else self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def _flush(self) -> None:
         data = b"".join(self._out)

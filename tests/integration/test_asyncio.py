@@ -29,6 +29,7 @@ from kumiko_dramatiq import (
     ResultPending,
     UnknownJobError,
 )
+from kumiko_dramatiq.testing import private_redis_server
 from tests.conftest import RunnerFactory, wait_for
 
 WELCOME = "app:job:welcome"
@@ -329,3 +330,21 @@ def test_a_dispatch_that_never_reached_redis_says_it_was_not_enqueued() -> None:
         error = asyncio.run(scenario())
     assert error.maybe_enqueued is False
     assert "127.0.0.1:1" in str(error)
+
+
+def test_a_loops_connection_closes_when_the_loop_ends() -> None:
+    # Given a producer called from many short-lived loops (an asyncio.run per call)
+    with private_redis_server() as url:
+        watcher = redis.Redis.from_url(url)
+        before = int(watcher.info("clients")["connected_clients"])
+        runner = JobRunner(registry(), redis_url=url, queue_prefix="aio")
+        with runner:
+            for _ in range(5):
+                asyncio.run(runner.adispatch(WELCOME, {}))
+            # Then each loop's connection closed as its loop shut down: none is left open
+            wait_for(
+                lambda: int(watcher.info("clients")["connected_clients"]) == before,
+                what="the loops' connections to close",
+            )
+            assert runner.job_counts()[WELCOME]["queued"] == 5
+        watcher.close()
