@@ -76,11 +76,13 @@ class LoopClient:
         goes the way of :meth:`send`."""
         wire = self._wire
         watch = self.watch
-        if (
+        sent = (
             wire is not None
             and wire.broken is None
             and (watch is None or wire.generation == watch.generation)
-        ):
+        )
+        if sent:
+            assert wire is not None
             future = wire.send_one(packed)
             try:
                 return await future
@@ -91,7 +93,7 @@ class LoopClient:
             except redis.ConnectionError:
                 pass
             await asyncio.sleep(RETRY_PAUSE_S)  # the one re-send, on a new connection
-        (reply,) = await self.send(packed, 1, retried=wire is not None)
+        (reply,) = await self.send(packed, 1, retried=sent)
         if isinstance(reply, redis.RedisError):
             raise reply
         return reply
@@ -101,7 +103,7 @@ class LoopClient:
         its place. Raises ``ConnectionError`` / ``TimeoutError`` (after the one re-send;
         ``retried``: this is it)."""
         watch = self.watch
-        for attempt in (1, 2) if retried else (0, 1):
+        for attempt in (1,) if retried else (0, 1):
             wire = self._wire
             if wire is None or wire.broken is not None:
                 wire = await self._connected()

@@ -348,3 +348,24 @@ def test_a_loops_connection_closes_when_the_loop_ends() -> None:
             )
             assert runner.job_counts()[WELCOME]["queued"] == 5
         watcher.close()
+
+
+def test_a_connection_redis_dropped_is_made_again_by_the_next_call() -> None:
+    with private_redis_server() as url:
+        killer = redis.Redis.from_url(url)
+        runner = JobRunner(registry(), redis_url=url, queue_prefix="aio")
+
+        async def scenario() -> None:
+            await runner.adispatch(WELCOME, {})
+            # When Redis drops the loop's connection between two calls (a restart, a proxy)
+            killer.execute_command("CLIENT", "KILL", "SKIPME", "yes")  # type: ignore[no-untyped-call]
+            await asyncio.sleep(0)  # the loop may or may not see the drop before the call
+            # Then the next call connects again and lands
+            await runner.adispatch(WELCOME, {})
+            killer.execute_command("CLIENT", "KILL", "SKIPME", "yes")  # type: ignore[no-untyped-call]
+            await runner.adispatch_many(WELCOME, [{}, {}])
+
+        with runner:
+            asyncio.run(scenario())
+            assert runner.job_counts()[WELCOME]["queued"] == 4
+        killer.close()
