@@ -23,6 +23,13 @@ these, all JSON-native so they survive the JSON round trip of delays and retries
                             ``rate_limit`` ([count, per_ms, per_tenant]: count 1 to
                             :data:`MAX_RATE_COUNT`, per_ms 1 to 366 days, a bool); the fetch
                             (``lua/include/caps.lua``) reads it out of the encoded message
+``kumiko_route``            where the message waits in its lane (absent: level 0, no fair key):
+                            ``"<priority>"`` or ``"<priority>.<fair key digest>"``, the
+                            priority 0-9 and :func:`fair_digest` of its fair key (its
+                            ``kumiko_fair_key``, else its tenant); the lane's Lua
+                            (``lua/include/route.lua``) reads it out of the encoded message
+``kumiko_fair_key``         the fair key ``dispatch(..., fair_key=)`` gave (absent = none: a
+                            per-tenant child's key is its tenant)
 ``kumiko_trace``            OpenTelemetry context (:mod:`~.middleware.tracing`): an object
                             with ``parent`` (the dispatching span) and/or ``link`` (the wrapper
                             or predecessor span), each a propagator carrier: at most
@@ -38,6 +45,8 @@ key.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -68,6 +77,8 @@ BATCH: Final = "kumiko_batch"
 BATCH_CALLBACK: Final = "kumiko_batch_callback"
 TRACE: Final = "kumiko_trace"
 CAPS: Final = "kumiko_caps"
+ROUTE: Final = "kumiko_route"
+FAIR_KEY: Final = "kumiko_fair_key"
 
 #: The largest ``max_running`` and ``RateLimit.count`` a declaration can give (a rate limit's
 #: window keeps one entry per start in it).
@@ -104,12 +115,16 @@ def encode_policy(
 
 
 def encode_caps(
-    max_running: int | None, rate_limit: tuple[int, int, bool] | None
+    max_running: int | None,
+    rate_limit: tuple[int, int, bool] | None,
+    max_running_per_key: int | None = None,
 ) -> dict[str, Any]:
     """The caps key of a capped job's messages (empty for a job without caps)."""
     caps: dict[str, Any] = {}
     if max_running is not None:
         caps["max_running"] = max_running
+    if max_running_per_key is not None:
+        caps["per_key"] = max_running_per_key
     if rate_limit is not None:
         caps["rate_limit"] = list(rate_limit)
     return {CAPS: caps} if caps else {}
@@ -122,6 +137,7 @@ class Caps:
     max_running: int | None = None
     #: (count, per_ms, per_tenant)
     rate_limit: tuple[int, int, bool] | None = None
+    max_running_per_key: int | None = None
 
 
 def encode_run(
@@ -134,9 +150,18 @@ def encode_run(
     origin_id: str | None = None,
     batch: str | None = None,
     batch_callback: str | None = None,
+    priority: int = 0,
+    fair_key: str | None = None,
 ) -> dict[str, Any]:
     """The per-message keys; those at their default (0 failures, no tenant...) are left out."""
     options: dict[str, Any] = {TRIGGER: trigger}
+    route_key = fair_key if fair_key is not None else tenant_id
+    if priority or route_key is not None:
+        options[ROUTE] = (
+            str(priority) if route_key is None else f"{priority}.{fair_digest(route_key)}"
+        )
+    if fair_key is not None:
+        options[FAIR_KEY] = fair_key
     if failures:
         options[FAILURES] = failures
     if tenant_id is not None:
@@ -152,6 +177,15 @@ def encode_run(
     if batch_callback is not None:
         options[BATCH_CALLBACK] = batch_callback
     return options
+
+
+def fair_digest(fair_key: str) -> str:
+    """The name a fair key goes by in the lane's keys (16 hex digits): of a fixed length and
+    alphabet whatever the key holds, so Lua reads it off a body with one plain search."""
+    return hashlib.blake2b(fair_key.encode(), digest_size=8).hexdigest()
+
+
+_ROUTE = re.compile(r"[0-9](\.[0-9a-f]{16})?")
 
 
 def encode_trace(
@@ -192,13 +226,26 @@ class KumikoOptions:
     caps: Caps | None = None
     batch: str | None = None
     batch_callback: str | None = None
+    #: its priority (0 runs first) and the fair key it was dispatched with (a per-tenant
+    #: child's key is its tenant: :attr:`route_key`)
+    priority: int = 0
+    fair_key: str | None = None
+
+    @property
+    def route_key(self) -> str | None:
+        """The key it takes its turn under (:attr:`fair_key`, else its tenant)."""
+        return self.fair_key if self.fair_key is not None else self.tenant_id
 
     def encode(self) -> dict[str, Any]:
         """JSON-native options; keys at their default (0 failures, no tenant...) are left out."""
         caps = self.caps
         return {
             **encode_policy(self.retries, self.backoff, self.backoff_delay_ms),
-            **(encode_caps(caps.max_running, caps.rate_limit) if caps else {}),
+            **(
+                encode_caps(caps.max_running, caps.rate_limit, caps.max_running_per_key)
+                if caps
+                else {}
+            ),
             **encode_run(
                 self.trigger,
                 failures=self.failures,
@@ -208,6 +255,8 @@ class KumikoOptions:
                 origin_id=self.origin_id,
                 batch=self.batch,
                 batch_callback=self.batch_callback,
+                priority=self.priority,
+                fair_key=self.fair_key,
             ),
             **(encode_trace(self.trace.parent, self.trace.link) if self.trace else {}),
         }
@@ -256,6 +305,8 @@ class KumikoOptions:
             caps=_caps(options),
             batch=_text(options, BATCH),
             batch_callback=_text(options, BATCH_CALLBACK),
+            priority=_priority(options),
+            fair_key=_checked(options, FAIR_KEY, tenant_id_problem),
         )
 
     @property
@@ -331,19 +382,34 @@ def _trace(options: Mapping[str, Any]) -> TraceContext | None:
     return TraceContext(parent=parent, link=link)
 
 
+def _priority(options: Mapping[str, Any]) -> int:
+    route = options.get(ROUTE)
+    if route is None:
+        return 0
+    if not isinstance(route, str) or not _ROUTE.fullmatch(route):
+        raise OptionsError(ROUTE, 'must be "<priority 0-9>" or "<priority>.<16 hex digits>"', route)
+    return int(route[0])
+
+
 def _caps(options: Mapping[str, Any]) -> Caps | None:
     if CAPS not in options:
         return None
     value = options[CAPS]
-    if not isinstance(value, Mapping) or not value or set(value) - {"max_running", "rate_limit"}:
-        raise OptionsError(CAPS, 'must be an object with "max_running" and/or "rate_limit"', value)
-    running = value.get("max_running")
-    if "max_running" in value and (
-        not is_strict_int(running) or not 1 <= running <= MAX_CAP_RUNNING
+    if (
+        not isinstance(value, Mapping)
+        or not value
+        or set(value) - {"max_running", "rate_limit", "per_key"}
     ):
         raise OptionsError(
-            f"{CAPS}.max_running", f"must be an integer from 1 to {MAX_CAP_RUNNING}", running
+            CAPS, 'must be an object with "max_running", "per_key" and/or "rate_limit"', value
         )
+    running = value.get("max_running")
+    per_key = value.get("per_key")
+    for name, count in (("max_running", running), ("per_key", per_key)):
+        if name in value and (not is_strict_int(count) or not 1 <= count <= MAX_CAP_RUNNING):
+            raise OptionsError(
+                f"{CAPS}.{name}", f"must be an integer from 1 to {MAX_CAP_RUNNING}", count
+            )
     rate = value.get("rate_limit")
     limit: tuple[int, int, bool] | None = None
     if "rate_limit" in value:
@@ -363,9 +429,9 @@ def _caps(options: Mapping[str, Any]) -> Caps | None:
                 rate,
             )
         limit = (int(rate[0]), int(rate[1]), bool(rate[2]))
-    if running is None and limit is None:
+    if running is None and limit is None and per_key is None:
         raise OptionsError(CAPS, "must hold a cap", value)
-    return Caps(max_running=running, rate_limit=limit)
+    return Caps(max_running=running, rate_limit=limit, max_running_per_key=per_key)
 
 
 def _carrier(trace: Mapping[str, Any], part: str) -> dict[str, str] | None:

@@ -168,6 +168,27 @@ def check_delay_ms(job_name: str, delay_ms: Any) -> int | None:
     return delay_ms
 
 
+def check_priority(job_name: str, priority: Any) -> int | None:
+    """``priority`` of a call: ``None`` (the job's own) or an integer from 0 to 9."""
+    if priority is None:
+        return None
+    if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 9:
+        raise PayloadError(
+            job_name, "priority", "must be an integer from 0 (runs first) to 9", priority
+        )
+    return priority
+
+
+def check_fair_key(job_name: str, fair_key: Any) -> str | None:
+    """``fair_key`` of a call: ``None`` or a string by the rules of tenant ids."""
+    if fair_key is None:
+        return None
+    problem = tenant_id_problem(fair_key)
+    if problem is not None:
+        raise PayloadError(job_name, "fair_key", problem, fair_key)
+    return str(fair_key)
+
+
 def dedup_key_problem(key: Any) -> str | None:
     """Why ``key`` is not a valid dedup key, or ``None``."""
     if not isinstance(key, str) or not key:

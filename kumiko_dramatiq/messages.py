@@ -49,6 +49,8 @@ def build_message(
     origin_id: str | None = None,
     batch: str | None = None,
     batch_callback: str | None = None,
+    priority: int | None = None,
+    fair_key: str | None = None,
 ) -> Message[Any]:
     """The message that runs ``job`` once with ``payload``.
 
@@ -57,7 +59,9 @@ def build_message(
     a retry is a copy, not a new build). ``origin_id``: the id the caller got back, when this
     message carries on another's work (a hand-off, a per-tenant child); ``None`` = its own.
     ``batch``: the batch or chain step it is a child of; ``batch_callback``: the batch it is a
-    callback of (:mod:`kumiko_dramatiq.workflows.batches`).
+    callback of (:mod:`kumiko_dramatiq.workflows.batches`). ``priority``: the message's own
+    (``None``: the job's); ``fair_key``: the key it takes its turn under (a child without one
+    takes its tenant's), both checked by the caller (:mod:`kumiko_dramatiq.limits`).
     """
     options = {
         **build_message_options(job),
@@ -70,6 +74,8 @@ def build_message(
             origin_id=origin_id,
             batch=batch,
             batch_callback=batch_callback,
+            priority=job.options.priority if priority is None else priority,
+            fair_key=fair_key,
         ),
     }
     is_wrapper = job.options.per_tenant and tenant_id is None

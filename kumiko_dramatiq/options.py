@@ -152,7 +152,9 @@ class JobOptions(BaseModel):
     run_in: Literal["worker", "api"] = "worker"
     timeout_ms: int | None = Field(default=None, gt=0, le=MAX_DURATION_MS)
     max_running: int | None = Field(default=None, ge=1, le=MAX_CAP_RUNNING)
+    max_running_per_key: int | None = Field(default=None, ge=1, le=MAX_CAP_RUNNING)
     rate_limit: RateLimit | None = None
+    priority: int = Field(default=0, ge=0, le=9)
     keep_result_s: int | None = Field(default=None, gt=0, le=MAX_DURATION_MS // 1000)
     on_complete: str | None = None
     on_success: str | None = None
@@ -214,9 +216,14 @@ class JobOptions(BaseModel):
                 'with concurrency="sequential" is not supported: a gate runs in-process on '
                 "every worker start, before any lock could be shared",
             )
-        if self.boot_gate and (self.max_running is not None or self.rate_limit is not None):
+        capped = [
+            name
+            for name in ("max_running", "max_running_per_key", "rate_limit")
+            if getattr(self, name) is not None
+        ]
+        if self.boot_gate and capped:
             raise _FieldProblem(
-                "max_running" if self.max_running is not None else "rate_limit",
+                capped[0],
                 "with boot_gate=True is not supported: a gate runs in-process on every worker "
                 "start, outside the queue the caps are kept at",
             )
@@ -274,6 +281,8 @@ _PROBLEMS: dict[str, str] = {
     "run_in": 'must be "worker" or "api"',
     "timeout_ms": "must be a positive integer or None",
     "max_running": "must be an integer >= 1 or None",
+    "max_running_per_key": "must be an integer >= 1 or None",
+    "priority": "must be an integer from 0 (runs first) to 9",
     "rate_limit": "must be None or RateLimit(count, per_ms, per_tenant=False)",
     "keep_result_s": "must be a positive integer (seconds, at most 366 days) or None",
     "on_complete": 'must be a qualified job name ("feature:job:name") or None',
@@ -321,11 +330,13 @@ def build_message_options(job: JobDefinition) -> dict[str, Any]:
         None if backoff is None else backoff.delay_ms,
     )
     rate = options.rate_limit
-    if options.max_running is not None or rate is not None:
+    per_key = options.max_running_per_key
+    if options.max_running is not None or rate is not None or per_key is not None:
         policy.update(
             encode_caps(
                 options.max_running,
                 None if rate is None else (rate.count, rate.per_ms, rate.per_tenant),
+                per_key,
             )
         )
     return policy

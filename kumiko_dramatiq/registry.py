@@ -123,8 +123,14 @@ class JobDefinition:
 
     @property
     def is_capped(self) -> bool:
-        """Whether the job has a cap: ``max_running`` or ``rate_limit``."""
-        return self.options.max_running is not None or self.options.rate_limit is not None
+        """Whether the job has a cap: ``max_running``, ``max_running_per_key`` or
+        ``rate_limit``."""
+        options = self.options
+        return (
+            options.max_running is not None
+            or options.max_running_per_key is not None
+            or options.rate_limit is not None
+        )
 
     @property
     def has_callbacks(self) -> bool:

@@ -42,7 +42,12 @@ from kumiko_dramatiq.errors import (
     RedisUnavailableError,
     UnknownJobError,
 )
-from kumiko_dramatiq.limits import check_dedup_key, check_delay_ms
+from kumiko_dramatiq.limits import (
+    check_dedup_key,
+    check_delay_ms,
+    check_fair_key,
+    check_priority,
+)
 from kumiko_dramatiq.messages import build_message
 from kumiko_dramatiq.middleware import build_middleware
 from kumiko_dramatiq.middleware.boot import Boot
@@ -272,8 +277,14 @@ class JobRunner:
         dedup_key: str | None = None,
         delay_ms: int | None = None,
         idempotency_key: str | None = None,
+        priority: int | None = None,
+        fair_key: str | None = None,
     ) -> str:
         """Enqueue one run of ``job_name``; return its message id.
+
+        ``priority`` (0 runs first, 9 last; ``None``: the job's own) and ``fair_key`` (the key
+        it takes its turn under among its lane's waiting messages; a per-tenant child's is its
+        tenant, and a per-tenant wrapper's priority reaches its children) order the start.
 
         With ``idempotency_key``, a dispatch of the same job with a key used within
         ``idempotency_ttl_s`` returns the first dispatch's id and enqueues nothing, whatever
@@ -290,11 +301,20 @@ class JobRunner:
         name = job.qualified_name
         body = payload_to_enqueue(job, payload, max_bytes=self.settings.max_payload_bytes)
         delay_ms = check_delay_ms(name, delay_ms)
+        priority = check_priority(name, priority)
+        fair_key = check_fair_key(name, fair_key)
         if idempotency_key is not None:
             idempotency_key = check_dedup_key(name, "idempotency_key", idempotency_key)
             if dedup_key is not None:
                 raise PayloadError(name, "idempotency_key", "cannot go with a dedup_key")
-            message = build_message(job, body, queue_prefix=self.queue_prefix, trigger="manual")
+            message = build_message(
+                job,
+                body,
+                queue_prefix=self.queue_prefix,
+                trigger="manual",
+                priority=priority,
+                fair_key=fair_key,
+            )
             with self._redis("dispatching " + name):
                 return self.broker.enqueue_idempotent(
                     message,
@@ -306,9 +326,23 @@ class JobRunner:
             dedup_key = check_dedup_key(name, "dedup_key", dedup_key)
             with self._redis("dispatching " + job.qualified_name):
                 return dispatch_with_key(
-                    self.runtime, job, body, dedup_key, trigger="manual", delay_ms=delay_ms
+                    self.runtime,
+                    job,
+                    body,
+                    dedup_key,
+                    trigger="manual",
+                    delay_ms=delay_ms,
+                    priority=priority,
+                    fair_key=fair_key,
                 )
-        message = build_message(job, body, queue_prefix=self.queue_prefix, trigger="manual")
+        message = build_message(
+            job,
+            body,
+            queue_prefix=self.queue_prefix,
+            trigger="manual",
+            priority=priority,
+            fair_key=fair_key,
+        )
         try:  # what ``self._redis`` does, inline: this is the hot path of a producer
             self.broker.enqueue(message, delay=delay_ms)
         except redis.RedisError as exc:
@@ -323,6 +357,8 @@ class JobRunner:
         dedup_keys: Iterable[str] | None = None,
         delay_ms: int | None = None,
         idempotency_keys: Iterable[str] | None = None,
+        priority: int | None = None,
+        fair_key: str | None = None,
     ) -> list[str]:
         """Enqueue one run of ``job_name`` per payload, in order; return their message ids.
 
@@ -334,6 +370,7 @@ class JobRunner:
         with everything ``dispatch`` gives a message: options, retries, per-tenant wrapper,
         delay, and dedup keys decided exactly as ``dispatch`` decides them (a key given twice
         stands for its first message; a live key's id comes back as in ``dispatch``).
+        ``priority`` and ``fair_key``: as ``dispatch``'s, for every message.
         """
         job = self._job(job_name)
         name = job.qualified_name
@@ -343,6 +380,8 @@ class JobRunner:
             for i, payload in enumerate(payloads)
         ]
         delay_ms = check_delay_ms(name, delay_ms)
+        priority = check_priority(name, priority)
+        fair_key = check_fair_key(name, fair_key)
         keyed: list[str] | None = None
         if dedup_keys is not None:
             keyed = [
@@ -375,7 +414,12 @@ class JobRunner:
                     ids += self.broker.enqueue_idempotent_many(
                         [
                             build_message(
-                                job, body, queue_prefix=self.queue_prefix, trigger="manual"
+                                job,
+                                body,
+                                queue_prefix=self.queue_prefix,
+                                trigger="manual",
+                                priority=priority,
+                                fair_key=fair_key,
                             )
                             for body in batch
                         ],
@@ -395,10 +439,19 @@ class JobRunner:
                         keyed[start : start + DISPATCH_BATCH],
                         trigger="manual",
                         delay_ms=delay_ms,
+                        priority=priority,
+                        fair_key=fair_key,
                     )
                     continue
                 messages = [
-                    build_message(job, body, queue_prefix=self.queue_prefix, trigger="manual")
+                    build_message(
+                        job,
+                        body,
+                        queue_prefix=self.queue_prefix,
+                        trigger="manual",
+                        priority=priority,
+                        fair_key=fair_key,
+                    )
                     for body in batch
                 ]
                 self.broker.enqueue_many(messages, delay=delay_ms)

@@ -8,7 +8,7 @@ Every script that writes or deletes a message body keeps its queue's counts hash
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dramatiq.common import dq_name
 
@@ -19,6 +19,13 @@ if TYPE_CHECKING:
 
 #: Entries one backfill step reads at most (about 2 ms of Redis).
 BACKFILL_STEP = 200
+
+
+def in_order(levels: Any) -> int:
+    """How many ids the lists of a lane queue's order hold (priorities and fair keys,
+    ``lua/include/route.lua``; ids ``cancel`` withdrew included, as on the queue's list), from
+    its ``keys.queue_levels`` hash (``HGETALL``)."""
+    return sum(max(0, int(count)) for level, count in (levels or {}).items() if level.isdigit())
 
 
 def backfill_counts(broker: KumikoBroker, queue_name: str) -> int:

@@ -422,6 +422,29 @@ def queue_withdrawn(queue_name: str, namespace: str = NAMESPACE) -> str:
     return f"{queue_list(queue_name, namespace)}:withdrawn"
 
 
+def queue_order(queue_name: str, namespace: str = NAMESPACE) -> str:
+    """Sorted set (kumiko's, beside Dramatiq's layout): the priority levels ("0".."9", scored
+    by level) that have messages with a route waiting (``lua/include/route.lua``)."""
+    return f"{queue_list(queue_name, namespace)}:order"
+
+
+def queue_levels(queue_name: str, namespace: str = NAMESPACE) -> str:
+    """Hash: priority level -> how many redis ids wait in the lists of the queue's order
+    (ids that ``cancel`` withdrew included until a claim meets them, as on the queue's list)."""
+    return f"{queue_list(queue_name, namespace)}:levels"
+
+
+def queue_ring(queue_name: str, level: int | str, namespace: str = NAMESPACE) -> str:
+    """List: the fair key digests of ``level`` with messages waiting, in turn order."""
+    return f"{queue_list(queue_name, namespace)}:ring:{level}"
+
+
+def queue_at(queue_name: str, level: int | str, digest: str, namespace: str = NAMESPACE) -> str:
+    """List: the redis ids waiting at ``level`` under the fair key of ``digest``
+    (:func:`~kumiko_dramatiq.codec.fair_digest`; "" for none), oldest first."""
+    return f"{queue_list(queue_name, namespace)}:at:{level}:{digest}"
+
+
 def dead_letters(queue_name: str, namespace: str = NAMESPACE) -> str:
     """The sorted set of dead-lettered redis ids of ``queue_name`` (its ``.XQ``), by time."""
     return f"{namespace}:{q_name(queue_name)}.XQ"

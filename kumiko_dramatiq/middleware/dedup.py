@@ -175,6 +175,8 @@ def dispatch_with_key(
     *,
     trigger: Trigger,
     delay_ms: int | None,
+    priority: int | None = None,
+    fair_key: str | None = None,
 ) -> str:
     """Enqueue ``job`` under ``dedup_key`` unless a live job holds the key; return the id.
 
@@ -186,7 +188,13 @@ def dispatch_with_key(
     """
     broker = runtime.broker
     message = build_message(
-        job, payload, queue_prefix=runtime.queue_prefix, trigger=trigger, dedup_key=dedup_key
+        job,
+        payload,
+        queue_prefix=runtime.queue_prefix,
+        trigger=trigger,
+        dedup_key=dedup_key,
+        priority=priority,
+        fair_key=fair_key,
     )
     ttl_ms = job_record_ttl_ms(
         job,
@@ -217,13 +225,21 @@ def dispatch_many_with_keys(
     *,
     trigger: Trigger,
     delay_ms: int | None,
+    priority: int | None = None,
+    fair_key: str | None = None,
 ) -> list[str]:
     """:func:`dispatch_with_key` for many payloads of ``job``, in order, in ONE Lua call
     (``lua/dedup_dispatch_batch.lua``); a key given twice stands for its first message."""
     broker = runtime.broker
     messages = [
         build_message(
-            job, payload, queue_prefix=runtime.queue_prefix, trigger=trigger, dedup_key=key
+            job,
+            payload,
+            queue_prefix=runtime.queue_prefix,
+            trigger=trigger,
+            dedup_key=key,
+            priority=priority,
+            fair_key=fair_key,
         )
         for payload, key in zip(payloads, dedup_keys, strict=True)
     ]

@@ -214,6 +214,8 @@ class Sequential(Middleware):
             origin_id=execution.origin_id,
             batch=options.batch,
             batch_callback=options.batch_callback,
+            priority=options.priority,
+            fair_key=options.fair_key,
         )
         broker = self.runtime.broker
         prepared = broker.prepare(

@@ -99,8 +99,9 @@ PURGE_STEP = 25
 PURGE_STEP_BYTES = 65_536
 #: The states ``purge`` takes, and what it walks for each (``lua/purge_step.lua``'s modes).
 PURGE_WALKS: dict[str, tuple[str, ...]] = {
-    # queued: the queue's list and suspects, then the lists of those waiting for a cap
-    "queued": ("queued", "suspects", "capwait"),
+    # queued: the queue's list, its order's lists (priorities, fair keys) and suspects, then
+    # the lists of those waiting for a cap
+    "queued": ("queued", "order", "suspects", "capwait"),
     "delayed": ("delayed",),
     "parked": ("parked",),
     "dead": ("dead",),

@@ -104,6 +104,7 @@ from kumiko_dramatiq.middleware.boot import reset_boot_marker
 from kumiko_dramatiq.middleware.metrics import serving
 from kumiko_dramatiq.ops.admin import COUNT_STATES
 from kumiko_dramatiq.ops.history import STATUSES, JobRun
+from kumiko_dramatiq.ops.order import LEVELS, waiting_by_priority
 from kumiko_dramatiq.ops.terminal import indented, parse_when, table, without_frames_of
 from kumiko_dramatiq.ops.waiting import WAITING_STATES, QueuedMessage
 from kumiko_dramatiq.progress import progress_label
@@ -444,6 +445,7 @@ def _jobs(runner: JobRunner, args: argparse.Namespace) -> Result:
         [
             j.name,
             "" if j.max_running is None else f"{j.running_slots}/{j.max_running} running",
+            "" if j.max_running_per_key is None else j.max_running_per_key,
             ""
             if j.rate_limit is None
             else f"{j.rate_limit}"
@@ -451,10 +453,19 @@ def _jobs(runner: JobRunner, args: argparse.Namespace) -> Result:
             j.cap_waiting,
         ]
         for j in jobs
-        if j.max_running is not None or j.rate_limit is not None
+        if j.max_running is not None or j.rate_limit is not None or j.max_running_per_key
     ]
     if caps:
-        text += "\n\n" + table(["capped job", "max running", "rate limit", "waiting"], caps)
+        text += "\n\n" + table(
+            ["capped job", "max running", "per key", "rate limit", "waiting"], caps
+        )
+    levels = waiting_by_priority(runner.broker.client, runner.queue_prefix)
+    used = [level for level in LEVELS if any(counts[level] for counts in levels.values())]
+    if any(level != 0 for level in used) or any(j.priority for j in jobs):
+        text += "\n\n" + table(
+            ["lane", *(f"priority {level}" for level in used)],
+            [[lane, *(counts[level] for level in used)] for lane, counts in levels.items()],
+        )
     fields = []
     for j in jobs:
         if j.payload_model is None:
@@ -476,7 +487,8 @@ def _jobs(runner: JobRunner, args: argparse.Namespace) -> Result:
         payloads = table(["typed job", "payload model", "field", "type", "required"], fields)
         text = f"{text}\n\n{payloads}"
     document = [{**j.to_json(), "counts": counts[j.name]} for j in jobs]
-    return {"jobs": document}, text, EXIT_OK
+    waiting = {lane: {str(k): v for k, v in counts.items()} for lane, counts in levels.items()}
+    return {"jobs": document, "waiting_by_priority": waiting}, text, EXIT_OK
 
 
 def _runs(runner: JobRunner, args: argparse.Namespace) -> Result:
@@ -719,15 +731,17 @@ def _queued(runner: JobRunner, args: argparse.Namespace) -> Result:
             m.tenant_id or "",
             m.state,
             m.attempt,
+            m.priority,
+            m.fair_key or "",
             _time(m.enqueued_at),
             _time(m.due_at) if m.due_at is not None else "",
         ]
         for m in found
     ]
     text = table(
-        ["job", "message", "tenant", "state", "att.", "enqueued", "due"],
+        ["job", "message", "tenant", "state", "att.", "prio.", "fair key", "enqueued", "due"],
         rows,
-        cuttable=("tenant",),
+        cuttable=("tenant", "fair key"),
     )
     document: dict[str, Any] = {
         "queued": [m.to_json(payload=args.payload) for m in found],

@@ -42,6 +42,7 @@ from dramatiq.message import Message
 
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.broker import KumikoBroker
+from kumiko_dramatiq.broker.counts import in_order
 from kumiko_dramatiq.broker.keys import queue_list, queue_messages
 from kumiko_dramatiq.errors import DrainTimeoutError, JobConfigError
 from kumiko_dramatiq.middleware.presence import live_processes
@@ -103,19 +104,22 @@ def pending_work(client: redis.Redis, queue_prefix: str) -> PendingWork:
         pipe.llen(keys.suspects(queue_prefix, queue))
         pipe.scard(keys.queue_withdrawn(queue))
         pipe.hlen(queue_messages(dq_name(queue)))
+    for lane in LANES:
+        pipe.hgetall(keys.queue_levels(lane_queue(queue_prefix, lane)))
     pipe.hlen(keys.inflight(queue_prefix))
     pipe.hgetall(keys.cap_waits(queue_prefix))
     *counts, waits = pipe.execute()
-    replies = [int(reply) for reply in counts]
+    replies = [int(reply) for reply in counts[: 4 * len(LANES)]]
+    ordered = [in_order(levels) for levels in counts[4 * len(LANES) : 5 * len(LANES)]]
     lanes = tuple(
         LanePending(
             lane,
-            max(0, replies[4 * i] + replies[4 * i + 1] - replies[4 * i + 2]),
+            max(0, replies[4 * i] + ordered[i] + replies[4 * i + 1] - replies[4 * i + 2]),
             replies[4 * i + 3],
         )
         for i, lane in enumerate(LANES)
     )
-    return PendingWork(lanes, replies[-1], sum(max(0, int(count)) for count in waits.values()))
+    return PendingWork(lanes, int(counts[-1]), sum(max(0, int(count)) for count in waits.values()))
 
 
 class Drain:

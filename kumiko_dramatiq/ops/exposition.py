@@ -65,6 +65,7 @@ from dramatiq.common import dq_name
 
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.broker import KumikoBroker
+from kumiko_dramatiq.broker.counts import in_order
 from kumiko_dramatiq.broker.keys import dead_letters, queue_list, queue_messages
 from kumiko_dramatiq.broker.replies import text
 from kumiko_dramatiq.environment import multiproc_dir, set_multiproc_dir
@@ -288,6 +289,8 @@ class DatasetCollector:
         """Read the dataset now (one round trip)."""
         pipe = self.broker.client.pipeline(transaction=True)
         for lane in LANES:
+            pipe.hgetall(keys.queue_levels(lane_queue(self.prefix, lane), self.broker.namespace))
+        for lane in LANES:
             queue = lane_queue(self.prefix, lane)
             pipe.llen(queue_list(queue, self.broker.namespace))
             pipe.llen(keys.suspects(self.prefix, queue))
@@ -312,10 +315,12 @@ class DatasetCollector:
         pipe.hgetall(keys.batch_outcomes(self.prefix))
         *counts, waits, outcomes = pipe.execute()
         waiting = {text(name): max(0, int(count)) for name, count in waits.items()}
-        replies = iter(int(reply) for reply in counts)
+        ordered = [in_order(levels) for levels in counts[: len(LANES)]]
+        replies = iter(int(reply) for reply in counts[len(LANES) :])
         messages: dict[tuple[str, str], int] = {}
-        for lane in LANES:
+        for n, lane in enumerate(LANES):
             listed, suspects, stored, delayed, dead = (next(replies) for _ in range(5))
+            listed += ordered[n]
             parked = sum(next(replies) for _ in self.jobs_by_lane[lane])
             capped = sum(waiting.get(job, 0) for job in self.jobs_by_lane[lane])
             counts = lane_counts(

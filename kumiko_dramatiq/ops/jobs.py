@@ -42,6 +42,9 @@ class JobInfo:
     #: waiting for them
     max_running: int | None = None
     rate_limit: str | None = None
+    #: ``max_running_per_key`` (``None``: none) and the job's priority (0 runs first)
+    max_running_per_key: int | None = None
+    priority: int = 0
     running_slots: int = 0
     rate_window_starts: int = 0
     cap_waiting: int = 0
@@ -162,6 +165,8 @@ class JobsAdmin(AdminBase):
                     payload_model=None if model is None else model.__name__,
                     payload_schema=None if model is None else schema_fields(model),
                     max_running=options.max_running,
+                    max_running_per_key=options.max_running_per_key,
+                    priority=options.priority,
                     rate_limit=None
                     if options.rate_limit is None
                     else (

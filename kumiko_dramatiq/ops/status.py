@@ -14,6 +14,7 @@ from typing import Any
 from dramatiq.common import dq_name
 
 from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.broker.counts import in_order
 from kumiko_dramatiq.broker.keys import (
     consumer_acks,
     dead_letters,
@@ -81,6 +82,8 @@ class StatusAdmin(AdminBase):
         pipe = self.client.pipeline(transaction=False)
         worker_ids = [text(w) for w in self.client.zrange(heartbeats(), 0, -1)]
         for queue in self.lane_queues:
+            pipe.hgetall(keys.queue_levels(queue))
+        for queue in self.lane_queues:
             pipe.llen(queue_list(queue))
             pipe.llen(keys.suspects(self.prefix, queue))
             pipe.scard(keys.queue_withdrawn(queue))
@@ -96,6 +99,7 @@ class StatusAdmin(AdminBase):
         pipe.hgetall(keys.cap_waits(self.prefix))
         *counts, cap_waits = pipe.execute()
         replies = iter(counts)
+        ordered = [in_order(next(replies)) for _ in self.lane_queues]
         # messages waiting for a cap (max_running, rate_limit) are queued, on their job's lane
         capped_by_lane: dict[str, int] = {}
         for job_name, count in cap_waits.items():
@@ -103,9 +107,10 @@ class StatusAdmin(AdminBase):
             lane_name = "worker" if declared is None else declared.options.run_in
             capped_by_lane[lane_name] = capped_by_lane.get(lane_name, 0) + max(0, int(count))
         lanes = []
-        for lane, queue in zip(LANES, self.lane_queues, strict=True):
+        for n, (lane, queue) in enumerate(zip(LANES, self.lane_queues, strict=True)):
             # ids cancel withdrew stay in the lists until a fetch meets them: not counted
             listed = int(next(replies)) + int(next(replies)) + capped_by_lane.get(lane, 0)
+            listed += ordered[n]
             queued = max(0, listed - int(next(replies)))
             delayed = int(next(replies))
             dead = int(next(replies))

@@ -7,7 +7,9 @@ the whole queue:
   off the queue already, they start first), from the lists of the lane's waiting groups
   (``keys.cap_waiting``, by rank; each ``keys.cap_wait`` list oldest first); then a lane
   queue's list, oldest first (from its head), skipping ids whose message was cancelled or
-  purged (no body) and ids claimed by a worker (running);
+  purged (no body) and ids claimed by a worker (running); then the messages with a priority
+  or a fair key (``keys.queue_order``): by level, each level's keys in turn order, each
+  key's list oldest first;
 - **parked**: a paused job's parked list (``keys.parked``), oldest first;
 - **delayed**: the lane's schedule of delayed messages (``keys.queue_schedule``, a sorted set
   by due time), soonest due first, their bodies from the delay queue's hash. A message an older
@@ -58,6 +60,10 @@ class QueuedMessage:
     due_at: datetime | None
     payload: Any
     cursor: str = field(default="", repr=False, compare=False)
+    #: its priority (0 runs first) and the key it takes its turn under (its fair key, a
+    #: per-tenant child's tenant; ``None``: none)
+    priority: int = 0
+    fair_key: str | None = None
 
     def to_json(self, *, payload: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -68,6 +74,8 @@ class QueuedMessage:
             "attempt": self.attempt,
             "enqueued_at": self.enqueued_at.isoformat(),
             "due_at": None if self.due_at is None else self.due_at.isoformat(),
+            "priority": self.priority,
+            "fair_key": self.fair_key,
         }
         if payload:
             out["payload"] = self.payload
@@ -124,6 +132,8 @@ class Waiting:
                 places += [f"parked|{name}" for name in jobs]
             else:
                 places += [f"{each}|{queue}" for queue in queues]
+            if each == "queued":
+                places += [f"order|{queue}" for queue in queues]
         return places
 
     def _read(
@@ -134,6 +144,8 @@ class Waiting:
             return self._read_capwait(place, where, position, job, limit, max_read)
         if state == "delayed":
             return self._read_delayed(place, where, position, job, limit, max_read)
+        if state == "order":
+            return self._read_order(place, where, position, job, limit, max_read)
         if state == "parked":
             source = keys.parked(self.prefix, where)
             queue = self.registry.jobs[where].queue_name(self.prefix)
@@ -207,6 +219,50 @@ class Waiting:
                 rank, offset = rank + 1, 0
         return found
 
+    def _read_order(
+        self, place: str, queue: str, position: str, job: str | None, limit: int, max_read: int
+    ) -> list[QueuedMessage]:
+        """Off the lists of the queue's order (``keys.queue_order``): by level, each level's
+        ring of keys in turn, each key's list oldest first; position
+        ``"<level>.<rank in ring>.<offset>"``."""
+        parts = [int(p) if p.isdigit() else 0 for p in [*position.split("."), "0", "0"][:3]]
+        start_level, rank, offset = parts
+        found: list[QueuedMessage] = []
+        read = 0
+        levels = [int(text(level)) for level in self.client.zrange(keys.queue_order(queue), 0, -1)]
+        for level in (each for each in levels if each >= start_level):
+            if level != start_level:
+                rank, offset = 0, 0
+            ring = [text(k) for k in self.client.lrange(keys.queue_ring(queue, level), 0, -1)]
+            while rank < len(ring) and len(found) < limit and read < max_read:
+                source = (
+                    keys.queue_list(queue)
+                    if level == 0 and ring[rank] == ""
+                    else keys.queue_at(queue, level, ring[rank])
+                )
+                rids = [text(r) for r in self.client.lrange(source, offset, offset + BATCH - 1)]
+                if not rids or source == keys.queue_list(queue):
+                    rank, offset = rank + 1, 0  # the queue's own list is read on its own
+                    continue
+                pipe = self.client.pipeline(transaction=False)
+                pipe.hmget(keys.queue_messages(queue), rids)
+                pipe.hmget(keys.inflight(self.prefix), rids)
+                bodies, claims = pipe.execute()
+                for n, (body, claim) in enumerate(zip(bodies, claims, strict=True)):
+                    if body is None or claim is not None:
+                        continue
+                    cursor = f"{place}|{level}.{rank}.{offset + n + 1}"
+                    message = self._message(body, "queued", job, cursor)
+                    if message is not None:
+                        found.append(message)
+                        if len(found) >= limit:
+                            return found
+                read += len(rids)
+                offset += len(rids)
+            if len(found) >= limit or read >= max_read:
+                break
+        return found
+
     def _read_delayed(
         self, place: str, queue: str, position: str, job: str | None, limit: int, max_read: int
     ) -> list[QueuedMessage]:
@@ -257,6 +313,8 @@ class Waiting:
             due_at=None,  # a delayed one's is its score on the schedule
             payload=message.args[0] if message.args else None,
             cursor=cursor,
+            priority=options.priority,
+            fair_key=options.route_key,
         )
 
 

@@ -101,6 +101,7 @@ def fan_out(runtime: Runtime, execution: Execution, payload: dict[str, Any]) -> 
         scheduled_at=execution.options.scheduled_at,
         origin_id=execution.origin_id,
         batch=batch,
+        priority=execution.options.priority,
     )
     logger.info(
         "%s wrapper %s fanned out to %d tenant(s): %d newly enqueued, %d already enqueued",
@@ -157,14 +158,17 @@ def enqueue_children(
     scheduled_at: datetime | None = None,
     origin_id: str | None = None,
     batch: str | None = None,
+    priority: int | None = None,
 ) -> int:
     """Enqueue the child of each tenant not enqueued before; return how many were new.
 
     One Lua call (round trip) per :data:`CHILD_BATCH_SIZE` tenants (read at
     call time). A failure raises after the earlier batches were enqueued;
-    their guards make the next attempt skip them. With ``batch`` the children join that
-    batch first, chunk by chunk (``lua/batch_join.lua``), before they are enqueued: the
-    wrapper is a child itself until it ends, so the batch cannot end in between.
+    their guards make the next attempt skip them. Each child takes ``priority`` (the
+    wrapper's; ``None``: the job's) and its tenant as its fair key. With ``batch`` the
+    children join that batch first, chunk by chunk (``lua/batch_join.lua``), before they are
+    enqueued: the wrapper is a child itself until it ends, so the batch cannot end in
+    between.
     """
     prefix = runtime.queue_prefix
     fresh = 0
@@ -183,6 +187,7 @@ def enqueue_children(
                     scheduled_at=scheduled_at,
                     origin_id=origin_id,
                     batch=batch,
+                    priority=priority,
                 )
             )
             guards.append(keys.enqueue_guard(prefix, child_id))

@@ -116,3 +116,20 @@ def test_stats_reads_the_hourly_stats_or_says_none_are_recorded(ops: Ops) -> Non
     else:
         assert done.returncode == 1
         assert "records no hourly stats" in done.stderr
+
+
+def test_queued_and_jobs_show_priorities_and_fair_keys(ops: Ops) -> None:  # noqa: F811
+    keyed = ops.producer.dispatch("ops:job:note", {}, priority=3, fair_key="acme")
+    plain = ops.producer.dispatch("ops:job:note", {})
+    cancelled = ops.producer.dispatch("ops:job:note", {}, priority=3, fair_key="globex")
+    assert ops.producer.cancel(cancelled)
+    listed = {m["message_id"]: m for m in ops.json("queued")["queued"]}
+    assert (listed[keyed]["priority"], listed[keyed]["fair_key"]) == (3, "acme")
+    assert (listed[plain]["priority"], listed[plain]["fair_key"]) == (0, None)
+    assert cancelled not in listed
+    table = ops.kumiko("queued").stdout
+    assert "prio." in table
+    assert "acme" in table
+    waiting = ops.json("jobs")["waiting_by_priority"]["worker"]
+    assert (waiting["0"], waiting["3"]) == (1, 1)
+    assert "priority 3" in ops.kumiko("jobs").stdout

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kumiko_dramatiq import Backoff, Feature, JobContext, Registry
-from kumiko_dramatiq.codec import KumikoOptions, OptionsError
+from kumiko_dramatiq.codec import Caps, KumikoOptions, OptionsError, fair_digest
 from kumiko_dramatiq.messages import build_message
 
 
@@ -60,6 +60,35 @@ def test_defaults_are_left_out_of_the_message() -> None:
     }
 
 
+def test_priority_and_fair_key_ride_in_the_route_and_a_childs_key_is_its_tenant() -> None:
+    job = job_registry().jobs["unit:job:work"]
+    wrapper = build_message(job, {}, queue_prefix="p", trigger="manual", priority=4)
+    assert wrapper.options["kumiko_route"] == "4"
+    child = build_message(job, {}, queue_prefix="p", trigger="fanout", tenant_id="acme")
+    keyed = build_message(job, {}, queue_prefix="p", trigger="manual", fair_key="acme")
+    assert (
+        child.options["kumiko_route"] == keyed.options["kumiko_route"] == f"0.{fair_digest('acme')}"
+    )
+    assert "kumiko_fair_key" not in child.options
+    decoded = KumikoOptions.decode(keyed.options)
+    assert (decoded.priority, decoded.fair_key, decoded.route_key) == (0, "acme", "acme")
+    assert decoded.encode() == keyed.options
+    assert KumikoOptions.decode(child.options).route_key == "acme"
+
+
+def test_max_running_per_key_rides_in_the_caps() -> None:
+    feature = Feature("unit")
+
+    @feature.job("capped", max_running_per_key=3)
+    def capped(payload: dict[str, Any], ctx: JobContext) -> None: ...
+
+    job = Registry([feature]).jobs["unit:job:capped"]
+    assert job.is_capped
+    options = build_message(job, {}, queue_prefix="p", trigger="manual").options
+    assert options["kumiko_caps"] == {"per_key": 3}
+    assert KumikoOptions.decode(options).caps == Caps(max_running_per_key=3)
+
+
 VALID = {
     "kumiko_retries": 2,
     "kumiko_backoff": "exponential",
@@ -87,6 +116,11 @@ VALID = {
         ({"kumiko_dedup_key": ["k"]}, "kumiko_dedup_key"),
         ({"kumiko_scheduled_at": "yesterday"}, "kumiko_scheduled_at"),
         ({"kumiko_scheduled_at": "2026-01-01T00:00:00"}, "kumiko_scheduled_at"),
+        ({"kumiko_route": 5}, "kumiko_route"),
+        ({"kumiko_route": "10"}, "kumiko_route"),
+        ({"kumiko_route": "5.xyz"}, "kumiko_route"),
+        ({"kumiko_fair_key": ""}, "kumiko_fair_key"),
+        ({"kumiko_caps": {"per_key": 0}}, "kumiko_caps.per_key"),
     ],
 )
 def test_a_wrong_type_or_range_is_a_decode_error_naming_the_key(

@@ -37,6 +37,7 @@
 -- Returns {1, queue, redis id} (cancelled), {2, ...} (asked, above) or {0, reason}.
 -- @include holds
 -- @include ttl
+-- @include route
 local namespace, root, wanted = KEYS[1], ARGV[1], ARGV[2]
 local now = tonumber(ARGV[3])
 
@@ -123,6 +124,7 @@ for i = 9, #ARGV, 2 do
                         redis.call("sadd", root .. "parked-withdrawn:" .. job, rid)
                     else
                         redis.call("sadd", list .. ":withdrawn", rid)
+                        route_withdrawn(list, body, 1)
                     end
                 end
             end

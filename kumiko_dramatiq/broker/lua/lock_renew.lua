@@ -14,9 +14,15 @@ for i, key in ipairs(KEYS) do
         slot_now = slot_now or lock_clock_ms()
         local expiry = redis.call("zscore", key, ARGV[i])
         if expiry and tonumber(expiry) > slot_now then
-            redis.call("zadd", key, slot_now + tonumber(ttl), ARGV[i])
-            if redis.call("pttl", key) < 2 * tonumber(ttl) then
-                redis.call("pexpire", key, 2 * tonumber(ttl))
+            -- a fair key's slot (include/caps.lua) holds its job's under the same token
+            local job_slots = string.match(key, "^(.*):fair:%x*$")
+            for _, each in ipairs({key, job_slots or false}) do
+                if each and (each == key or redis.call("zscore", each, ARGV[i])) then
+                    redis.call("zadd", each, slot_now + tonumber(ttl), ARGV[i])
+                    if redis.call("pttl", each) < 2 * tonumber(ttl) then
+                        redis.call("pexpire", each, 2 * tonumber(ttl))
+                    end
+                end
             end
             renewed[i] = 1
         else

@@ -7,7 +7,7 @@
 -- Each due id (schedule "<namespace>:<queue>.DQ:schedule", keys.queue_schedule, scored by due
 -- time ms), earliest first, leaves the schedule and its body leaves the delay queue's hash
 -- for the queue's (it is stored in the form it takes there, see include/enqueue.lua), its id
--- goes to the queue's tail, and the queue's doorbell rings once. An id without a body (left
+-- goes to the queue's tail (one with a route: its level's and key's, include/route.lua), and the queue's doorbell rings once. An id without a body (left
 -- by a cancel cut short, which cannot happen in one script) is dropped. One script: a kill
 -- neither loses a move nor makes it twice.
 -- Returns {moved, next due (ms, Redis's clock; -1: none), now (ms, Redis's clock), length of
@@ -15,6 +15,7 @@
 -- lua/schedule_legacy.lua)}.
 -- @include dispatch
 -- @include bell
+-- @include route
 local time = redis.call("time")
 local clock = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local schedule = queue_list .. ":schedule"
@@ -31,7 +32,12 @@ if #due > 0 then
             redis.call("hdel", queue_messages, rid)
             redis.call("hset", target_messages, rid, body)
             count_body(target_messages, rid, body, 1)
-            redis.call("rpush", target, rid)
+            local level, key = route_of(body)
+            if level then
+                route_push(target, rid, level, key)  -- at its level and key, from its due time
+            else
+                redis.call("rpush", target, rid)
+            end
             moved = moved + 1
         end
     end

@@ -1,8 +1,9 @@
 -- purge_step: one bounded step of removing one job's waiting messages (runner.purge).
 -- KEYS[1] namespace
 -- ARGV[1] kumiko root "kumiko:<prefix>:"   ARGV[2] the job's qualified name
--- ARGV[3] what to walk: "queued" (a lane queue's list, from its tail), "suspects" (its
--- suspects list, from its tail), "delayed" (its delay queue's message hash, HSCAN), "parked"
+-- ARGV[3] what to walk: "queued" (a lane queue's list, from its tail), "order" (the lists of
+-- its order, include/route.lua: by level, by rank in the level's ring, each from its tail),
+-- "suspects" (its suspects list, from its tail), "delayed" (its delay queue's message hash, HSCAN), "parked"
 -- (the job's parked list, from its head), "capwait" (the job's lists of messages waiting for
 -- a cap, include/caps.lua: its own "<root>capwait:<job>", then its per-tenant groups' found
 -- by rank in the lane's "<root>capwaiting:<queue>", each from its head) or "dead" (the
@@ -38,6 +39,7 @@
 -- cursors: "0", then "d<offset>".
 -- @include cancelling
 -- @include batch
+-- @include route
 local namespace, root, job, mode = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
 local queue, cursor, batch = ARGV[4], ARGV[5], tonumber(ARGV[6])
 local byte_budget = tonumber(ARGV[8])
@@ -91,16 +93,10 @@ local function matching(rids, got)
     return found
 end
 
-if mode == "queued" or mode == "suspects" then
-    local source = list
-    if mode == "suspects" then
-        source = root .. "suspects:" .. queue
-    end
-    local offset = tonumber(cursor)
-    local length = redis.call("llen", source)
-    if offset >= length then
-        return {0, "0", 0, 0}
-    end
+-- remove the job's messages among the last `batch` ids of list `source` before `offset` ids
+-- from its tail (a message waiting in the order also counts as withdrawn there); returns how
+-- many ids it read
+local function remove_window(source, offset, in_order)
     local window = redis.call("lrange", source, -(offset + batch), -(offset + 1))
     local rids = {} -- tail first
     for i = #window, 1, -1 do
@@ -116,16 +112,61 @@ if mode == "queued" or mode == "suspects" then
                 count_body(list .. ".msgs", rid, found[3], -1)
                 redis.call("hdel", list .. ".msgs", rid)
                 redis.call("sadd", list .. ":withdrawn", rid)
+                if in_order then
+                    route_withdrawn(list, found[3], 1)
+                end
                 free_dedup(root, job, message)
                 batch_message_cancelled(root, message, tonumber(ARGV[7]))
             end
         end
     end
-    offset = offset + #rids
+    return #rids
+end
+
+if mode == "queued" or mode == "suspects" then
+    local source = list
+    if mode == "suspects" then
+        source = root .. "suspects:" .. queue
+    end
+    local offset = tonumber(cursor)
+    local length = redis.call("llen", source)
+    if offset >= length then
+        return {0, "0", 0, 0}
+    end
+    offset = offset + remove_window(source, offset, false)
     if offset >= length then
         return {removed, "0", spent, read}
     end
     return {removed, tostring(offset), spent, read}
+elseif mode == "order" then
+    -- the lists of the queue's order (include/route.lua), level by level, each level's keys
+    -- by rank in its ring, each list from its tail: cursor "<level>.<rank>.<offset>"
+    local level, rank, offset = string.match(cursor, "^(%d)%.(%d+)%.(%d+)$")
+    level, rank, offset = level or "0", tonumber(rank or "0"), tonumber(offset or "0")
+    local skipped = 0
+    for _, each in ipairs(redis.call("zrangebyscore", list .. ":order", tonumber(level), "+inf")) do
+        if each ~= level then
+            rank, offset = 0, 0
+        end
+        local ring = list .. ":ring:" .. each
+        while skipped < batch do
+            local key = redis.call("lindex", ring, rank)
+            if not key then
+                break
+            end
+            local source = list .. ":at:" .. each .. ":" .. key
+            if (each == "0" and key == "") or offset >= redis.call("llen", source) then
+                rank, offset, skipped = rank + 1, 0, skipped + 1 -- <list> is walked as queued
+            else
+                offset = offset + remove_window(source, offset, true)
+                return {removed, each .. "." .. rank .. "." .. offset, spent, read}
+            end
+        end
+        if skipped >= batch then
+            return {removed, each .. "." .. rank .. ".0", spent, read}
+        end
+    end
+    return {removed, "0", spent, read}
 elseif mode == "delayed" then
     local bodies = list .. ".DQ.msgs"
     local reply = redis.call("hscan", bodies, cursor, "COUNT", batch)

@@ -1,8 +1,12 @@
 -- include "caps": the concurrency caps (max_running) and rate limits of capped jobs, kept at
--- the fetch. Keys (root "kumiko:<prefix>:", keys.cap_*; a group is a job, or a job's tenant
--- "<job>:tenant:<bytes>:<tenant>" for a per-tenant rate limit):
+-- the fetch. Keys (root "kumiko:<prefix>:", keys.cap_*; a group is a job, a job's tenant
+-- "<job>:tenant:<bytes>:<tenant>" for a per-tenant rate limit, or a job's fair key
+-- "<job>:fair:<digest>" for max_running_per_key, digest "" for the messages without one):
 --   <root>slots:<job>      sorted set: owner token "<redis id>#<delivery>" -> lease expiry
 --                          (ms, Redis's clock); a run-out lease is reclaimed by whoever looks
+--   <root>slots:<job>:fair:<digest>  the same, per fair key (max_running_per_key): a run of
+--                          such a job holds its key's slot and, with max_running, the job's,
+--                          under one token; its key's slots key is the one the worker holds
 --   <root>rate:<group>     sorted set: owner token -> when it started (ms): the starts in the
 --                          rate limit's window (a sliding window: at most count in any per_ms)
 --   <root>capwait:<group>  list: redis ids waiting for the group's caps, oldest first (their
@@ -39,7 +43,8 @@ local function caps_module()
     end
 
     -- caps_of(body) -> {job, n (max_running or nil), rc, rms (rate limit or nil), group (the
-    -- rate limit's group)} or nil: no caps (or none readable: the worker dead-letters it)
+    -- rate limit's group), kn (max_running_per_key or nil), kjob (its key's group)} or nil:
+    -- no caps (or none readable: the worker dead-letters it)
     local function caps_of(body)
         if not body or not string.find(body, '"kumiko_caps"', 1, true) then
             return nil
@@ -60,6 +65,14 @@ local function caps_module()
             end
             cap.n = caps.max_running
         end
+        if caps.per_key ~= nil then
+            if not caps_int(caps.per_key, 1, 100000) then
+                return nil
+            end
+            local route = message.options.kumiko_route
+            local digest = type(route) == "string" and string.match(route, "^%d%.(%x+)$") or ""
+            cap.kn, cap.kjob = caps.per_key, actor .. ":fair:" .. digest
+        end
         local rate = caps.rate_limit
         if rate ~= nil then
             if type(rate) ~= "table" or #rate ~= 3 or not caps_int(rate[1], 1, 100000)
@@ -72,7 +85,7 @@ local function caps_module()
                 cap.group = actor .. ":tenant:" .. #tenant .. ":" .. tenant
             end
         end
-        if not cap.n and not cap.rc then
+        if not cap.n and not cap.rc and not cap.kn then
             return nil
         end
         return cap
@@ -80,7 +93,8 @@ local function caps_module()
 
     -- the job a group belongs to
     local function caps_job_of(group)
-        return string.match(group, "^(.-):tenant:%d+:") or group
+        return string.match(group, "^(.-):tenant:%d+:") or string.match(group, "^(.*):fair:%x*$")
+            or group
     end
 
     -- when the earliest lease of job's slots runs out
@@ -89,14 +103,34 @@ local function caps_module()
         return tonumber(first[2]) or 0
     end
 
-    -- whether a slot of cap's job is free at t (run-out leases reclaimed first)
-    local function caps_slot_free(root, cap, t)
-        if not cap.n then
-            return true
-        end
-        local key = root .. "slots:" .. cap.job
+    -- whether one of the n slots of group is free at t (run-out leases reclaimed first)
+    local function caps_free(root, group, n, t)
+        local key = root .. "slots:" .. group
         redis.call("zremrangebyscore", key, "-inf", t)
-        return redis.call("zcard", key) < cap.n
+        return redis.call("zcard", key) < n
+    end
+
+    -- the group of cap whose slots are all taken at t (its job's, then its fair key's) and
+    -- when its earliest lease runs out, or nil when a run of cap may take its slots
+    local function caps_full(root, cap, t)
+        if cap.n and not caps_free(root, cap.job, cap.n, t) then
+            return cap.job, caps_next_expiry(root, cap.job)
+        end
+        if cap.kn and not caps_free(root, cap.kjob, cap.kn, t) then
+            return cap.kjob, caps_next_expiry(root, cap.kjob)
+        end
+        return nil
+    end
+
+    -- the slots key a run of cap holds (its fair key's with max_running_per_key: giving it
+    -- back gives back the job's too, include/caps_release.lua), or nil: it takes no slot
+    local function caps_slot_key(root, cap)
+        if cap.kn then
+            return root .. "slots:" .. cap.kjob
+        elseif cap.n then
+            return root .. "slots:" .. cap.job
+        end
+        return nil
     end
 
     -- 0 if cap's rate limit lets a run start at t, else when it will
@@ -115,12 +149,14 @@ local function caps_module()
 
     -- a run of cap starts at t under token: take a slot (a lease of ttl ms) and count the start
     local function caps_take(root, cap, token, t, ttl)
-        if cap.n then
-            local key = root .. "slots:" .. cap.job
-            redis.call("zadd", key, t + ttl, token)
-            -- the set outlives its longest lease (workers with another lock_ttl_ms included)
-            if redis.call("pttl", key) < 2 * ttl then
-                redis.call("pexpire", key, 2 * ttl)
+        for _, group in ipairs({cap.n and cap.job or false, cap.kn and cap.kjob or false}) do
+            if group then
+                local key = root .. "slots:" .. group
+                redis.call("zadd", key, t + ttl, token)
+                -- the set outlives its longest lease (workers with another lock_ttl_ms too)
+                if redis.call("pttl", key) < 2 * ttl then
+                    redis.call("pexpire", key, 2 * ttl)
+                end
             end
         end
         if cap.rc then
@@ -165,11 +201,15 @@ local function caps_module()
         if redis.call("exists", root .. "capwait:" .. cap.job) == 1 then
             return cap.job, nil
         end
+        if cap.kn and redis.call("exists", root .. "capwait:" .. cap.kjob) == 1 then
+            return cap.kjob, nil
+        end
         if cap.group ~= cap.job and redis.call("exists", root .. "capwait:" .. cap.group) == 1 then
             return cap.group, nil
         end
-        if not caps_slot_free(root, cap, t) then
-            return cap.job, caps_next_expiry(root, cap.job)
+        local full, expiry = caps_full(root, cap, t)
+        if full then
+            return full, expiry
         end
         local due = caps_rate_due(root, cap, t)
         if due > 0 then
@@ -184,7 +224,8 @@ local function caps_module()
         caps_of = caps_of,
         caps_job_of = caps_job_of,
         caps_next_expiry = caps_next_expiry,
-        caps_slot_free = caps_slot_free,
+        caps_full = caps_full,
+        caps_slot_key = caps_slot_key,
         caps_rate_due = caps_rate_due,
         caps_take = caps_take,
         caps_due_by = caps_due_by,

@@ -15,9 +15,11 @@
 -- write_message(messages, list, rid, body): Dramatiq's write, whatever the queue (the
 --   "enqueue" command, Dramatiq's own, uses it).
 -- push_message(messages, list, rid, body): the rest of write_message once the body is in
---   `messages`: its count, its id on the list, the doorbell.
+--   `messages`: its count, its id on the list (a body with a route: in the queue's order,
+--   include/route.lua), the doorbell.
 -- @include bell
 -- @include counts
+-- @include route
 local function schedule_message(messages, list, rid, delay_ms, body, counted)
     local time = redis.call("time")
     local due = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000) + delay_ms
@@ -39,7 +41,14 @@ local RING_UNTIL = 16
 
 local function push_message(messages, list, rid, body, counted)
     count_body(messages, rid, body, 1, counted)
-    if redis.call("rpush", list, rid) <= RING_UNTIL then
+    local level, key = route_of(body)
+    local length
+    if level and string.sub(list, -3) ~= ".DQ" then
+        length = route_push(list, rid, level, key)
+    else
+        length = redis.call("rpush", list, rid)
+    end
+    if length <= RING_UNTIL then
         ring(list)
     end
 end

@@ -17,6 +17,11 @@
 --   slot the caller gave back without ringing (caps_release with no list): each one's waiters
 --   that this claim could not look at (no room, or not among the groups due first) get the
 --   doorbell rung for them here, as caps_release would have.
+-- Order (include/route.lua): while messages with a priority or a fair key wait in the queue's
+-- order, the claim takes one message at a time, by level, then in turn across the level's
+-- keys, and only for threads free now (none held ahead: a held one would start before a more
+-- urgent message that comes later). An id with a route met on the queue's list (put back
+-- there by a requeue, a resume, a dead worker's recovery) is sent to its place, not claimed.
 -- @include dispatch
 -- @include inflight
 -- @include caps
@@ -24,6 +29,7 @@
 -- @include history
 -- @include batch
 -- @include bell
+-- @include route
 
 local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, released)
     local inflight = KEYS[2]
@@ -35,6 +41,12 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
     end
     wanted, max_deliveries = tonumber(wanted), tonumber(max_deliveries)
     now_room = tonumber(now_room) or wanted
+    local ordered = redis.call("exists", queue_list .. ":order") == 1
+    if ordered then
+        wanted = math.min(wanted, now_room)
+    end
+    -- how many ids with a route this claim sent to their place
+    local sorted = 0
     -- how many claims so far were entered running (the first now_room of them)
     local now_given = 0
     completed_ttl, failed_ttl = tonumber(completed_ttl), tonumber(failed_ttl)
@@ -46,6 +58,8 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
     local caps_t, parked_here = 0, 0
     -- a fetch sets at most this many messages waiting (then rings for the next fetch to go on)
     local CAPS_PARK_BOUND = 64
+    -- a claim in order looks at most this many ids (and sends at most this many to their place)
+    local ORDER_STEPS = 256
     -- the caps' functions (include/caps.lua) and this script's own, made only with caps_arg;
     -- slot_of: rid -> {slots key, token} of the slots taken (a claim the "already completed"
     -- check drops gives its slot back at the end)
@@ -190,8 +204,9 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
 
         local function take(rid, cap, token)
             C.caps_take(root, cap, token, caps_t, caps_ttl)
-            if cap.n then
-                slot_of[rid] = {root .. "slots:" .. cap.job, token}
+            local slot_key = C.caps_slot_key(root, cap)
+            if slot_key then
+                slot_of[rid] = {slot_key, token}
             end
         end
 
@@ -238,9 +253,8 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
                 local cap = C.caps_of(body)
                 local moved_to, check_at = nil, nil
                 if cap then
-                    if not C.caps_slot_free(root, cap, caps_t) then
-                        moved_to, check_at = cap.job, C.caps_next_expiry(root, cap.job)
-                    else
+                    moved_to, check_at = C.caps_full(root, cap, caps_t)
+                    if not moved_to then
                         local due = C.caps_rate_due(root, cap, caps_t)
                         if due > 0 then
                             moved_to, check_at = cap.group, due
@@ -338,10 +352,52 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
         end
         finish_claims()
     end
+    -- In order: one id at a time (route_next), each looked at as one popped off the list.
+    local steps = 0
+    local function claim_in_order()
+        while alone == 0 and not capped_stop and claimed_count() < wanted
+            and parked_here < CAPS_PARK_BOUND and steps < ORDER_STEPS do
+            steps = steps + 1
+            local rid, at_level, from_list = route_next(queue_list)
+            if not rid then
+                break
+            end
+            local body = redis.call("hget", queue_messages, rid)
+            local level, key = nil, nil
+            if from_list then
+                level, key = route_of(body)
+            end
+            local entry = redis.call("hget", inflight, rid)
+            local seen = inflight_count(entry or nil)
+            if level then
+                route_push(queue_list, rid, level, key)
+                sorted = sorted + 1
+            elseif not body and not from_list then
+                -- withdrawn (or purged with its queue): forgotten
+                if withdrawn(rid) then
+                    route_withdrawn_at(queue_list, at_level, -1)
+                end
+                redis.call("hdel", inflight, rid)
+            elseif is_suspect(seen, entry or nil) then
+                suspect(rid, seen)
+            elseif caps_ttl then
+                claim_capped(rid, seen, body)
+            else
+                claim(rid, seen, body)
+            end
+            if capped_stop then
+                redis.call("lpush", queue_list, rid) -- first in line again, sent to its place then
+            end
+        end
+        finish_claims()
+    end
+    if ordered then
+        claim_in_order()
+    end
     -- Pop what is wanted in one step, read the deliveries counts and bodies in one step each; a
     -- suspect that is claimed alone puts back what was popped after it (at the head, in order).
-    while alone == 0 and not capped_stop and #fetched / 2 < wanted
-        and parked_here < CAPS_PARK_BOUND do
+    while not ordered and alone == 0 and not capped_stop and #fetched / 2 < wanted
+        and parked_here < CAPS_PARK_BOUND and sorted < ORDER_STEPS do
         local popped = redis.call("lpop", queue_list, wanted - #fetched / 2)
         if not popped then
             break
@@ -350,7 +406,11 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
         local bodies = redis.call("hmget", queue_messages, unpack(popped))
         for i, rid in ipairs(popped) do
             local seen = inflight_count(counts[i] or nil)
-            if is_suspect(seen, counts[i] or nil) then
+            local level, key = route_of(bodies[i] or nil)
+            if level then
+                route_push(queue_list, rid, level, key)
+                sorted = sorted + 1
+            elseif is_suspect(seen, counts[i] or nil) then
                 suspect(rid, seen)
             elseif caps_ttl then
                 claim_capped(rid, seen, bodies[i])
@@ -372,6 +432,11 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
         end
         finish_claims()
     end
+    -- what the list held with a route was sent to its place: claimed from there now, in order
+    if not ordered and sorted > 0 then
+        wanted = math.min(wanted, now_room)
+        claim_in_order()
+    end
     flush_runs()
     local waiting = redis.call("llen", suspects)
     for _, job in ipairs(released or {}) do
@@ -380,8 +445,9 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
         end
     end
     local full = #fetched / 2 >= wanted or alone == 1 or parked_here >= CAPS_PARK_BOUND
-        or capped_stop
-    if (waiting > 0 and not idle) or (full and redis.call("llen", queue_list) > 0) then
+        or capped_stop or steps >= ORDER_STEPS or sorted >= ORDER_STEPS
+    if (waiting > 0 and not idle) or ((full or sorted > 0) and (redis.call("llen", queue_list) > 0
+        or redis.call("exists", queue_list .. ":order") == 1)) then
         ring(queue_list)
     end
     if not caps_ttl then
