@@ -603,8 +603,10 @@ class JobRunner:
         on_success: Item | None = None,
         on_complete: Item | None = None,
         idempotency_key: str | None = None,
+        priority: int | None = None,
     ) -> str:
         """Enqueue one child per ``(job_name, payload)`` item as one batch; return its id.
+        ``priority``: every child's (``None``: each its job's own).
 
         Every item is validated first (``PayloadError`` naming its index; an unknown job
         names it too): nothing is enqueued then. No child starts unless every child was
@@ -621,18 +623,25 @@ class JobRunner:
                 on_success=on_success,
                 on_complete=on_complete,
                 idempotency_key=idempotency_key,
+                priority=priority,
             )
 
     def dispatch_chain(
-        self, steps: Sequence[Item | Sequence[Item]], *, idempotency_key: str | None = None
+        self,
+        steps: Sequence[Item | Sequence[Item]],
+        *,
+        idempotency_key: str | None = None,
+        priority: int | None = None,
     ) -> str:
         """Enqueue a chain: each step (an item, or a list of items: a group) once the step
         before completed, its handlers seeing ``ctx.previous_result``; a step that does not
         complete stops the chain (``failed``). All steps are validated and written first,
         all or none. ``result(chain_id)`` is the last step's value. ``idempotency_key``: as
-        ``dispatch_batch``'s."""
+        ``dispatch_batch``'s; ``priority``: every step's children's."""
         with self._redis("dispatching a chain"):
-            return self.runtime.batches.dispatch_chain(steps, idempotency_key=idempotency_key)
+            return self.runtime.batches.dispatch_chain(
+                steps, idempotency_key=idempotency_key, priority=priority
+            )
 
     def batch(self, batch_id: str) -> BatchStatus:
         """The state and counts of a batch or chain; ``NotFoundError`` for an unknown id."""

@@ -312,7 +312,10 @@ def cap_group_job(group: str) -> str:
     """The job a waiting group (:func:`cap_group`) belongs to (``lua/include/caps.lua``'s
     ``caps_job_of``)."""
     job, sep, _ = group.partition(":tenant:")
-    return job if sep else group
+    if sep:
+        return job
+    job, sep, digest = group.rpartition(":fair:")
+    return job if sep and all(c in "0123456789abcdef" for c in digest) else group
 
 
 def cap_rate(queue_prefix: str, group: str) -> str:

@@ -41,7 +41,7 @@ from pydantic import BaseModel
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.errors import NotFoundError, PayloadError
 from kumiko_dramatiq.ids import added_child_id, child_message_id
-from kumiko_dramatiq.limits import check_dedup_key
+from kumiko_dramatiq.limits import check_dedup_key, check_priority
 from kumiko_dramatiq.messages import build_message
 from kumiko_dramatiq.payloads import payload_to_enqueue
 from kumiko_dramatiq.workflows.results import decode_result
@@ -150,11 +150,13 @@ class Batches:
         on_success: Item | None = None,
         on_complete: Item | None = None,
         idempotency_key: str | None = None,
+        priority: int | None = None,
     ) -> str:
         """See ``JobRunner.dispatch_batch``."""
+        priority = check_priority("dispatch_batch", priority)
         record = self._record("dispatch_batch", "batch", idempotency_key)
         batch_id = str(uuid4())
-        children = self._children(batch_id, items, "items")
+        children = self._children(batch_id, items, "items", priority)
         header: dict[str, str] = {"kind": "batch"}
         for field, item in (("on_success", on_success), ("on_complete", on_complete)):
             if item is not None:
@@ -178,11 +180,16 @@ class Batches:
         return self._open(batch_id, record)
 
     def dispatch_chain(
-        self, steps: Sequence[Item | Sequence[Item]], *, idempotency_key: str | None = None
+        self,
+        steps: Sequence[Item | Sequence[Item]],
+        *,
+        idempotency_key: str | None = None,
+        priority: int | None = None,
     ) -> str:
         """See ``JobRunner.dispatch_chain``."""
         if isinstance(steps, str | bytes) or not isinstance(steps, Sequence) or not steps:
             raise PayloadError("dispatch_chain", "steps", "must be a non-empty list of steps")
+        priority = check_priority("dispatch_chain", priority)
         record = self._record("dispatch_chain", "chain", idempotency_key)
         chain_id = str(uuid4())
         written: list[tuple[str, list[Message[Any]], bool]] = []
@@ -190,7 +197,9 @@ class Batches:
             group = isinstance(step, list)
             items: Sequence[Item] = step if isinstance(step, list) else [step]  # type: ignore[list-item]
             step_id = f"{chain_id}.{n}"
-            written.append((step_id, self._children(step_id, items, f"steps[{n - 1}]"), group))
+            written.append(
+                (step_id, self._children(step_id, items, f"steps[{n - 1}]", priority), group)
+            )
         first = self._first(record)
         if first is not None:
             return first
@@ -399,7 +408,9 @@ class Batches:
         )
         return job, body
 
-    def _children(self, batch_id: str, items: Sequence[Item], path: str) -> list[Message[Any]]:
+    def _children(
+        self, batch_id: str, items: Sequence[Item], path: str, priority: int | None = None
+    ) -> list[Message[Any]]:
         if isinstance(items, str | bytes) or not isinstance(items, Sequence) or not items:
             raise PayloadError("dispatch_batch", path, "must be a non-empty list of items")
         messages = []
@@ -413,7 +424,14 @@ class Batches:
                     "not a child of another batch",
                 )
             messages.append(
-                build_message(job, body, queue_prefix=self.prefix, trigger="manual", batch=batch_id)
+                build_message(
+                    job,
+                    body,
+                    queue_prefix=self.prefix,
+                    trigger="manual",
+                    batch=batch_id,
+                    priority=priority,
+                )
             )
         return messages
 

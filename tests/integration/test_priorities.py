@@ -15,6 +15,7 @@ import redis
 
 from kumiko_dramatiq import Feature, JobConfigError, JobContext, PayloadError, Registry
 from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.codec import fair_digest
 from tests.conftest import Recorder, RunnerFactory, wait_for
 
 JOB = "order:job:work"
@@ -215,3 +216,63 @@ def test_drain_waits_for_messages_in_order(make_runner: RunnerFactory, recorder:
     runner.start()
     runner.drain(timeout_s=30)
     assert {event.message_id for event in recorder.of("complete")} == set(ids)
+
+
+def test_batch_children_and_tenant_children_take_the_priority_given(
+    make_runner: RunnerFactory, recorder: Recorder
+) -> None:
+    feature = Feature("order")
+
+    @feature.job("work", priority=5)
+    def work(payload: dict[str, Any], ctx: JobContext) -> None: ...
+
+    @feature.job("tenants", per_tenant=True, priority=5)
+    def tenants(payload: dict[str, Any], ctx: JobContext) -> None: ...
+
+    runner = make_runner(
+        Registry([feature]),
+        worker_threads=1,
+        get_active_tenant_ids=lambda: ["acme", "globex"],
+        **recorder.hooks(),
+    )
+    backlog = [runner.dispatch(JOB, {"n": n}) for n in range(5)]
+    batch = runner.dispatch_batch([(JOB, {"b": 1}), (JOB, {"b": 2})], priority=1)
+    runner.dispatch("order:job:tenants", {}, priority=2)
+    recorder_count = 5 + 2 + 1 + 2  # the backlog, the batch, the wrapper, its children
+    runner.start()
+    recorder.wait_until(lambda r: len(r.of("complete")) == recorder_count, timeout_s=30)
+    order = started(recorder)
+    children = [e.message_id for e in recorder.of("start") if e.meta.tenant_id is not None]
+    batch_children = [m for m in order if m not in backlog and m not in children][:2]
+    assert runner.batch(batch).total == 2
+    # the batch's children (1), then the wrapper and its children (2), then the backlog (5)
+    assert order[:2] == batch_children
+    assert set(order[3:5]) == set(children)
+    assert order[5:] == backlog
+
+
+def test_messages_waiting_for_their_keys_slot_can_be_cancelled_and_purged(
+    make_runner: RunnerFactory, recorder: Recorder, redis_client: redis.Redis, prefix: str
+) -> None:
+    feature = Feature("order")
+    release = threading.Event()
+
+    @feature.job("work", max_running_per_key=1)
+    def work(payload: dict[str, Any], ctx: JobContext) -> None:
+        release.wait(30)
+
+    runner = make_runner(Registry([feature]), worker_threads=4, **recorder.hooks())
+    first = runner.dispatch(JOB, {"n": 0}, fair_key="acme")
+    runner.start()
+    recorder.wait_until(lambda r: len(r.of("start")) == 1)
+    waiting = [runner.dispatch(JOB, {"n": n}, fair_key="acme") for n in (1, 2, 3)]
+    group = keys.cap_wait(prefix, f"{JOB}:fair:{fair_digest('acme')}")
+    wait_for(lambda: redis_client.llen(group) == 3, what="three waiting for acme's slot")
+    other = runner.dispatch(JOB, {"n": "globex"}, fair_key="globex")
+    recorder.wait_until(lambda r: any(e.message_id == other for e in r.of("start")))
+    assert runner.cancel(waiting[0])
+    assert runner.purge(JOB, state="queued") == 2
+    release.set()
+    runner.drain(timeout_s=30)
+    assert {e.message_id for e in recorder.of("complete")} == {first, other}
+    assert redis_client.llen(group) == 0

@@ -50,7 +50,12 @@ local function unwait(queue, job, options, rid)
     local groups = {job}
     local tenant = options.kumiko_tenant_id
     if type(tenant) == "string" then
-        groups[2] = job .. ":tenant:" .. #tenant .. ":" .. tenant
+        groups[#groups + 1] = job .. ":tenant:" .. #tenant .. ":" .. tenant
+    end
+    if options.kumiko_caps.per_key ~= nil then -- its fair key's group (include/caps.lua)
+        local route = options.kumiko_route
+        local digest = type(route) == "string" and string.match(route, "^%d%.(%x+)$") or ""
+        groups[#groups + 1] = job .. ":fair:" .. digest
     end
     for _, group in ipairs(groups) do
         local list = root .. "capwait:" .. group

@@ -7,8 +7,9 @@
 -- Each due id (schedule "<namespace>:<queue>.DQ:schedule", keys.queue_schedule, scored by due
 -- time ms), earliest first, leaves the schedule and its body leaves the delay queue's hash
 -- for the queue's (it is stored in the form it takes there, see include/enqueue.lua), its id
--- goes to the queue's tail (one with a route: its level's and key's, include/route.lua), and the queue's doorbell rings once. An id without a body (left
--- by a cancel cut short, which cannot happen in one script) is dropped. One script: a kill
+-- goes to the queue's tail (one with a route: its level's and key's, include/route.lua),
+-- and the queue's doorbell rings once. An id without a body (left by a cancel cut short,
+-- which cannot happen in one script) is dropped. One script: a kill
 -- neither loses a move nor makes it twice.
 -- Returns {moved, next due (ms, Redis's clock; -1: none), now (ms, Redis's clock), length of
 -- Dramatiq's own delay queue list (messages an older writer left for

@@ -24,7 +24,7 @@ local specs = {
     hkeys = {K}, hlen = {K}, info = {"memory"}, hmget = {K, "f"}, hscan = {K, "0"}, incr = {K},
     hset = {K, "f", "v"}, hsetnx = {K, "f", "v"}, keys = {"kumiko-probe"}, lindex = {K, "0"},
     llen = {K}, lpop = {K},
-    lpos = {K, "v"},
+    lmove = {K, K, "LEFT", "RIGHT"}, lpos = {K, "v"},
     lpush = {K, "v"}, lrange = {K, "0", "0"}, lrem = {K, "0", "v"}, mget = {K}, multi = {},
     persist = {K}, pexpire = {K, "60000"}, ping = {}, pttl = {K}, role = {}, rpop = {K}, rpush = {K, "v"},
     sadd = {K, "m"}, scan = {"0"}, scard = {K}, ["script|load"] = {"return 1"},

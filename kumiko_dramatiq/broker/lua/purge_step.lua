@@ -3,11 +3,11 @@
 -- ARGV[1] kumiko root "kumiko:<prefix>:"   ARGV[2] the job's qualified name
 -- ARGV[3] what to walk: "queued" (a lane queue's list, from its tail), "order" (the lists of
 -- its order, include/route.lua: by level, by rank in the level's ring, each from its tail),
--- "suspects" (its suspects list, from its tail), "delayed" (its delay queue's message hash, HSCAN), "parked"
--- (the job's parked list, from its head), "capwait" (the job's lists of messages waiting for
--- a cap, include/caps.lua: its own "<root>capwait:<job>", then its per-tenant groups' found
--- by rank in the lane's "<root>capwaiting:<queue>", each from its head) or "dead" (the
--- lane's dead letters, oldest first)
+-- "suspects" (its suspects list, from its tail), "delayed" (its delay queue's message hash,
+-- HSCAN), "parked" (the job's parked list, from its head), "capwait" (the job's lists of
+-- messages waiting for a cap, include/caps.lua: its own "<root>capwait:<job>", then its
+-- per-tenant and per-key groups' found by rank in the lane's "<root>capwaiting:<queue>",
+-- each from its head) or "dead" (the lane's dead letters, oldest first)
 -- ARGV[4] the lane queue   ARGV[5] the cursor (0 to start; what the previous step returned)
 -- ARGV[6] how many entries this step reads at most (for "delayed": HSCAN's COUNT)
 -- ARGV[7] now (ms: the end of a batch child it removes)
@@ -284,7 +284,8 @@ elseif mode == "capwait" then
     local groups = redis.call("zrange", waiting, rank, rank + 19)
     local budget = batch
     for _, group in ipairs(groups) do
-        local owner = string.match(group, "^(.-):tenant:%d+:") or group
+        local owner = string.match(group, "^(.-):tenant:%d+:")
+            or string.match(group, "^(.*):fair:%x*$") or group
         if owner ~= job or group == job or dry then
             rank = rank + 1
             if owner == job and group ~= job then

@@ -352,43 +352,60 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
         end
         finish_claims()
     end
-    -- In order: one id at a time (route_next), each looked at as one popped off the list.
+    -- In order: the ids route_take gives, each looked at as one popped off the list; what a
+    -- suspect claimed alone leaves goes back to the head of the list (sent to its place by
+    -- the next claim)
     local steps = 0
     local function claim_in_order()
+        local taken = {rids = {}, levels = {}, listed = {}, gone = {}}
         while alone == 0 and not capped_stop and claimed_count() < wanted
             and parked_here < CAPS_PARK_BOUND and steps < ORDER_STEPS do
-            steps = steps + 1
-            local rid, at_level, from_list = route_next(queue_list)
-            if not rid then
+            taken.rids, taken.levels, taken.listed = {}, {}, {}
+            route_take(queue_list, wanted - claimed_count(), taken)
+            local rids = taken.rids
+            if #rids == 0 then
                 break
             end
-            local body = redis.call("hget", queue_messages, rid)
-            local level, key = nil, nil
-            if from_list then
-                level, key = route_of(body)
-            end
-            local entry = redis.call("hget", inflight, rid)
-            local seen = inflight_count(entry or nil)
-            if level then
-                route_push(queue_list, rid, level, key)
-                sorted = sorted + 1
-            elseif not body and not from_list then
-                -- withdrawn (or purged with its queue): forgotten
-                if withdrawn(rid) then
-                    route_withdrawn_at(queue_list, at_level, -1)
+            steps = steps + #rids
+            local bodies = redis.call("hmget", queue_messages, unpack(rids))
+            local counts = redis.call("hmget", inflight, unpack(rids))
+            local back = {}
+            for i, rid in ipairs(rids) do
+                if alone == 1 or capped_stop then
+                    back[#back + 1] = rid
+                else
+                    local body, entry = bodies[i] or nil, counts[i] or nil
+                    local seen = inflight_count(entry)
+                    local level, key = nil, nil
+                    if taken.listed[i] then
+                        level, key = route_of(body)
+                    end
+                    if level then
+                        route_push(queue_list, rid, level, key)
+                        sorted = sorted + 1
+                    elseif not body and not taken.listed[i] then
+                        -- withdrawn (or purged with its queue): forgotten
+                        if withdrawn(rid) then
+                            route_withdrawn_at(queue_list, taken.levels[i], -1)
+                        end
+                        redis.call("hdel", inflight, rid)
+                    elseif is_suspect(seen, entry) then
+                        suspect(rid, seen)
+                    elseif caps_ttl then
+                        claim_capped(rid, seen, body)
+                    else
+                        claim(rid, seen, body)
+                    end
+                    if capped_stop then
+                        back[#back + 1] = rid -- first in line, sent to its place then
+                    end
                 end
-                redis.call("hdel", inflight, rid)
-            elseif is_suspect(seen, entry or nil) then
-                suspect(rid, seen)
-            elseif caps_ttl then
-                claim_capped(rid, seen, body)
-            else
-                claim(rid, seen, body)
             end
-            if capped_stop then
-                redis.call("lpush", queue_list, rid) -- first in line again, sent to its place then
+            for j = #back, 1, -1 do
+                redis.call("lpush", queue_list, back[j])
             end
         end
+        route_taken_counted(queue_list, taken)
         finish_claims()
     end
     if ordered then
