@@ -168,6 +168,28 @@ def check_delay_ms(job_name: str, delay_ms: Any) -> int | None:
     return delay_ms
 
 
+def check_debounce(
+    job_name: str, debounce_ms: Any, max_wait_ms: Any, *, dedup_key: Any, delay_ms: Any
+) -> tuple[int | None, int | None]:
+    """``debounce_ms`` and ``max_wait_ms`` of a call: ``None``, or integers from 1 to
+    :data:`MAX_DURATION_MS`; debounce needs a dedup key and no ``delay_ms``, a max wait a
+    debounce."""
+    for field, value in (("debounce_ms", debounce_ms), ("max_wait_ms", max_wait_ms)):
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PayloadError(job_name, field, "must be an integer >= 1", value)
+        if value > MAX_DURATION_MS:
+            raise PayloadError(job_name, field, TOO_LARGE, value)
+    if max_wait_ms is not None and debounce_ms is None:
+        raise PayloadError(job_name, "max_wait_ms", "needs a debounce_ms", max_wait_ms)
+    if debounce_ms is not None and dedup_key is None:
+        raise PayloadError(job_name, "debounce_ms", "needs a dedup_key", debounce_ms)
+    if debounce_ms is not None and delay_ms is not None:
+        raise PayloadError(job_name, "debounce_ms", "cannot go with a delay_ms", debounce_ms)
+    return debounce_ms, max_wait_ms
+
+
 def check_priority(job_name: str, priority: Any) -> int | None:
     """``priority`` of a call: ``None`` (the job's own) or an integer from 0 to 9."""
     if priority is None:

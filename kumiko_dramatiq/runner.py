@@ -43,6 +43,7 @@ from kumiko_dramatiq.errors import (
     UnknownJobError,
 )
 from kumiko_dramatiq.limits import (
+    check_debounce,
     check_dedup_key,
     check_delay_ms,
     check_fair_key,
@@ -53,6 +54,7 @@ from kumiko_dramatiq.middleware import build_middleware
 from kumiko_dramatiq.middleware.boot import Boot
 from kumiko_dramatiq.middleware.dedup import (
     Dedup,
+    dispatch_debounced,
     dispatch_many_with_keys,
     dispatch_with_key,
     event_dedup_keys,
@@ -279,12 +281,18 @@ class JobRunner:
         idempotency_key: str | None = None,
         priority: int | None = None,
         fair_key: str | None = None,
+        debounce_ms: int | None = None,
+        max_wait_ms: int | None = None,
     ) -> str:
         """Enqueue one run of ``job_name``; return its message id.
 
         ``priority`` (0 runs first, 9 last; ``None``: the job's own) and ``fair_key`` (the key
         it takes its turn under among its lane's waiting messages; a per-tenant child's is its
         tenant, and a per-tenant wrapper's priority reaches its children) order the start.
+
+        With ``dedup_key`` and ``debounce_ms``: while the job of that key has not started,
+        each such dispatch replaces its payload and moves its start to now + ``debounce_ms``,
+        never later than ``max_wait_ms`` after the first of them; all return the same id.
 
         With ``idempotency_key``, a dispatch of the same job with a key used within
         ``idempotency_ttl_s`` returns the first dispatch's id and enqueues nothing, whatever
@@ -303,6 +311,9 @@ class JobRunner:
         delay_ms = check_delay_ms(name, delay_ms)
         priority = check_priority(name, priority)
         fair_key = check_fair_key(name, fair_key)
+        debounce_ms, max_wait_ms = check_debounce(
+            name, debounce_ms, max_wait_ms, dedup_key=dedup_key, delay_ms=delay_ms
+        )
         if idempotency_key is not None:
             idempotency_key = check_dedup_key(name, "idempotency_key", idempotency_key)
             if dedup_key is not None:
@@ -325,6 +336,18 @@ class JobRunner:
         if dedup_key is not None:
             dedup_key = check_dedup_key(name, "dedup_key", dedup_key)
             with self._redis("dispatching " + job.qualified_name):
+                if debounce_ms is not None:
+                    return dispatch_debounced(
+                        self.runtime,
+                        job,
+                        body,
+                        dedup_key,
+                        trigger="manual",
+                        debounce_ms=debounce_ms,
+                        max_wait_ms=max_wait_ms,
+                        priority=priority,
+                        fair_key=fair_key,
+                    )
                 return dispatch_with_key(
                     self.runtime,
                     job,

@@ -217,6 +217,75 @@ def dispatch_with_key(
     return str(reply[1])
 
 
+#: How often a debounced dispatch builds its message again under the live message's id
+#: (another debounced dispatch of the key between its two calls makes it build again).
+DEBOUNCE_ATTEMPTS = 3
+
+
+def dispatch_debounced(
+    runtime: Runtime,
+    job: JobDefinition,
+    payload: dict[str, Any],
+    dedup_key: str,
+    *,
+    trigger: Trigger,
+    debounce_ms: int,
+    max_wait_ms: int | None,
+    priority: int | None = None,
+    fair_key: str | None = None,
+) -> str:
+    """:func:`dispatch_with_key` with debounce (``lua/dedup_debounce.lua``): while the keyed
+    job has not started (it waits on the schedule), this payload replaces its payload and its
+    start moves to now + ``debounce_ms``, never later than ``max_wait_ms`` after the first
+    dispatch of the key; the live id comes back. A first dispatch of the key writes the
+    message due in ``debounce_ms``. Once it was moved onto its queue, runs or ends, the
+    dedup rules apply. The replacement is built under the live message's id (its redis id is
+    derived from it), so a dispatch that finds one builds its message again: at most
+    :data:`DEBOUNCE_ATTEMPTS` calls."""
+    broker = runtime.broker
+    ttl_ms = job_record_ttl_ms(
+        job,
+        heartbeat_timeout_ms=broker.heartbeat_timeout,
+        delay_ms=max(debounce_ms, max_wait_ms or 0),
+    )
+    message_id: str | None = None
+    for _ in range(DEBOUNCE_ATTEMPTS):
+        message = build_message(
+            job,
+            payload,
+            queue_prefix=runtime.queue_prefix,
+            trigger=trigger,
+            message_id=message_id,
+            dedup_key=dedup_key,
+            priority=priority,
+            fair_key=fair_key,
+        )
+        _, reply = broker.enqueue_step(
+            message,
+            broker.lua.dedup_debounce,
+            keys=[
+                keys.dedup(runtime.queue_prefix, job.qualified_name, dedup_key),
+                keys.dedup_index(runtime.queue_prefix, job.qualified_name),
+            ],
+            args=[
+                ttl_ms,
+                str(message.message_id),
+                json.dumps(payload),
+                trigger,
+                dedup_key,
+                "" if max_wait_ms is None else max_wait_ms,
+            ],
+            delay=debounce_ms,
+        )
+        if reply[0] != 2:
+            break
+        message_id = str(reply[1])
+    own_id = str(message.message_id)
+    outcome = dedup_outcome(enqueued=reply[0] == 1, returned_id=str(reply[1]), own_id=own_id)
+    count_dedup(broker, job.qualified_name, [outcome])
+    return str(reply[1])
+
+
 def dispatch_many_with_keys(
     runtime: Runtime,
     job: JobDefinition,

@@ -7,6 +7,7 @@ claims decided.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -276,3 +277,20 @@ def test_messages_waiting_for_their_keys_slot_can_be_cancelled_and_purged(
     runner.drain(timeout_s=30)
     assert {e.message_id for e in recorder.of("complete")} == {first, other}
     assert redis_client.llen(group) == 0
+
+
+def test_the_async_calls_take_priority_and_fair_key(make_runner: RunnerFactory) -> None:
+    runner = make_runner(registry())
+
+    async def dispatch() -> list[str]:
+        one = await runner.adispatch(JOB, {}, priority=3, fair_key="acme")
+        many = await runner.adispatch_many(JOB, [{}, {}], priority=7)
+        await runner.aclose()
+        return [one, *many]
+
+    one, *many = asyncio.run(dispatch())
+    listed = {m.message_id: m for m in runner.admin.queued(limit=10)}
+    assert (listed[one].priority, listed[one].fair_key) == (3, "acme")
+    assert [listed[m].priority for m in many] == [7, 7]
+    with pytest.raises(PayloadError, match="priority"):
+        asyncio.run(runner.adispatch(JOB, {}, priority=11))

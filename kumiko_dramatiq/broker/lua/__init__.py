@@ -215,6 +215,7 @@ class LuaScripts:
     boot_once: Script
     cron_tick: Script
     dedup_dispatch: Script
+    dedup_debounce: Script
     dedup_dispatch_batch: Script
     dedup_handover: Script
     # other kumiko records

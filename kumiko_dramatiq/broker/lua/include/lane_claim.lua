@@ -18,8 +18,8 @@
 --   that this claim could not look at (no room, or not among the groups due first) get the
 --   doorbell rung for them here, as caps_release would have.
 -- Order (include/route.lua): while messages with a priority or a fair key wait in the queue's
--- order, the claim takes one message at a time, by level, then in turn across the level's
--- keys, and only for threads free now (none held ahead: a held one would start before a more
+-- order, the claim takes them by level, then in turn across the level's keys (route_take),
+-- and only for threads free now (none held ahead: a held one would start before a more
 -- urgent message that comes later). An id with a route met on the queue's list (put back
 -- there by a requeue, a resume, a dead worker's recovery) is sent to its place, not claimed.
 -- @include dispatch
@@ -58,7 +58,7 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
     local caps_t, parked_here = 0, 0
     -- a fetch sets at most this many messages waiting (then rings for the next fetch to go on)
     local CAPS_PARK_BOUND = 64
-    -- a claim in order looks at most this many ids (and sends at most this many to their place)
+    -- a claim in order looks at most this many ids
     local ORDER_STEPS = 256
     -- the caps' functions (include/caps.lua) and this script's own, made only with caps_arg;
     -- slot_of: rid -> {slots key, token} of the slots taken (a claim the "already completed"
@@ -414,7 +414,7 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
     -- Pop what is wanted in one step, read the deliveries counts and bodies in one step each; a
     -- suspect that is claimed alone puts back what was popped after it (at the head, in order).
     while not ordered and alone == 0 and not capped_stop and #fetched / 2 < wanted
-        and parked_here < CAPS_PARK_BOUND and sorted < ORDER_STEPS do
+        and parked_here < CAPS_PARK_BOUND and sorted == 0 do
         local popped = redis.call("lpop", queue_list, wanted - #fetched / 2)
         if not popped then
             break
@@ -425,8 +425,18 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
             local seen = inflight_count(counts[i] or nil)
             local level, key = route_of(bodies[i] or nil)
             if level then
+                -- sent to its place; what was popped after it goes back (the claim goes on
+                -- in order)
                 route_push(queue_list, rid, level, key)
                 sorted = sorted + 1
+                local back = {}
+                for j = #popped, i + 1, -1 do
+                    back[#back + 1] = popped[j]
+                end
+                if #back > 0 then
+                    redis.call("lpush", queue_list, unpack(back))
+                end
+                break
             elseif is_suspect(seen, counts[i] or nil) then
                 suspect(rid, seen)
             elseif caps_ttl then
@@ -462,7 +472,7 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
         end
     end
     local full = #fetched / 2 >= wanted or alone == 1 or parked_here >= CAPS_PARK_BOUND
-        or capped_stop or steps >= ORDER_STEPS or sorted >= ORDER_STEPS
+        or capped_stop or steps >= ORDER_STEPS
     if (waiting > 0 and not idle) or ((full or sorted > 0) and (redis.call("llen", queue_list) > 0
         or redis.call("exists", queue_list .. ":order") == 1)) then
         ring(queue_list)

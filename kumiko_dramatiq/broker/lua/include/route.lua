@@ -159,6 +159,12 @@ local function route_take(list, n, taken)
             end
         end
     end
+    if first == "0" and redis.call("llen", list .. ":ring:0") == 1
+        and redis.call("lindex", list .. ":ring:0", 0) == "" then
+        -- only <list>'s turn is left at level 0: the ring ends now, not at the next claim
+        redis.call("del", list .. ":ring:0", main_flag)
+        redis.call("zrem", order, "0")
+    end
     return taken
 end
 
