@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from kumiko_dramatiq.ops.stats import JobStats
     from kumiko_dramatiq.ops.waiting import QueuedMessage
     from kumiko_dramatiq.runner import JobRunner
+    from kumiko_dramatiq.schedules.model import Schedule
     from kumiko_dramatiq.workflows.batches import BatchResult, BatchStatus
 
 #: Public names whose modules load redis-py: imported on first use.
@@ -50,6 +51,7 @@ _LAZY = {
     "QueuedMessage": "kumiko_dramatiq.ops.waiting",
     "BatchResult": "kumiko_dramatiq.workflows.batches",
     "BatchStatus": "kumiko_dramatiq.workflows.batches",
+    "Schedule": "kumiko_dramatiq.schedules.model",
 }
 
 
@@ -91,6 +93,7 @@ __all__ = [
     "ResultError",
     "ResultPending",
     "Retention",
+    "Schedule",
     "UnknownJobError",
     "build_message_options",
 ]

@@ -63,6 +63,12 @@ def cron_tick_id(job_name: str, fire_time: datetime) -> str:
     return _uuid5("cron", job_name, instant)
 
 
+def schedule_tick_id(schedule_id: str, tick_ms: int) -> str:
+    """The id of the message of tick ``tick_ms`` (ms since the epoch) of runtime schedule
+    ``schedule_id``."""
+    return _uuid5("schedule", schedule_id, str(tick_ms))
+
+
 def handoff_message_id(message_id: str) -> str:
     """The id of the message that sequential message ``message_id`` hands off to
     when it finds its lock held.

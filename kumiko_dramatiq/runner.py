@@ -73,6 +73,7 @@ from kumiko_dramatiq.options import Retention, retry_window_ms
 from kumiko_dramatiq.payloads import event_payload, payload_to_enqueue
 from kumiko_dramatiq.registry import JobDefinition, Registry
 from kumiko_dramatiq.scheduler import Scheduler
+from kumiko_dramatiq.schedules import Schedules
 from kumiko_dramatiq.settings import UNSET, Unset
 from kumiko_dramatiq.worker.actors import declare_actors
 from kumiko_dramatiq.worker.execution import KumikoMessages
@@ -597,6 +598,18 @@ class JobRunner:
         with self._redis("draining"):
             return self._drain(timeout_s)
 
+    # -- schedules (see kumiko_dramatiq.schedules) ------------------------------
+    @functools.cached_property
+    def schedules(self) -> Schedules:
+        """The dataset's schedules: runtime ones (``upsert``, ``get``, ``list``, ``pause``,
+        ``resume``, ``remove``, ``trigger``) and the code-declared cron jobs beside them."""
+        return Schedules(
+            self.broker,
+            self.registry,
+            max_payload_bytes=self.settings.max_payload_bytes,
+            guard_ttl_ms=self.retention.completed_age_s * 1000,
+        )
+
     # -- results (see kumiko_dramatiq.workflows.results) ----------------------
     @functools.cached_property
     def results(self) -> Results:
@@ -901,7 +914,12 @@ class JobRunner:
         )
         self._worker.start()
         if self.run_scheduler:
-            self._scheduler = Scheduler(self.broker, self.registry, retention=self.retention)
+            self._scheduler = Scheduler(
+                self.broker,
+                self.registry,
+                retention=self.retention,
+                max_payload_bytes=self.settings.max_payload_bytes,
+            )
             self._scheduler.start()
         logger.info(
             "kumiko runner consuming %s (%d threads)", self.runtime.queue_name, self.worker_threads

@@ -97,6 +97,35 @@ def completed(queue_prefix: str, message_id: str) -> str:
     return f"{_root(queue_prefix)}:done:{message_id}"
 
 
+def schedules(queue_prefix: str) -> str:
+    """Hash: runtime schedule id -> its spec (JSON; kumiko_dramatiq/schedules/model.py)."""
+    return f"{_root(queue_prefix)}:schedules"
+
+
+def schedules_due(queue_prefix: str) -> str:
+    """Sorted set: runtime schedule id -> its next tick (ms); absent while paused. Every
+    scheduler reads the due ones (``ZRANGEBYSCORE``), and a tick fires only while its score
+    is the one read (``lua/schedule_fire.lua``)."""
+    return f"{_root(queue_prefix)}:schedules:due"
+
+
+def schedules_last(queue_prefix: str) -> str:
+    """Hash: runtime schedule id -> its last tick enqueued (ms)."""
+    return f"{_root(queue_prefix)}:schedules:last"
+
+
+def cron_skipped(queue_prefix: str) -> str:
+    """Hash: job -> schedule ticks skipped so far by their overlap
+    (``kumiko_cron_skipped_total``)."""
+    return f"{_root(queue_prefix)}:cron-skipped"
+
+
+def schedules_paused(queue_prefix: str) -> str:
+    """Set: the code-declared cron jobs whose schedule is paused (their ticks are not
+    enqueued, ``lua/cron_tick.lua``); a runtime schedule's pause is in its spec."""
+    return f"{_root(queue_prefix)}:schedules:paused"
+
+
 def cron_last_tick(queue_prefix: str, job_name: str) -> str:
     """The latest tick of cron job ``job_name`` enqueued in this dataset
     (UTC epoch seconds); the scheduler's misfire catch-up starts after it."""

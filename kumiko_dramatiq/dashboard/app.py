@@ -588,6 +588,40 @@ def _dispatch_now(runner: JobRunner, form: Mapping[str, str]) -> Flash:
     }
 
 
+def _schedule_id(form: Mapping[str, str]) -> str:
+    schedule_id = form.get("schedule", "")
+    if not schedule_id:
+        raise BadInput("a schedule action needs a schedule")
+    return schedule_id
+
+
+def _schedule_pause(runner: JobRunner, form: Mapping[str, str]) -> Flash:
+    schedule_id = _schedule_id(form)
+    if runner.schedules.pause(schedule_id):
+        return {"kind": "ok", "text": f"Schedule {schedule_id} paused: no tick fires now."}
+    return {"kind": "error", "text": f"Schedule {schedule_id} is unknown or paused already."}
+
+
+def _schedule_resume(runner: JobRunner, form: Mapping[str, str]) -> Flash:
+    schedule_id = _schedule_id(form)
+    if runner.schedules.resume(schedule_id):
+        return {"kind": "ok", "text": f"Schedule {schedule_id} resumed."}
+    return {"kind": "error", "text": f"Schedule {schedule_id} is unknown or not paused."}
+
+
+def _schedule_trigger(runner: JobRunner, form: Mapping[str, str]) -> Flash:
+    schedule_id = _schedule_id(form)
+    try:
+        message_id = runner.schedules.trigger(schedule_id)
+    except NotFoundError:
+        return {"kind": "error", "text": f"No schedule {schedule_id}."}
+    return {
+        "kind": "ok",
+        "text": f"Schedule {schedule_id} triggered: one run now as {message_id}.",
+        "link": f"/runs/{message_id}",
+    }
+
+
 _ACTIONS: Final[dict[str, Callable[[JobRunner, Mapping[str, str]], Flash]]] = {
     "purge": _purge,
     "delete": _delete,
@@ -600,6 +634,9 @@ _ACTIONS: Final[dict[str, Callable[[JobRunner, Mapping[str, str]], Flash]]] = {
     "cancel-batch": _cancel_batch,
     "pause": _pause,
     "resume": _resume,
+    "schedule-pause": _schedule_pause,
+    "schedule-resume": _schedule_resume,
+    "schedule-trigger": _schedule_trigger,
 }
 
 

@@ -435,8 +435,11 @@ def schedules(runner: JobRunner, now: datetime) -> dict[str, Any]:
             {"job": infos[job.qualified_name], "cron": trigger, "fires": fires, "ticks": ticks}
         )
     processes = live_processes(runner.broker.client, runner.queue_prefix)
+    listed = runner.schedules.list()
     return {
         "rows": rows,
+        "paused": {s.id for s in listed if s.owner == "code" and s.paused},
+        "runtime": [s for s in listed if s.owner == "runtime"],
         "schedulers": [p for p in processes if p.role == "scheduler"],
     }
 

@@ -24,6 +24,9 @@ kumiko_dramatiq.scheduler``).
     batches [--state S] [--limit N]  batches and chains, newest first, with their progress
     batch ID                     one batch or chain: state, counts, its ended children
     cancel-batch ID              its children not started never start (on_complete runs)
+    schedules                    every schedule, runtime and code-declared, by next fire
+    schedule pause|resume|trigger|remove ID
+                                 pause or resume its ticks, enqueue one run now, delete it
     result MESSAGE_ID [--wait S] the value its completed run returned (JSON), waiting up to
                                  S seconds for it to end (status 1: not ended, ended without
                                  a value, or none kept)
@@ -110,6 +113,8 @@ from kumiko_dramatiq.ops.waiting import WAITING_STATES, QueuedMessage
 from kumiko_dramatiq.progress import progress_label
 from kumiko_dramatiq.runner import JobRunner
 from kumiko_dramatiq.scheduler import Scheduler
+from kumiko_dramatiq.schedules.commands import COMMANDS as SCHEDULE_COMMANDS
+from kumiko_dramatiq.schedules.commands import add_parsers as add_schedule_parsers
 from kumiko_dramatiq.workflows.commands import COMMANDS as WORKFLOW_COMMANDS
 from kumiko_dramatiq.workflows.commands import add_parsers as add_workflow_parsers
 from kumiko_dramatiq.workflows.results import MAX_RESULT_WAIT_S
@@ -232,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     cancel = command("cancel", "a queued, delayed or waiting message never starts")
     cancel.add_argument("message_id", metavar="MESSAGE_ID", help=an_id)
     add_workflow_parsers(command)
+    add_schedule_parsers(command)
     result = command("result", "the value a message's completed run returned (keep_result_s)")
     result.add_argument("message_id", metavar="MESSAGE_ID", help=an_id)
     result.add_argument(
@@ -1010,6 +1016,7 @@ _COMMANDS: dict[str, Callable[[JobRunner, argparse.Namespace], Result]] = {
     "dedup": _dedup,
     "reset-boot": _reset_boot,
     **WORKFLOW_COMMANDS,
+    **SCHEDULE_COMMANDS,
 }
 
 
@@ -1049,7 +1056,12 @@ def scheduler_main() -> int:
         except (RedisUnavailableError, RedisAccessError) as exc:
             print(f"kumiko-scheduler: {_one_line(exc)}", file=sys.stderr)
             return EXIT_REDIS
-        scheduler = Scheduler(runner.broker, runner.registry, retention=runner.retention)
+        scheduler = Scheduler(
+            runner.broker,
+            runner.registry,
+            retention=runner.retention,
+            max_payload_bytes=runner.settings.max_payload_bytes,
+        )
         with serving(runner.broker, scheduler=True):  # KUMIKO_METRICS_PORT, if set
             scheduler.start()
             try:

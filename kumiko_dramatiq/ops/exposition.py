@@ -230,6 +230,8 @@ class DatasetReading:
     caps: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     #: batches and chains ended so far, by outcome (succeeded, failed, cancelled)
     batches: dict[str, int] = field(default_factory=dict)
+    #: schedule ticks skipped so far (``overlap="skip"``, ``"buffer_one"``), by job
+    cron_skipped: dict[str, int] = field(default_factory=dict)
 
 
 def lane_counts(
@@ -263,6 +265,7 @@ class DatasetCollector:
     """Scrape-time gauges of one dataset, read in ONE round trip (a ``MULTI`` pipeline, so
     the counts are one consistent snapshot): ``kumiko_queue_messages{lane,state}``,
     ``kumiko_run_history_records{status}``, ``kumiko_batches_total{outcome}``,
+    ``kumiko_cron_skipped_total{job}``,
     ``kumiko_consumers_down`` and ``kumiko_redis_up``
     (0 when the read failed; the others are then left out). Never called on a message's path."""
 
@@ -313,7 +316,8 @@ class DatasetCollector:
             )
         pipe.hgetall(keys.cap_waits(self.prefix))
         pipe.hgetall(keys.batch_outcomes(self.prefix))
-        *counts, waits, outcomes = pipe.execute()
+        pipe.hgetall(keys.cron_skipped(self.prefix))
+        *counts, waits, outcomes, skipped = pipe.execute()
         waiting = {text(name): max(0, int(count)) for name, count in waits.items()}
         ordered = [in_order(levels) for levels in counts[: len(LANES)]]
         replies = iter(int(reply) for reply in counts[len(LANES) :])
@@ -344,7 +348,8 @@ class DatasetCollector:
             for capped_job in self.capped
         }
         batches = {text(outcome): int(n) for outcome, n in outcomes.items()}
-        return DatasetReading(messages, records, caps, batches)
+        cron_skipped = {text(job): int(n) for job, n in skipped.items()}
+        return DatasetReading(messages, records, caps, batches, cron_skipped)
 
     def collect(self) -> Iterator[Any]:
         core = importlib.import_module("prometheus_client.core")
@@ -384,6 +389,15 @@ class DatasetCollector:
         for outcome in ("succeeded", "failed", "cancelled"):
             batches.add_metric([outcome], reading.batches.get(outcome, 0))
         yield batches
+        skipped = core.CounterMetricFamily(
+            metric_name("cron_skipped"),
+            "Schedule ticks skipped so far because the last run was queued or running "
+            "(overlap), by job (kept in Redis)",
+            labels=["job"],
+        )
+        for job, count in sorted(reading.cron_skipped.items()):
+            skipped.add_metric([job], count)
+        yield skipped
         yield from self.collect_consumers_down(core)
         if not reading.caps:
             return

@@ -76,12 +76,14 @@ from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.broker.broker import KumikoBroker
 from kumiko_dramatiq.cron import Cron
 from kumiko_dramatiq.errors import PayloadError
+from kumiko_dramatiq.limits import DEFAULT_MAX_PAYLOAD_BYTES
 from kumiko_dramatiq.messages import build_message
 from kumiko_dramatiq.middleware.presence import Registration
 from kumiko_dramatiq.options import Retention
 from kumiko_dramatiq.payloads import empty_payload
 from kumiko_dramatiq.registry import JobDefinition, Registry
 from kumiko_dramatiq.scheduler.ticks import TickPlan, effective_grace_s, plan_ticks
+from kumiko_dramatiq.schedules import ScheduleLoop, Schedules
 
 __all__ = ["Scheduler", "TickTrigger"]
 
@@ -141,7 +143,14 @@ class Scheduler:
     flight completes first). It does not close the broker's connections.
     """
 
-    def __init__(self, broker: KumikoBroker, registry: Registry, *, retention: Retention) -> None:
+    def __init__(
+        self,
+        broker: KumikoBroker,
+        registry: Registry,
+        *,
+        retention: Retention,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    ) -> None:
         self.broker = broker
         self.queue_prefix = broker.queue_prefix
         self.identity = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
@@ -164,6 +173,16 @@ class Scheduler:
             ttl_ms=broker.heartbeat_timeout,
         )
         self._aps: BackgroundScheduler | None = None
+        #: the runtime schedules' thread (kumiko_dramatiq.schedules)
+        self._loop = ScheduleLoop(
+            Schedules(
+                broker,
+                registry,
+                max_payload_bytes=max_payload_bytes,
+                guard_ttl_ms=self._guard_ttl_ms,
+            ),
+            self.identity,
+        )
         self._started = False
         self._stopped = False
 
@@ -204,6 +223,7 @@ class Scheduler:
                 self._aps = None
                 raise
             self._registration.start()
+            self._loop.start()
         logger.info(
             "kumiko scheduler %s started: %d cron job(s), queue prefix %s",
             self.identity,
@@ -211,7 +231,7 @@ class Scheduler:
             self.queue_prefix,
         )
         if not self._tracks:
-            logger.warning("kumiko scheduler: the registry declares no cron job")
+            logger.info("kumiko scheduler: the registry declares no cron job")
 
     def stop(self) -> None:
         """Stop scheduling; wait for the tick being enqueued, if any. Idempotent."""
@@ -221,6 +241,7 @@ class Scheduler:
             self._stopped = True
             aps, self._aps = self._aps, None
         if aps is not None:
+            self._loop.stop()
             aps.shutdown(wait=True)
             self._registration.stop()
             logger.info("kumiko scheduler %s stopped", self.identity)
@@ -352,10 +373,23 @@ class Scheduler:
             keys=[
                 keys.enqueue_guard(prefix, tick_id),
                 keys.cron_last_tick(prefix, job.qualified_name),
+                keys.schedules_paused(prefix),
             ],
-            args=[self._guard_ttl_ms, self.identity, int(tick.timestamp()), self._guard_ttl_ms],
+            args=[
+                self._guard_ttl_ms,
+                self.identity,
+                int(tick.timestamp()),
+                self._guard_ttl_ms,
+                job.qualified_name,
+            ],
         )
-        if reply[0] == 1:
+        if reply[0] == 2:
+            logger.info(
+                "cron tick not enqueued, its schedule is paused: job=%s tick=%s",
+                job.qualified_name,
+                tick.isoformat(),
+            )
+        elif reply[0] == 1:
             logger.info(
                 "cron tick enqueued: job=%s tick=%s message_id=%s",
                 job.qualified_name,

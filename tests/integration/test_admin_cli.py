@@ -133,3 +133,21 @@ def test_queued_and_jobs_show_priorities_and_fair_keys(ops: Ops) -> None:  # noq
     waiting = ops.json("jobs")["waiting_by_priority"]["worker"]
     assert (waiting["0"], waiting["3"]) == (1, 1)
     assert "priority 3" in ops.kumiko("jobs").stdout
+
+
+def test_schedules_are_listed_paused_triggered_and_removed(ops: Ops) -> None:  # noqa: F811
+    ops.producer.schedules.upsert("nightly-note", "ops:job:note", every_ms=60_000)
+    listed = {s["id"]: s for s in ops.json("schedules")["schedules"]}
+    assert (listed["nightly-note"]["every_ms"], listed["nightly-note"]["owner"]) == (
+        60_000,
+        "runtime",
+    )
+    assert "nightly-note" in ops.kumiko("schedules").stdout
+    assert ops.json("schedule", "pause", "nightly-note")["changed"] is True
+    assert ops.producer.schedules.get("nightly-note").paused
+    again = ops.kumiko("schedule", "pause", "nightly-note")
+    assert again.returncode == 1
+    triggered = ops.json("schedule", "trigger", "nightly-note")["message_id"]
+    assert triggered in [m.message_id for m in ops.producer.admin.queued(limit=10)]
+    assert ops.json("schedule", "remove", "nightly-note")["changed"] is True
+    assert "nightly-note" not in {s["id"] for s in ops.json("schedules")["schedules"]}

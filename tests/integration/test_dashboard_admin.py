@@ -125,3 +125,29 @@ def test_a_run_page_offers_run_now_while_delayed(
     page = client.get(f"/runs/{later}").text
     assert 'data-action="run-now"' not in page
     assert "it waits in its queue" in page
+
+
+def test_the_schedules_page_pauses_resumes_and_triggers_schedules(
+    make_runner: RunnerFactory,
+    dataset: Dataset,  # noqa: F811
+    recorder: Recorder,
+) -> None:
+    runner = worker(make_runner, dataset, recorder)
+    runner.schedules.upsert("ledger-poll", LEDGER, every_ms=3_600_000, payload={"n": 1})
+    client = TestClient(create_app(runner, token=TOKEN), follow_redirects=False)
+    csrf = sign_in(client)
+    page = client.get("/schedules").text
+    assert "ledger-poll" in page
+    assert "every 3600000 ms" in page
+    assert 'data-action="schedule-pause"' in page
+    read_only = TestClient(create_app(runner, token=""), follow_redirects=False)
+    refused = read_only.post("/actions/schedule-pause", data={"schedule": "ledger-poll"})
+    assert refused.status_code == 403
+    client.post("/actions/schedule-pause", data={"schedule": "ledger-poll", "csrf": csrf})
+    assert runner.schedules.get("ledger-poll").paused
+    client.post("/actions/schedule-pause", data={"schedule": "shop:job:nightly", "csrf": csrf})
+    assert runner.schedules.get("shop:job:nightly").paused
+    client.post("/actions/schedule-resume", data={"schedule": "ledger-poll", "csrf": csrf})
+    assert not runner.schedules.get("ledger-poll").paused
+    client.post("/actions/schedule-trigger", data={"schedule": "ledger-poll", "csrf": csrf})
+    recorder.wait_until(lambda r: bool(r.of("start", LEDGER)), what="the triggered run")

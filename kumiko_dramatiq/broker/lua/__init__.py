@@ -214,6 +214,7 @@ class LuaScripts:
     idempotent_enqueue_batch: Script
     boot_once: Script
     cron_tick: Script
+    schedule_fire: Script
     dedup_dispatch: Script
     dedup_debounce: Script
     dedup_dispatch_batch: Script
@@ -225,6 +226,7 @@ class LuaScripts:
     lock_acquire: Script
     lock_renew: Script
     lock_release: Script
+    schedule_write: Script
     slot_release: Script
     run_put: Script
     # holds: what a worker claimed ahead of its threads (broker/holds.py)

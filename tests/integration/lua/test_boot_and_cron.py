@@ -125,8 +125,14 @@ def test_cron_tick(
         env.expire(key, SHORT_TTL)
 
     result = env.lua.cron_tick(
-        keys=[env.key(MSGS), env.key(LIST), env.key(GUARD), env.key(LAST_TICK)],
-        args=["r1", "body", TTL, "sched-1", tick, TTL],
+        keys=[
+            env.key(MSGS),
+            env.key(LIST),
+            env.key(GUARD),
+            env.key(LAST_TICK),
+            env.key("kumiko:{p}:schedules:paused"),
+        ],
+        args=["r1", "body", TTL, "sched-1", tick, TTL, "app.job"],
     )
 
     assert result == reply
