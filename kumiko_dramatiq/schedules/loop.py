@@ -10,6 +10,7 @@ is enqueued within one poll of its time. A Redis error is logged; the next poll 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 from typing import Final
 
@@ -21,6 +22,9 @@ logger = logging.getLogger("kumiko_dramatiq.scheduler")
 
 #: Seconds between two reads of the due schedules.
 POLL_S: Final = 0.25
+#: Due schedules read at once, and batches fired per poll at most.
+BATCH: Final = 200
+MAX_BATCHES: Final = 100
 
 
 class ScheduleLoop:
@@ -33,6 +37,7 @@ class ScheduleLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._unknown: set[str] = set()
+        self._random = random.Random()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kumiko-schedules", daemon=True)
@@ -44,17 +49,29 @@ class ScheduleLoop:
             self._thread.join(timeout=10)
 
     def poll(self) -> list[Fired]:
-        """Fire what is due now (one pass); what each came to."""
+        """Fire what is due now, a batch of :data:`BATCH` at a time until none is left (at
+        most :data:`MAX_BATCHES`); what each came to. Each batch is fired in an order of its
+        own, so that schedulers reading the same due ones mostly fire different ones."""
         client = self.schedules.broker.client
-        seconds, micros = client.time()
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
-        fired = []
-        for schedule_id, due_ms in self.schedules.due(now_ms):
-            if schedule_id in self._unknown:
-                continue
-            result = self.schedules.fire(schedule_id, due_ms, now_ms, self.identity)
-            self._log(result)
-            fired.append(result)
+        fired: list[Fired] = []
+        for _ in range(MAX_BATCHES):
+            seconds, micros = client.time()
+            now_ms = int(seconds) * 1000 + int(micros) // 1000
+            due = [
+                (schedule_id, due_ms)
+                for schedule_id, due_ms in self.schedules.due(now_ms, BATCH)
+                if schedule_id not in self._unknown
+            ]
+            if not due:
+                break
+            self._random.shuffle(due)
+            specs = self.schedules.specs([schedule_id for schedule_id, _ in due])
+            for (schedule_id, due_ms), stored in zip(due, specs, strict=True):
+                result = self.schedules.fire(schedule_id, due_ms, now_ms, self.identity, stored)
+                self._log(result)
+                fired.append(result)
+            if len(due) < BATCH:
+                break
         return fired
 
     def _run(self) -> None:

@@ -17,7 +17,7 @@ import json
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import Any, Final, Literal
 from zoneinfo import ZoneInfo
 
 from pydantic import BaseModel
@@ -196,11 +196,27 @@ class Schedules:
         )
         return [(text(member), int(score)) for member, score in found]
 
-    def fire(self, schedule_id: str, due_ms: int, now_ms: int, identity: str) -> Fired:
+    def specs(self, schedule_ids: builtins.list[str]) -> builtins.list[str | None]:
+        """The stored specs of ``schedule_ids`` (``None``: removed), in one read."""
+        if not schedule_ids:
+            return []
+        found = self.broker.client.hmget(keys.schedules(self.prefix), schedule_ids)
+        return [None if raw is None else text(raw) for raw in found]
+
+    def fire(
+        self,
+        schedule_id: str,
+        due_ms: int,
+        now_ms: int,
+        identity: str,
+        stored: str | Literal[False] | None = False,
+    ) -> Fired:
         """Fire schedule ``schedule_id``, due at ``due_ms``: its tick, or (more than
         :data:`GRACE_MS` late) the latest tick within the grace, or none; in one Lua call
-        that does nothing unless the schedule is still due at ``due_ms``."""
-        stored = self._stored_text(schedule_id)
+        that does nothing unless the schedule is still due at ``due_ms``. ``stored``: its
+        spec as :meth:`specs` read it (``False``: read it here)."""
+        if stored is False:
+            stored = self._stored_text(schedule_id)
         if stored is None:
             return Fired(schedule_id, "gone")
         spec = json.loads(stored)
