@@ -1,7 +1,8 @@
 """A schedule as data (:class:`Schedule`) and the checks an upsert makes (:func:`spec_of`).
 
 A runtime schedule is stored as its *spec*: the JSON object ``{"job", "cron" | "every_ms",
-"timezone", "payload", "overlap", "paused", "anchor"}`` (``anchor``: when an ``every_ms``
+"timezone", "payload", "overlap", "paused", "anchor"}`` (a cron's also ``"misfire"`` and
+``"grace_s"``, as its ``Cron`` says) (``anchor``: when an ``every_ms``
 schedule's ticks are counted from, ms), in ``keys.schedules``. Its next tick is its score in
 ``keys.schedules_due`` (absent while paused), its last one a field of ``keys.schedules_last``.
 """
@@ -87,7 +88,9 @@ def spec_of(
         raise JobConfigError(None, subject, "paused must be a bool", paused)
     spec: dict[str, Any] = {"job": job_name, "payload": payload, "overlap": overlap}
     if cron is not None:
-        spec.update(cron=cron.expr, timezone=cron.timezone)
+        spec.update(
+            cron=cron.expr, timezone=cron.timezone, misfire=cron.misfire, grace_s=cron.grace_s
+        )
     else:
         spec.update(every_ms=every_ms, timezone="UTC")
     spec["paused"] = paused
@@ -105,6 +108,12 @@ def encode_spec(spec: dict[str, Any]) -> str:
 
 def cron_of(spec: dict[str, Any]) -> Cron | None:
     return None if spec.get("cron") is None else Cron(spec["cron"], spec["timezone"])
+
+
+def misfire_of(spec: dict[str, Any]) -> tuple[str, int]:
+    """The misfire policy and grace (ms) of ``spec``: its ``Cron``'s, or ``Cron``'s defaults
+    (``"coalesce"``, 60 s) for an ``every_ms`` schedule."""
+    return spec.get("misfire", "coalesce"), int(spec.get("grace_s", 60)) * 1000
 
 
 def next_fire_ms(spec: dict[str, Any], after_ms: int) -> int:

@@ -36,6 +36,7 @@ from kumiko_dramatiq.schedules.model import (
     check_id,
     encode_spec,
     instant,
+    misfire_of,
     next_fire_ms,
     same_schedule,
     spec_of,
@@ -45,10 +46,6 @@ logger = logging.getLogger("kumiko_dramatiq.scheduler")
 
 #: How often a write that met another write of the same schedule reads it again.
 WRITE_ATTEMPTS: Final = 5
-#: A runtime schedule's misfire grace: a tick found more than this late (no scheduler ran) is
-#: skipped, the latest one within it enqueued in its stead (``Cron``'s ``misfire="coalesce"``,
-#: ``grace_s=60``).
-GRACE_MS: Final = 60_000
 
 
 @dataclass(frozen=True)
@@ -211,8 +208,9 @@ class Schedules:
         identity: str,
         stored: str | Literal[False] | None = False,
     ) -> Fired:
-        """Fire schedule ``schedule_id``, due at ``due_ms``: its tick, or (more than
-        :data:`GRACE_MS` late) the latest tick within the grace, or none; in one Lua call
+        """Fire schedule ``schedule_id``, due at ``due_ms``: its tick, or (later than its
+        misfire grace: its ``Cron``'s ``grace_s``, 60 s for an ``every_ms`` one) the latest
+        tick within the grace (``misfire="coalesce"``) or none (``"skip"``); in one Lua call
         that does nothing unless the schedule is still due at ``due_ms``. ``stored``: its
         spec as :meth:`specs` read it (``False``: read it here)."""
         if stored is False:
@@ -224,10 +222,13 @@ class Schedules:
         if job is None:  # another app's job: its schedulers fire it
             return Fired(schedule_id, "unknown")
         tick_ms: int | None = due_ms
-        if now_ms - due_ms > GRACE_MS:
+        misfire, grace_ms = misfire_of(spec)
+        if now_ms - due_ms > grace_ms:
+            # missed while no scheduler ran: "coalesce" runs the latest tick within the grace
+            # in their stead, "skip" none
             tick_ms = None
-            candidate = next_fire_ms(spec, now_ms - GRACE_MS)
-            while candidate <= now_ms:
+            candidate = next_fire_ms(spec, now_ms - grace_ms)
+            while misfire == "coalesce" and candidate <= now_ms:
                 tick_ms, candidate = candidate, next_fire_ms(spec, candidate)
         next_ms = next_fire_ms(spec, max(now_ms, tick_ms or now_ms))
         tick = None if tick_ms is None else _tick(tick_ms, spec["timezone"])

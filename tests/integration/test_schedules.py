@@ -240,3 +240,26 @@ def test_trigger_runs_once_now_and_code_schedules_pause(
     assert runner.schedules.resume(CODE)
     assert runner.schedules.get(CODE).next_fire is not None
     assert datetime.now(UTC) < runner.schedules.get(CODE).next_fire  # type: ignore[operator]
+
+
+def test_ticks_missed_while_no_scheduler_ran_are_coalesced_or_skipped(
+    make_runner: RunnerFactory,
+) -> None:
+    runner = make_runner(registry())
+    (loop,) = loops(runner, 1)
+    runner.schedules.upsert("coalesce", JOB, cron=Cron("* * * * * *", grace_s=2))
+    runner.schedules.upsert("skip", JOB, cron=Cron("* * * * * *", misfire="skip", grace_s=1))
+    wait_due(runner, "coalesce")
+    wait_due(runner, "skip")
+    seconds, micros = runner.broker.client.time()
+    later = int(seconds) * 1000 + int(micros) // 1000 + 5_000  # as if no scheduler ran for 5 s
+    store = loop.schedules
+    due = dict(store.due(later))
+    coalesced = store.fire("coalesce", due["coalesce"], later, "test")
+    skipped = store.fire("skip", due["skip"], later, "test")
+    assert coalesced.outcome == "enqueued"
+    assert coalesced.tick is not None
+    assert later - 1_000 < coalesced.tick.timestamp() * 1000 <= later  # the latest tick
+    assert skipped.outcome == "missed"
+    assert len(runner.admin.queued(limit=10)) == 1
+    assert store.fire("coalesce", due["coalesce"], later, "test").outcome == "gone"  # fired
