@@ -3,7 +3,7 @@
 The contract
 ============
 
-``Cron(expr, timezone="UTC", *, misfire="coalesce", grace_s=60)``
+``Cron(expr, timezone="UTC", *, misfire="coalesce", grace_s=60, overlap="allow")``
 
 Fields
 ------
@@ -193,9 +193,15 @@ def _parse_field(text: str, field: str) -> tuple[int, ...]:
     return tuple(sorted(values))
 
 
-def _make_cron(expr: str, timezone: str, misfire: Misfire, grace_s: int) -> Cron:
+#: What a tick does while the schedule's last run is queued or running (``Cron.overlap``).
+OVERLAPS: Final[tuple[str, ...]] = ("allow", "skip", "buffer_one")
+
+
+def _make_cron(
+    expr: str, timezone: str, misfire: Misfire, grace_s: int, overlap: str = "allow"
+) -> Cron:
     """Unpickling helper."""
-    return Cron(expr, timezone, misfire=misfire, grace_s=grace_s)
+    return Cron(expr, timezone, misfire=misfire, grace_s=grace_s, overlap=overlap)
 
 
 class Cron:
@@ -216,6 +222,7 @@ class Cron:
         "_minutes",
         "_misfire",
         "_months",
+        "_overlap",
         "_seconds",
         "_timezone",
         "_zone",
@@ -225,6 +232,7 @@ class Cron:
     _timezone: str
     _misfire: Misfire
     _grace_s: int
+    _overlap: str
     _zone: ZoneInfo
     _seconds: tuple[int, ...]
     _minutes: tuple[int, ...]
@@ -241,6 +249,7 @@ class Cron:
         *,
         misfire: Misfire = "coalesce",
         grace_s: int = 60,
+        overlap: str = "allow",
     ) -> None:
         if not isinstance(expr, str):
             raise JobConfigError(None, "cron expression", "must be a string", value=expr)
@@ -294,7 +303,11 @@ class Cron:
                 None, subject, "grace_s must be a positive integer (seconds)", grace_s
             )
 
+        if not isinstance(overlap, str) or overlap not in OVERLAPS:
+            raise JobConfigError(None, subject, f"overlap must be one of {list(OVERLAPS)}", overlap)
+
         init = object.__setattr__
+        init(self, "_overlap", overlap)
         init(self, "_expr", expr)
         init(self, "_timezone", timezone)
         init(self, "_misfire", misfire)
@@ -330,10 +343,17 @@ class Cron:
         """Misfire grace period for the scheduler, in seconds."""
         return self._grace_s
 
+    @property
+    def overlap(self) -> str:
+        """What a tick does while the last run of the schedule is queued or running:
+        ``"allow"`` (it runs), ``"skip"`` (it is skipped) or ``"buffer_one"`` (it waits behind
+        a running one, at most one)."""
+        return self._overlap
+
     # -- value semantics ------------------------------------------------------------------
 
-    def _key(self) -> tuple[str, str, str, int]:
-        return (self._expr, self._timezone, self._misfire, self._grace_s)
+    def _key(self) -> tuple[str, str, str, int, str]:
+        return (self._expr, self._timezone, self._misfire, self._grace_s, self._overlap)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Cron):
@@ -346,7 +366,9 @@ class Cron:
     def __repr__(self) -> str:
         return (
             f"Cron({self._expr!r}, {self._timezone!r}, "
-            f"misfire={self._misfire!r}, grace_s={self._grace_s!r})"
+            f"misfire={self._misfire!r}, grace_s={self._grace_s!r}"
+            + ("" if self._overlap == "allow" else f", overlap={self._overlap!r}")
+            + ")"
         )
 
     def __setattr__(self, name: str, value: Any) -> NoReturn:
@@ -355,8 +377,11 @@ class Cron:
     def __delattr__(self, name: str) -> NoReturn:
         raise AttributeError(f"Cron is immutable; cannot delete {name!r}")
 
-    def __reduce__(self) -> tuple[Any, tuple[str, str, Misfire, int]]:
-        return (_make_cron, (self._expr, self._timezone, self._misfire, self._grace_s))
+    def __reduce__(self) -> tuple[Any, tuple[str, str, Misfire, int, str]]:
+        return (
+            _make_cron,
+            (self._expr, self._timezone, self._misfire, self._grace_s, self._overlap),
+        )
 
     # -- tick computation -----------------------------------------------------------------
     #

@@ -55,6 +55,7 @@ Logging (logger ``kumiko_dramatiq.scheduler``)
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -359,13 +360,18 @@ class Scheduler:
     def _enqueue(self, job: JobDefinition, tick: datetime) -> None:
         prefix = self.queue_prefix
         tick_id = ids.cron_tick_id(job.qualified_name, tick)
+        cron = job.options.trigger
+        overlap = cron.overlap if isinstance(cron, Cron) else "allow"
+        payload = empty_payload(job)
+        dedup_key = f"schedule:{job.qualified_name}"
         message = build_message(
             job,
-            empty_payload(job),
+            payload,
             queue_prefix=prefix,
             trigger="cron",
             message_id=tick_id,
             scheduled_at=tick,
+            dedup_key=None if overlap == "allow" else dedup_key,
         )
         _, reply = self.broker.enqueue_step(
             message,
@@ -374,6 +380,9 @@ class Scheduler:
                 keys.enqueue_guard(prefix, tick_id),
                 keys.cron_last_tick(prefix, job.qualified_name),
                 keys.schedules_paused(prefix),
+                keys.dedup(prefix, job.qualified_name, dedup_key),
+                keys.dedup_index(prefix, job.qualified_name),
+                keys.cron_skipped(prefix),
             ],
             args=[
                 self._guard_ttl_ms,
@@ -381,9 +390,25 @@ class Scheduler:
                 int(tick.timestamp()),
                 self._guard_ttl_ms,
                 job.qualified_name,
+                overlap,
+                tick_id,
+                json.dumps(payload),
             ],
         )
-        if reply[0] == 2:
+        if reply[0] == 3:
+            logger.warning(
+                "cron tick skipped: job=%s tick=%s (overlap=%s: its last run is queued or running)",
+                job.qualified_name,
+                tick.isoformat(),
+                overlap,
+            )
+        elif reply[0] == 4:
+            logger.info(
+                "cron tick waits behind the running one: job=%s tick=%s",
+                job.qualified_name,
+                tick.isoformat(),
+            )
+        elif reply[0] == 2:
             logger.info(
                 "cron tick not enqueued, its schedule is paused: job=%s tick=%s",
                 job.qualified_name,

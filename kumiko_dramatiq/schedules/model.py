@@ -12,14 +12,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Final, Literal
+from typing import Any, Final
 
-from kumiko_dramatiq.cron import Cron
+from kumiko_dramatiq.cron import OVERLAPS, Cron
 from kumiko_dramatiq.errors import JobConfigError
 from kumiko_dramatiq.limits import dedup_key_problem
 
-Overlap = Literal["allow", "skip", "buffer_one"]
-OVERLAPS: Final[tuple[str, ...]] = ("allow", "skip", "buffer_one")
 #: The shortest ``every_ms``.
 MIN_EVERY_MS: Final = 1_000
 
@@ -82,6 +80,7 @@ def spec_of(
         raise JobConfigError(
             None, subject, f"every_ms must be an integer >= {MIN_EVERY_MS}", every_ms
         )
+    overlap = "allow" if overlap is None else overlap
     if overlap not in OVERLAPS:
         raise JobConfigError(None, subject, f"overlap must be one of {list(OVERLAPS)}", overlap)
     if not isinstance(paused, bool):

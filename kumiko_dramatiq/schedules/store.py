@@ -86,12 +86,13 @@ class Schedules:
         cron: Cron | None = None,
         every_ms: int | None = None,
         payload: dict[str, Any] | BaseModel | None = None,
-        overlap: str = "allow",
+        overlap: str | None = None,
         paused: bool = False,
     ) -> Schedule:
         """Create or change runtime schedule ``schedule_id``: ``job_name`` with ``payload``
         on every tick of ``cron`` (its time zone) or every ``every_ms`` ms (at least 1,000,
-        counted from the upsert that set it). The same arguments again change nothing (safe
+        counted from the upsert that set it); ``overlap`` ``None``: the ``Cron``'s (``"allow"``
+        for ``every_ms``). The same arguments again change nothing (safe
         on every deploy); a change moves the next tick to the first of the new timing after
         now. ``JobConfigError`` for a bad id (or a code-declared job's), both or neither of
         ``cron`` and ``every_ms``, a bad ``overlap`` or ``paused``; ``UnknownJobError``, and
@@ -105,7 +106,7 @@ class Schedules:
             body,
             cron=cron,
             every_ms=every_ms,
-            overlap=overlap,
+            overlap=overlap if overlap is not None or cron is None else cron.overlap,
             paused=paused,
         )
         for _ in range(WRITE_ATTEMPTS):
@@ -365,7 +366,7 @@ class Schedules:
                     every_ms=None,
                     timezone=cron.timezone,
                     payload=empty_payload(job, max_bytes=self.max_payload_bytes),
-                    overlap="allow",
+                    overlap=cron.overlap,
                     paused=name in paused,
                     next_fire=None if name in paused else cron.next_fire_time(now),
                     last_fire=None if last is None else datetime.fromtimestamp(int(last), UTC),

@@ -22,6 +22,7 @@ from kumiko_dramatiq import (
     UnknownJobError,
 )
 from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.scheduler import Scheduler
 from kumiko_dramatiq.schedules import ScheduleLoop, Schedules
 from tests.conftest import Recorder, RunnerFactory, wait_for
 
@@ -263,3 +264,24 @@ def test_ticks_missed_while_no_scheduler_ran_are_coalesced_or_skipped(
     assert skipped.outcome == "missed"
     assert len(runner.admin.queued(limit=10)) == 1
     assert store.fire("coalesce", due["coalesce"], later, "test").outcome == "gone"  # fired
+
+
+def test_a_code_cron_with_overlap_skip_skips_ticks_while_its_run_waits(
+    make_runner: RunnerFactory, redis_client: redis.Redis, prefix: str
+) -> None:
+    feature = Feature("reports")
+
+    @feature.job("every_second", trigger=Cron("* * * * * *", overlap="skip"))
+    def every_second(payload: dict[str, Any], ctx: JobContext) -> None: ...
+
+    job = "reports:job:every_second"
+    runner = make_runner(Registry([feature]))
+    assert runner.schedules.get(job).overlap == "skip"
+    scheduler = Scheduler(runner.broker, runner.registry, retention=runner.retention)
+    scheduler.start()  # and no worker: the first tick's run waits
+    try:
+        skipped = keys.cron_skipped(prefix)
+        wait_for(lambda: int(redis_client.hget(skipped, job) or 0) >= 2, what="two skipped")
+    finally:
+        scheduler.stop()
+    assert len(runner.admin.queued(limit=10)) == 1

@@ -131,8 +131,11 @@ def test_cron_tick(
             env.key(GUARD),
             env.key(LAST_TICK),
             env.key("kumiko:{p}:schedules:paused"),
+            env.key("kumiko:{p}:dedup:app.job:schedule:app.job"),
+            env.key("kumiko:{p}:dedupidx:app.job"),
+            env.key("kumiko:{p}:cron-skipped"),
         ],
-        args=["r1", "body", TTL, "sched-1", tick, TTL, "app.job"],
+        args=["r1", "body", TTL, "sched-1", tick, TTL, "app.job", "allow", "m1", "{}"],
     )
 
     assert result == reply
