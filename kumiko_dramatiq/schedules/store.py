@@ -94,11 +94,15 @@ class Schedules:
         counted from the upsert that set it); ``overlap`` ``None``: the ``Cron``'s (``"allow"``
         for ``every_ms``). The same arguments again change nothing (safe
         on every deploy); a change moves the next tick to the first of the new timing after
-        now. ``JobConfigError`` for a bad id (or a code-declared job's), both or neither of
-        ``cron`` and ``every_ms``, a bad ``overlap`` or ``paused``; ``UnknownJobError``, and
+        now. ``JobConfigError`` for an unknown job, a bad id (or a code-declared job's), both
+        or neither of ``cron`` and ``every_ms``, a bad ``overlap`` or ``paused``, and
         ``PayloadError`` for a payload the job refuses: nothing written."""
         schedule_id = self._runtime_id(schedule_id, "upsert")
-        job = self._job(job_name)
+        job = self.registry.jobs.get(job_name)
+        if job is None:
+            raise JobConfigError(
+                None, f"schedule {schedule_id!r}", "names a job no feature declares", job_name
+            )
         body = payload_to_enqueue(job, payload, max_bytes=self.max_payload_bytes)
         spec = spec_of(
             schedule_id,

@@ -19,7 +19,6 @@ from kumiko_dramatiq import (
     NotFoundError,
     PayloadError,
     Registry,
-    UnknownJobError,
 )
 from kumiko_dramatiq.broker import keys
 from kumiko_dramatiq.scheduler import Scheduler
@@ -117,7 +116,7 @@ def test_bad_input_is_refused_and_nothing_written(
 ) -> None:
     runner = make_runner(registry())
     upsert = runner.schedules.upsert
-    with pytest.raises(UnknownJobError):
+    with pytest.raises(JobConfigError, match="names a job no feature declares"):
         upsert("s", "reports:job:nope", every_ms=5_000)
     with pytest.raises(JobConfigError, match="cron or every_ms"):
         upsert("s", JOB)
