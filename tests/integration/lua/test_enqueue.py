@@ -520,8 +520,16 @@ def test_a_failed_message_write_leaves_no_guard(env: Env, script: str) -> None:
             ["r1", "body", TTL, "m1"],
         ),
         "cron_tick": (
-            [*queue_keys, env.key(GUARD), env.key(LAST_TICK)],
-            ["r1", "body", TTL, "sched-1", TICK, TTL],
+            [
+                *queue_keys,
+                env.key(GUARD),
+                env.key(LAST_TICK),
+                env.key("kumiko:{p}:schedules:paused"),
+                env.key("kumiko:{p}:dedup:app.job:schedule:app.job"),
+                env.key("kumiko:{p}:dedupidx:app.job"),
+                env.key("kumiko:{p}:cron-skipped"),
+            ],
+            ["r1", "body", TTL, "sched-1", TICK, TTL, "app.job", "allow", "m1", "{}"],
         ),
         "dedup_handover": (
             [*queue_keys, env.key(RECORD), env.key(DEDUP_INDEX)],
