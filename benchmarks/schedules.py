@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -87,32 +87,40 @@ def due_together(url: str, count: int, procs_count: int) -> dict[str, Any]:
     client = redis.Redis.from_url(url)
     prefix = "due"
     runner = JobRunner(registry, redis_url=url, queue_prefix=prefix)
-    upsert(runner, count, Cron("* * * * *"))
     # the code-declared cron of the app ticks every second: paused, to measure the schedules
     runner.schedules.pause(JOB)
     procs = schedulers(url, prefix, procs_count)
-    now = datetime.now(UTC)
-    wait_s = 60 - now.second - now.microsecond / 1e6
-    if wait_s < 15:  # the schedulers need a moment to start: the minute after
-        wait_s += 60
-    time.sleep(max(0.0, wait_s - 3))
+    upsert(runner, count, Cron("* * * * *"))
+    first = runner.schedules.get("s0").next_fire
+    assert first is not None
+    target, expected = first.timestamp(), count
+    if target - time.time() < 5:  # too close to measure from before it: the minute after
+        target, expected = target + 60, 2 * count
+    time.sleep(max(0.0, target - 2 - time.time()))
     client.config_set("slowlog-log-slower-than", 1000)
     client.slowlog_reset()
     cpu_before = server_cpu(client)
     messages = f"dramatiq:{prefix}-worker.msgs"
-    deadline = time.monotonic() + 30
-    while client.hlen(messages) < count and time.monotonic() < deadline:
+
+    def of_target() -> list[dict[str, Any]]:
+        found = []
+        for raw in client.hvals(messages):
+            message = json.loads(raw)
+            tick = datetime.fromisoformat(message["options"]["kumiko_scheduled_at"])
+            if tick.timestamp() == target:
+                found.append(message)
+        return found
+
+    deadline = time.monotonic() + 60
+    while client.hlen(messages) < expected and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(1)  # any tick enqueued twice would show by now
     cpu_s = server_cpu(client) - cpu_before
-    stop(procs)
-    lags_ms, ids = [], []
-    for raw in client.hvals(messages):
-        message = json.loads(raw)
-        tick = datetime.fromisoformat(message["options"]["kumiko_scheduled_at"])
-        lags_ms.append(message["message_timestamp"] - tick.timestamp() * 1000)
-        ids.append(message["message_id"])
     slowest = max((entry["duration"] for entry in client.slowlog_get(128)), default=0)
+    stop(procs)
+    found = of_target()
+    lags_ms = [m["message_timestamp"] - target * 1000 for m in found]
+    ids = [m["message_id"] for m in found]
     runner.stop()
     return {
         "enqueued": len(ids),

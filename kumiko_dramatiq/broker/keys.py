@@ -105,7 +105,7 @@ def schedules(queue_prefix: str) -> str:
 def schedules_due(queue_prefix: str) -> str:
     """Sorted set: runtime schedule id -> its next tick (ms); absent while paused. Every
     scheduler reads the due ones (``ZRANGEBYSCORE``), and a tick fires only while its score
-    is the one read (``lua/schedule_fire.lua``)."""
+    is the one read (``lua/schedule_fire_batch.lua``)."""
     return f"{_root(queue_prefix)}:schedules:due"
 
 

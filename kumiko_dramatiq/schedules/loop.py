@@ -22,8 +22,10 @@ logger = logging.getLogger("kumiko_dramatiq.scheduler")
 
 #: Seconds between two reads of the due schedules.
 POLL_S: Final = 0.25
-#: Due schedules read at once, and batches fired per poll at most.
-BATCH: Final = 200
+#: Due schedules read at once, fired in chunks of CHUNK (one Lua call each), and batches read
+#: per poll at most.
+BATCH: Final = 300
+CHUNK: Final = 50
 MAX_BATCHES: Final = 100
 
 
@@ -49,9 +51,10 @@ class ScheduleLoop:
             self._thread.join(timeout=10)
 
     def poll(self) -> list[Fired]:
-        """Fire what is due now, a batch of :data:`BATCH` at a time until none is left (at
-        most :data:`MAX_BATCHES`); what each came to. Each batch is fired in an order of its
-        own, so that schedulers reading the same due ones mostly fire different ones."""
+        """Fire what is due now, :data:`BATCH` at a time until none is left (at most
+        :data:`MAX_BATCHES`), in chunks of :data:`CHUNK` (one Lua call each) taken in an
+        order of their own, so that schedulers reading the same due ones mostly fire
+        different chunks; what each came to."""
         client = self.schedules.broker.client
         fired: list[Fired] = []
         for _ in range(MAX_BATCHES):
@@ -64,12 +67,17 @@ class ScheduleLoop:
             ]
             if not due:
                 break
-            self._random.shuffle(due)
-            specs = self.schedules.specs([schedule_id for schedule_id, _ in due])
-            for (schedule_id, due_ms), stored in zip(due, specs, strict=True):
-                result = self.schedules.fire(schedule_id, due_ms, now_ms, self.identity, stored)
-                self._log(result)
-                fired.append(result)
+            chunks = [due[at : at + CHUNK] for at in range(0, len(due), CHUNK)]
+            self._random.shuffle(chunks)
+            for chunk in chunks:
+                specs = self.schedules.specs([schedule_id for schedule_id, _ in chunk])
+                ticks = [
+                    (schedule_id, due_ms, spec)
+                    for (schedule_id, due_ms), spec in zip(chunk, specs, strict=True)
+                ]
+                for result in self.schedules.fire_many(ticks, now_ms, self.identity):
+                    self._log(result)
+                    fired.append(result)
             if len(due) < BATCH:
                 break
         return fired

@@ -9,6 +9,7 @@ schedule's ticks are counted from, ms), in ``keys.schedules``. Its next tick is 
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -106,7 +107,13 @@ def encode_spec(spec: dict[str, Any]) -> str:
 
 
 def cron_of(spec: dict[str, Any]) -> Cron | None:
-    return None if spec.get("cron") is None else Cron(spec["cron"], spec["timezone"])
+    return None if spec.get("cron") is None else _cron(spec["cron"], spec["timezone"])
+
+
+@functools.lru_cache(maxsize=4096)
+def _cron(expr: str, timezone: str) -> Cron:
+    """A parsed cron, once per expression and zone (a scheduler computes every tick's next)."""
+    return Cron(expr, timezone)
 
 
 def misfire_of(spec: dict[str, Any]) -> tuple[str, int]:

@@ -3,7 +3,7 @@
 A runtime schedule lives in Redis (:mod:`kumiko_dramatiq.schedules.model`): every
 ``kumiko-scheduler`` reads the due ones a few times a second (:class:`Schedules.due`, one
 ``ZRANGEBYSCORE``: O(due), not O(schedules)) and fires each tick in one Lua call that moves
-the schedule's score on only if it still is the score it read (``lua/schedule_fire.lua``): any
+the schedule's score on only if it still is the score it read (``lua/schedule_fire_batch.lua``): any
 number of schedulers enqueue each tick once, and a pause, change or removal, which writes the
 score in the same call as the spec (``lua/schedule_write.lua``), leaves no tick to fire once
 it returned. A code-declared cron job is a schedule owned by code (id = the job's name): it
@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from typing import Any, Final, Literal
 from zoneinfo import ZoneInfo
 
+from dramatiq.message import Message
 from pydantic import BaseModel
 
 from kumiko_dramatiq import ids
@@ -63,6 +64,16 @@ class Fired:
 
 
 _OUTCOMES: Final = {0: "gone", 1: "enqueued", 2: "skipped", 3: "buffered", 4: "missed"}
+
+
+@dataclass(frozen=True)
+class _Tick:
+    """A tick to fire: its message, its time and the rest of its script arguments."""
+
+    schedule_id: str
+    message: Message[Any]
+    at: datetime | None
+    tail: list[Any]
 
 
 class Schedules:
@@ -220,8 +231,50 @@ class Schedules:
         spec as :meth:`specs` read it (``False``: read it here)."""
         if stored is False:
             stored = self._stored_text(schedule_id)
-        if stored is None:
-            return Fired(schedule_id, "gone")
+        (fired,) = self.fire_many([(schedule_id, due_ms, stored)], now_ms, identity)
+        return fired
+
+    def fire_many(
+        self,
+        due: builtins.list[tuple[str, int, str | None]],
+        now_ms: int,
+        identity: str,
+    ) -> builtins.list[Fired]:
+        """:meth:`fire` for many due schedules ((id, due score, stored spec) each, the specs
+        as :meth:`specs` read them): one Lua call per queue their jobs run on
+        (``lua/schedule_fire_batch.lua``). What each came to, in order."""
+        fired: builtins.list[Fired | None] = []
+        by_queue: dict[str, builtins.list[tuple[int, _Tick]]] = {}
+        for schedule_id, due_ms, stored in due:
+            tick = None if stored is None else self._tick(schedule_id, due_ms, now_ms, stored)
+            if tick is None or isinstance(tick, Fired):
+                fired.append(tick or Fired(schedule_id, "gone"))
+                continue
+            fired.append(None)
+            by_queue.setdefault(tick.message.queue_name, []).append((len(fired) - 1, tick))
+        for ticks in by_queue.values():
+            reply = self.broker.enqueue_batch(
+                [tick.message for _, tick in ticks],
+                self.broker.lua.schedule_fire_batch,
+                args=[
+                    keys.schedules_due(self.prefix),
+                    keys.schedules_last(self.prefix),
+                    keys.cron_skipped(self.prefix),
+                    self.guard_ttl_ms,
+                    identity,
+                ],
+                leads=[tick.schedule_id for _, tick in ticks],
+                tails=[tick.tail for _, tick in ticks],
+            )
+            for (at, tick), code in zip(ticks, reply, strict=True):
+                outcome = _OUTCOMES.get(int(code), "gone")
+                message_id = str(tick.message.message_id) if outcome == "enqueued" else None
+                fired[at] = Fired(tick.schedule_id, outcome, tick.at, message_id)
+        return [each for each in fired if each is not None]
+
+    def _tick(self, schedule_id: str, due_ms: int, now_ms: int, stored: str) -> _Tick | Fired:
+        """The message of schedule ``schedule_id``'s tick due at ``due_ms`` and the rest of
+        its arguments to ``lua/schedule_fire_batch.lua``, or what it came to without one."""
         spec = json.loads(stored)
         job = self.registry.jobs.get(spec["job"])
         if job is None:  # another app's job: its schedulers fire it
@@ -236,7 +289,7 @@ class Schedules:
             while misfire == "coalesce" and candidate <= now_ms:
                 tick_ms, candidate = candidate, next_fire_ms(spec, candidate)
         next_ms = next_fire_ms(spec, max(now_ms, tick_ms or now_ms))
-        tick = None if tick_ms is None else _tick(tick_ms, spec["timezone"])
+        at = None if tick_ms is None else _tick(tick_ms, spec["timezone"])
         message_id = ids.schedule_tick_id(schedule_id, tick_ms or due_ms)
         dedup_key = f"schedule:{schedule_id}"
         message = build_message(
@@ -245,35 +298,22 @@ class Schedules:
             queue_prefix=self.prefix,
             trigger="cron",
             message_id=message_id,
-            scheduled_at=tick,
+            scheduled_at=at,
             dedup_key=None if spec["overlap"] == "allow" else dedup_key,
         )
-        _, reply = self.broker.enqueue_step(
-            message,
-            self.broker.lua.schedule_fire,
-            keys=[
-                keys.schedules_due(self.prefix),
-                keys.schedules_last(self.prefix),
-                keys.enqueue_guard(self.prefix, message_id),
-                keys.dedup(self.prefix, job.qualified_name, dedup_key),
-                keys.dedup_index(self.prefix, job.qualified_name),
-                keys.cron_skipped(self.prefix),
-            ],
-            args=[
-                schedule_id,
-                due_ms,
-                next_ms,
-                "" if tick_ms is None else tick_ms,
-                self.guard_ttl_ms,
-                identity,
-                spec["overlap"],
-                message_id,
-                json.dumps(spec["payload"]),
-                job.qualified_name,
-            ],
-        )
-        outcome = _OUTCOMES.get(int(reply[0]), "gone")
-        return Fired(schedule_id, outcome, tick, message_id if outcome == "enqueued" else None)
+        tail = [
+            due_ms,
+            next_ms,
+            "" if tick_ms is None else tick_ms,
+            spec["overlap"],
+            message_id,
+            json.dumps(spec["payload"]),
+            job.qualified_name,
+            keys.enqueue_guard(self.prefix, message_id),
+            keys.dedup(self.prefix, job.qualified_name, dedup_key),
+            keys.dedup_index(self.prefix, job.qualified_name),
+        ]
+        return _Tick(schedule_id, message, at, tail)
 
     # -- internals --------------------------------------------------------------------------
     def _set_paused(self, schedule_id: str, paused: bool) -> bool:

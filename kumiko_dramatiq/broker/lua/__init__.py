@@ -214,7 +214,7 @@ class LuaScripts:
     idempotent_enqueue_batch: Script
     boot_once: Script
     cron_tick: Script
-    schedule_fire: Script
+    schedule_fire_batch: Script
     dedup_dispatch: Script
     dedup_debounce: Script
     dedup_dispatch_batch: Script
