@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
 
+from kumiko_dramatiq.broker import keys
+from kumiko_dramatiq.broker.replies import text
 from kumiko_dramatiq.cron import Cron
 from kumiko_dramatiq.dashboard.chart import bar_chart, minute_edges
 from kumiko_dramatiq.middleware.presence import live_processes
@@ -436,7 +438,9 @@ def schedules(runner: JobRunner, now: datetime) -> dict[str, Any]:
         )
     processes = live_processes(runner.broker.client, runner.queue_prefix)
     listed = runner.schedules.list()
+    skipped = runner.broker.client.hgetall(keys.cron_skipped(runner.queue_prefix))
     return {
+        "skipped": {text(job): int(count) for job, count in skipped.items()},
         "rows": rows,
         "paused": {s.id for s in listed if s.owner == "code" and s.paused},
         "runtime": [s for s in listed if s.owner == "runtime"],

@@ -140,6 +140,7 @@ def test_the_schedules_page_pauses_resumes_and_triggers_schedules(
     assert "ledger-poll" in page
     assert "every 3600000 ms" in page
     assert 'data-action="schedule-pause"' in page
+    assert "skipped (its job)" in page
     read_only = TestClient(create_app(runner, token=""), follow_redirects=False)
     refused = read_only.post("/actions/schedule-pause", data={"schedule": "ledger-poll"})
     assert refused.status_code == 403
