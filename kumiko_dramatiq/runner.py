@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import redis
+from dramatiq.message import Message
 from dramatiq.worker import Worker
 from pydantic import BaseModel
 
@@ -319,14 +320,7 @@ class JobRunner:
             idempotency_key = check_dedup_key(name, "idempotency_key", idempotency_key)
             if dedup_key is not None:
                 raise PayloadError(name, "idempotency_key", "cannot go with a dedup_key")
-            message = build_message(
-                job,
-                body,
-                queue_prefix=self.queue_prefix,
-                trigger="manual",
-                priority=priority,
-                fair_key=fair_key,
-            )
+            message = self._manual(job, body, priority, fair_key)
             with self._redis("dispatching " + name):
                 return self.broker.enqueue_idempotent(
                     message,
@@ -359,7 +353,18 @@ class JobRunner:
                     priority=priority,
                     fair_key=fair_key,
                 )
-        message = build_message(
+        message = self._manual(job, body, priority, fair_key)
+        try:  # what ``self._redis`` does, inline: this is the hot path of a producer
+            self.broker.enqueue(message, delay=delay_ms)
+        except redis.RedisError as exc:
+            raise kumiko_error(self.redis_url, "dispatching " + name, exc) from exc
+        return str(message.message_id)
+
+    def _manual(
+        self, job: JobDefinition, body: dict[str, Any], priority: int | None, fair_key: str | None
+    ) -> Message[Any]:
+        """The message of one manual dispatch of ``job`` (checked arguments)."""
+        return build_message(
             job,
             body,
             queue_prefix=self.queue_prefix,
@@ -367,11 +372,6 @@ class JobRunner:
             priority=priority,
             fair_key=fair_key,
         )
-        try:  # what ``self._redis`` does, inline: this is the hot path of a producer
-            self.broker.enqueue(message, delay=delay_ms)
-        except redis.RedisError as exc:
-            raise kumiko_error(self.redis_url, "dispatching " + name, exc) from exc
-        return str(message.message_id)
 
     def dispatch_many(
         self,
@@ -436,17 +436,7 @@ class JobRunner:
                 batch = bodies[start : start + DISPATCH_BATCH]
                 if idempotent is not None:
                     ids += self.broker.enqueue_idempotent_many(
-                        [
-                            build_message(
-                                job,
-                                body,
-                                queue_prefix=self.queue_prefix,
-                                trigger="manual",
-                                priority=priority,
-                                fair_key=fair_key,
-                            )
-                            for body in batch
-                        ],
+                        [self._manual(job, body, priority, fair_key) for body in batch],
                         [
                             keys.idempotency(self.queue_prefix, name, key)
                             for key in idempotent[start : start + DISPATCH_BATCH]
@@ -467,17 +457,7 @@ class JobRunner:
                         fair_key=fair_key,
                     )
                     continue
-                messages = [
-                    build_message(
-                        job,
-                        body,
-                        queue_prefix=self.queue_prefix,
-                        trigger="manual",
-                        priority=priority,
-                        fair_key=fair_key,
-                    )
-                    for body in batch
-                ]
+                messages = [self._manual(job, body, priority, fair_key) for body in batch]
                 self.broker.enqueue_many(messages, delay=delay_ms)
                 ids += [str(message.message_id) for message in messages]
         return ids

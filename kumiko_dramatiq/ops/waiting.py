@@ -159,20 +159,39 @@ class Waiting:
             rids = [text(r) for r in self.client.lrange(source, offset, offset + BATCH - 1)]
             if not rids:
                 break
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hmget(keys.queue_messages(queue), rids)
-            pipe.hmget(keys.inflight(self.prefix), rids)
-            bodies, claims = pipe.execute()
-            for n, (body, claim) in enumerate(zip(bodies, claims, strict=True)):
-                if body is None or claim is not None:
-                    continue
-                message = self._message(body, state, job, f"{place}|{offset + n + 1}")
-                if message is not None:
-                    found.append(message)
-                    if len(found) >= limit:
-                        break
+            found += self._unclaimed(
+                queue, rids, state, job, f"{place}|", offset, limit - len(found)
+            )
             read += len(rids)
             offset += len(rids)
+        return found
+
+    def _unclaimed(
+        self,
+        queue: str,
+        rids: list[str],
+        state: str,
+        job: str | None,
+        cursor: str,
+        offset: int,
+        limit: int,
+    ) -> list[QueuedMessage]:
+        """The messages of ``rids`` (listed on ``queue`` from ``offset`` on) that wait: with a
+        body and no claim by a worker (running), at most ``limit``; each one's cursor is
+        ``cursor`` and its position after it."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hmget(keys.queue_messages(queue), rids)
+        pipe.hmget(keys.inflight(self.prefix), rids)
+        bodies, claims = pipe.execute()
+        found: list[QueuedMessage] = []
+        for n, (body, claim) in enumerate(zip(bodies, claims, strict=True)):
+            if body is None or claim is not None:
+                continue
+            message = self._message(body, state, job, f"{cursor}{offset + n + 1}")
+            if message is not None:
+                found.append(message)
+                if len(found) >= limit:
+                    break
         return found
 
     def _read_capwait(
@@ -244,19 +263,17 @@ class Waiting:
                 if not rids or source == keys.queue_list(queue):
                     rank, offset = rank + 1, 0  # the queue's own list is read on its own
                     continue
-                pipe = self.client.pipeline(transaction=False)
-                pipe.hmget(keys.queue_messages(queue), rids)
-                pipe.hmget(keys.inflight(self.prefix), rids)
-                bodies, claims = pipe.execute()
-                for n, (body, claim) in enumerate(zip(bodies, claims, strict=True)):
-                    if body is None or claim is not None:
-                        continue
-                    cursor = f"{place}|{level}.{rank}.{offset + n + 1}"
-                    message = self._message(body, "queued", job, cursor)
-                    if message is not None:
-                        found.append(message)
-                        if len(found) >= limit:
-                            return found
+                found += self._unclaimed(
+                    queue,
+                    rids,
+                    "queued",
+                    job,
+                    f"{place}|{level}.{rank}.",
+                    offset,
+                    limit - len(found),
+                )
+                if len(found) >= limit:
+                    return found
                 read += len(rids)
                 offset += len(rids)
             if len(found) >= limit or read >= max_read:

@@ -352,6 +352,17 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
         end
         finish_claims()
     end
+    -- ids[from..] go back to the head of the list, in their order
+    local function put_back(ids, from)
+        local back = {}
+        for j = #ids, from, -1 do
+            back[#back + 1] = ids[j]
+        end
+        if #back > 0 then
+            redis.call("lpush", queue_list, unpack(back))
+        end
+    end
+
     -- In order: the ids route_take gives, each looked at as one popped off the list; what a
     -- suspect claimed alone leaves goes back to the head of the list (sent to its place by
     -- the next claim)
@@ -401,9 +412,7 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
                     end
                 end
             end
-            for j = #back, 1, -1 do
-                redis.call("lpush", queue_list, back[j])
-            end
+            put_back(back, 1)
         end
         route_taken_counted(queue_list, taken)
         finish_claims()
@@ -429,13 +438,7 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
                 -- in order)
                 route_push(queue_list, rid, level, key)
                 sorted = sorted + 1
-                local back = {}
-                for j = #popped, i + 1, -1 do
-                    back[#back + 1] = popped[j]
-                end
-                if #back > 0 then
-                    redis.call("lpush", queue_list, unpack(back))
-                end
+                put_back(popped, i + 1)
                 break
             elseif is_suspect(seen, counts[i] or nil) then
                 suspect(rid, seen)
@@ -447,13 +450,7 @@ local function claim_lane(spec, done_prefix, root, run_worker, caps_arg, release
             if alone == 1 or capped_stop then
                 -- what was popped after a suspect claimed alone, or from the capped message
                 -- that waits for a free thread on, goes back to the head, in order
-                local back = {}
-                for j = #popped, capped_stop and i or i + 1, -1 do
-                    back[#back + 1] = popped[j]
-                end
-                if #back > 0 then
-                    redis.call("lpush", queue_list, unpack(back))
-                end
+                put_back(popped, capped_stop and i or i + 1)
                 break
             end
         end
