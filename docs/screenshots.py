@@ -180,6 +180,15 @@ def main() -> int:
         )
         producer = JobRunner(registry, redis_url=url, queue_prefix=prefix)
         fill_history(runner, datetime.now(UTC))
+        for tenant, zone in (("acme", "Europe/Berlin"), ("globex", "America/New_York")):
+            producer.schedules.upsert(
+                f"report:{tenant}",
+                "reports:job:nightly",
+                cron=Cron("0 6 * * mon", timezone=zone),
+                overlap="skip",
+            )
+        producer.schedules.upsert("poll-ledger", "billing:job:sync_ledger", every_ms=300_000)
+        producer.schedules.pause("report:globex")
         runner.start()
         try:
             for n in range(3):
