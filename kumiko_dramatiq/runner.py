@@ -202,7 +202,7 @@ class JobRunner:
         dedup = Dedup(self.runtime)
         client = CarriedRedis(
             connection_pool=make_connection_pool(
-                settings.redis_url, settings.boot_redis_timeout_ms / 1000
+                settings.redis_url, settings.boot_redis_timeout_ms / 1000, settings.queue_prefix
             )
         )
         presence = Presence(
@@ -948,7 +948,9 @@ class JobRunner:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RedisUnavailableError(self.redis_url, "starting the runner", last_error)
-            probe = redis_client(self.redis_url, timeout_s=remaining)
+            probe = redis_client(
+                self.redis_url, timeout_s=remaining, queue_prefix=self.queue_prefix
+            )
             try:
                 probe.ping()
                 return

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Final
 
 from kumiko_dramatiq.broker.broker import MAINTENANCE_SCALE
+from kumiko_dramatiq.broker.keys import ClusterPrefix
+from kumiko_dramatiq.broker.urls import parse as parse_url
 from kumiko_dramatiq.broker.urls import url_problem
 from kumiko_dramatiq.errors import JobConfigError, redact_url
 from kumiko_dramatiq.limits import (
@@ -121,6 +123,10 @@ class Settings:
             f"must match {PREFIX_PATTERN.pattern}",
             self.queue_prefix,
         )
+        if parse_url(self.redis_url).is_cluster and not isinstance(
+            self.queue_prefix, ClusterPrefix
+        ):
+            object.__setattr__(self, "queue_prefix", ClusterPrefix(self.queue_prefix))
         _check(self.lane in LANES, "lane", 'must be "worker" or "api"', self.lane)
         for name in (
             "heartbeat_timeout_ms",

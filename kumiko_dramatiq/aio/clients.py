@@ -33,9 +33,9 @@ import redis
 from redis.sentinel import MasterNotFoundError
 
 from kumiko_dramatiq.aio.wire import Wire
-from kumiko_dramatiq.broker.connection import unavailable_reply
 from kumiko_dramatiq.broker.failover import Address, PrimaryWatch
 from kumiko_dramatiq.broker.packer import RespPacker
+from kumiko_dramatiq.broker.refusals import unavailable_reply
 from kumiko_dramatiq.broker.urls import Target, parse
 
 #: the errors by which a command did not get its reply (a dropped connection, a timeout)

@@ -189,8 +189,9 @@ def _check(broker: KumikoBroker, redis_url: str) -> None:
     problem = _finding_problem([text(item) for item in findings], samples)
     if problem is not None:
         raise RedisAccessError(redis_url, problem)
-    # Two keys of different hash slots in one command: a Redis Cluster node refuses it
-    # (CROSSSLOT or MOVED), as it would refuse every broker script.
+    # Kumiko's and Dramatiq's keys in one command: a Redis Cluster node refuses it (CROSSSLOT
+    # or MOVED) unless both carry the dataset's hash tag (redis+cluster://), as it would
+    # refuse every broker script.
     client.mget([keys.probe(broker.queue_prefix), broker.namespace])
 
 
@@ -285,9 +286,9 @@ def cluster_problem(exc: BaseException) -> str | None:
     message = str(exc)
     if isinstance(exc, cluster) or "cluster mode" in message or message.startswith("CROSSSLOT"):
         return (
-            f"is a Redis Cluster node ({message.splitlines()[0][:80]}): kumiko needs a standalone "
-            "Redis or a Sentinel-managed primary (redis+sentinel://); its scripts touch keys of "
-            "many hash slots"
+            f"is a Redis Cluster node ({message.splitlines()[0][:80]}): name the cluster with a "
+            "redis+cluster://host:port,host:port/0 URL (rediss+cluster:// for TLS), which puts "
+            "every key of the dataset in the slot of its queue prefix's hash tag"
         )
     return None
 

@@ -170,6 +170,7 @@ class KumikoBroker(NoCommandFallback, Enqueueing, SettleCalls, RedisBroker):
             heartbeat_timeout=heartbeat_timeout,
             maintenance_chance=maintenance_chance,
             dead_message_ttl=dead_message_ttl,
+            namespace=keys.namespace(queue_prefix),
         )
         self.queue_prefix = queue_prefix
         #: the lane queue this broker's workers consume, and the dataset's other lanes
@@ -602,16 +603,20 @@ class KumikoBroker(NoCommandFallback, Enqueueing, SettleCalls, RedisBroker):
         self.client.connection_pool.disconnect()
 
 
-def make_connection_pool(redis_url: str, timeout_s: float) -> redis.ConnectionPool:
+def make_connection_pool(
+    redis_url: str, timeout_s: float, queue_prefix: str | None = None
+) -> redis.ConnectionPool:
     """A runner's pool: connect and read timeouts of ``timeout_s``, and one quick reconnect
     on a dropped connection, never on a timeout (redis-py's default retries ten times,
     timeouts included, which turns an unreachable Redis into a minute-long hang). Any URL
     form of :mod:`kumiko_dramatiq.broker.connection` (TLS, Sentinel, ...); a Sentinel pool
-    follows the sentinels' fail-over events (:mod:`kumiko_dramatiq.broker.failover`)."""
+    follows the sentinels' fail-over events (:mod:`kumiko_dramatiq.broker.failover`), a
+    cluster pool the primary of ``queue_prefix``'s slot (:mod:`kumiko_dramatiq.broker.cluster`)."""
     return connection_pool(
         redis_url,
         timeout_s=timeout_s,
         follow_failovers=True,
+        queue_prefix=queue_prefix,
         retry=Retry(
             ExponentialBackoff(cap=0.5, base=0.05), 1, supported_errors=(redis.ConnectionError,)
         ),

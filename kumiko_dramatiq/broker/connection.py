@@ -8,7 +8,7 @@ a primary; its :class:`~kumiko_dramatiq.broker.failover.PrimaryWatch` follows th
 fail-over events, so that no connection of the process writes to a primary being demoted
 (see :mod:`kumiko_dramatiq.broker.failover`): a fail-over is a few failed commands, then the
 same pool works against the new primary. A reply by which Redis refuses writes for now is a
-connection error (:class:`_WritesRefusedAreUnavailable`). When no sentinel knows a healthy
+connection error (:class:`WritesRefusedAreUnavailable`). When no sentinel knows a healthy
 primary, the error says so in one line, naming each sentinel and what it answered.
 """
 
@@ -32,58 +32,29 @@ from redis.sentinel import (
 )
 from redis.utils import HIREDIS_AVAILABLE
 
+from kumiko_dramatiq.broker.cluster import cluster_pool, owner_of
 from kumiko_dramatiq.broker.failover import Address, PrimaryWatch
 from kumiko_dramatiq.broker.packer import RespPacker
+from kumiko_dramatiq.broker.refusals import WritesRefusedAreUnavailable
 from kumiko_dramatiq.broker.replies import text
 from kumiko_dramatiq.broker.seam import has_socket
 from kumiko_dramatiq.broker.urls import parse
 
 
-def unavailable_reply(exc: BaseException) -> bool:
-    """Whether ``exc`` is a reply by which Redis refuses writes for now, not for good: a
-    replica (``READONLY``: a primary demoted by a fail-over), a primary without enough good
-    replicas (``NOREPLICAS``: ``min-replicas-to-write``), or a replica cut off from its
-    primary (``MASTERDOWN``)."""
-    if isinstance(exc, redis.exceptions.ReadOnlyError | redis.exceptions.MasterDownError):
-        return True
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith(
-        ("NOREPLICAS", "MASTERDOWN", "READONLY")
-    )
+class KumikoConnection(WritesRefusedAreUnavailable, Connection):
+    """A TCP connection (see :class:`WritesRefusedAreUnavailable`)."""
 
 
-class _WritesRefusedAreUnavailable:
-    """Turns an :func:`unavailable_reply` into a ``ConnectionError`` (after dropping the
-    connection, so that the next one finds the current primary): kumiko treats a Redis that
-    refuses writes for now like one it cannot reach. A producer's ``dispatch`` raises
-    ``RedisUnavailableError``, a worker retries its ack until Redis takes it, the scheduler
-    retries the tick, and the pool's one retry re-sends the command (a refused command did
-    not run). Without this, the reply is a ``ResponseError``, which Dramatiq's worker does
-    not retry: a refused ack would leave its message unacked until the worker restarts."""
-
-    def read_response(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().read_response(*args, **kwargs)  # type: ignore[misc]
-        except redis.ResponseError as exc:
-            if not unavailable_reply(exc):
-                raise
-            self.disconnect()  # type: ignore[attr-defined]
-            raise redis.ConnectionError(f"Redis refuses writes for now: {exc}") from exc
+class KumikoSSLConnection(WritesRefusedAreUnavailable, SSLConnection):
+    """A TLS connection (see :class:`WritesRefusedAreUnavailable`)."""
 
 
-class KumikoConnection(_WritesRefusedAreUnavailable, Connection):
-    """A TCP connection (see :class:`_WritesRefusedAreUnavailable`)."""
+class KumikoUnixConnection(WritesRefusedAreUnavailable, UnixDomainSocketConnection):
+    """A Unix socket connection (see :class:`WritesRefusedAreUnavailable`)."""
 
 
-class KumikoSSLConnection(_WritesRefusedAreUnavailable, SSLConnection):
-    """A TLS connection (see :class:`_WritesRefusedAreUnavailable`)."""
-
-
-class KumikoUnixConnection(_WritesRefusedAreUnavailable, UnixDomainSocketConnection):
-    """A Unix socket connection (see :class:`_WritesRefusedAreUnavailable`)."""
-
-
-class KumikoSentinelConnection(_WritesRefusedAreUnavailable, SentinelManagedConnection):
-    """A connection to the primary Sentinel names (see :class:`_WritesRefusedAreUnavailable`;
+class KumikoSentinelConnection(WritesRefusedAreUnavailable, SentinelManagedConnection):
+    """A connection to the primary Sentinel names (see :class:`WritesRefusedAreUnavailable`;
     redis-py's own class already drops a connection that answers ``READONLY``), following
     fail-overs with its pool's :class:`~kumiko_dramatiq.broker.failover.PrimaryWatch`:
 
@@ -223,12 +194,15 @@ def connection_pool(
     timeout_s: float,
     retry: Retry | None = None,
     follow_failovers: bool = False,
+    queue_prefix: str | None = None,
 ) -> redis.ConnectionPool:
     """A pool for ``redis_url`` (any form above) with connect and read timeouts of
     ``timeout_s`` and ``retry`` as its commands' retry policy (``None``: no retry).
     ``follow_failovers``: a Sentinel pool subscribes to the sentinels' fail-over events once it
-    connects (a runner's pool; a one-off client does not). ``JobConfigError`` for a bad URL;
-    opens no connection."""
+    connects (a runner's pool; a one-off client does not). On a cluster
+    (``redis+cluster://``), the pool's connections go to the primary of ``queue_prefix``'s
+    slot (:mod:`kumiko_dramatiq.broker.cluster`; without a prefix, that of the default
+    ``kumiko``). ``JobConfigError`` for a bad URL; opens no connection."""
     target = parse(redis_url)
     policy = Retry(NoBackoff(), 0) if retry is None else retry
     settings: dict[str, Any] = {
@@ -242,6 +216,10 @@ def connection_pool(
             target.connection.get("encoding", "utf-8"),
             target.connection.get("encoding_errors", "strict"),
             6000,  # redis-py's buffer cutoff
+        )
+    if target.is_cluster:
+        return cluster_pool(
+            target.nodes, queue_prefix or "kumiko", dict(target.connection), **settings, **packing
         )
     if target.master is None:
         kind = target.connection.get("connection_class", Connection)
@@ -279,9 +257,15 @@ def connection_pool(
     )
 
 
-def client(redis_url: str, *, timeout_s: float, retry: Retry | None = None) -> redis.Redis:
+def client(
+    redis_url: str,
+    *,
+    timeout_s: float,
+    retry: Retry | None = None,
+    queue_prefix: str | None = None,
+) -> redis.Redis:
     """A client on a pool of its own (:func:`connection_pool`); ``close()`` closes both."""
-    pool = connection_pool(redis_url, timeout_s=timeout_s, retry=retry)
+    pool = connection_pool(redis_url, timeout_s=timeout_s, retry=retry, queue_prefix=queue_prefix)
     made = redis.Redis(connection_pool=pool)
     made.auto_close_connection_pool = True
     return made
@@ -292,6 +276,13 @@ def describe(client: redis.Redis) -> str:
     without credentials, for messages."""
     pool = client.connection_pool
     kwargs = pool.connection_kwargs
+    owner = owner_of(pool)
+    if owner is not None:
+        scheme = "rediss" if issubclass(pool.connection_class, SSLConnection) else "redis"
+        hosts = ",".join(f"{host}:{port}" for host, port in owner.nodes[:3])
+        known = owner.known
+        at = f" (slot {owner.slot}" + (f" at {known[0]}:{known[1]})" if known else ")")
+        return f"{scheme}+cluster://{hosts}/0{at}"
     if isinstance(pool, SentinelConnectionPool):
         hosts = ",".join(
             f"{s.connection_pool.connection_kwargs.get('host', '?')}:"

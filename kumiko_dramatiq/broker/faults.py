@@ -54,7 +54,8 @@ def kumiko_error(redis_url: str, action: str, exc: redis.RedisError) -> KumikoEr
         exc, redis.exceptions.ClusterError | redis.exceptions.AskError
     ) or text.startswith(("CROSSSLOT", "MOVED", "ASK ", "CLUSTERDOWN")):
         return RedisAccessError(
-            redis_url, "is a Redis Cluster node: kumiko needs a single Redis (or Sentinel)"
+            redis_url,
+            "is a Redis Cluster node: name the cluster with a redis+cluster:// URL",
         )
     if isinstance(exc, redis.ResponseError) and not text.startswith(
         ("READONLY", "NOREPLICAS", "MASTERDOWN", "LOADING", "BUSY", "MISCONF", "TRYAGAIN")

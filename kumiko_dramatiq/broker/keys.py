@@ -12,8 +12,47 @@ from __future__ import annotations
 from dramatiq.common import dq_name, q_name
 
 
+class ClusterPrefix(str):
+    """The queue prefix of a dataset on a Redis Cluster: it is the same string (queue names,
+    ``f"{prefix}-{lane}"``, stay as Dramatiq allows them), but every key built from it
+    carries its hash tag, ``kumiko:{prefix}:...`` and ``dramatiq:{prefix}:...``
+    (:func:`namespace`), so that the dataset lives in one slot
+    (:mod:`kumiko_dramatiq.broker.cluster`). ``Settings`` makes one from the queue prefix
+    when the URL is a ``redis+cluster://`` one."""
+
+    __slots__ = ()
+
+    def __new__(cls, value: str) -> ClusterPrefix:
+        _CLUSTER_PREFIXES.add(str(value))
+        return super().__new__(cls, value)
+
+
+#: The prefixes this process made a :class:`ClusterPrefix` of: a key function given only a
+#: lane queue's name (``f"{prefix}-{lane}"``) finds the namespace of its dataset here. A
+#: process uses one prefix either on a cluster or off one, never both.
+_CLUSTER_PREFIXES: set[str] = set()
+
+
+def _namespace_of(queue_name: str) -> str:
+    base = queue_name.removesuffix(".DQ").removesuffix(".XQ")
+    prefix = base.rpartition("-")[0]
+    if prefix in _CLUSTER_PREFIXES:
+        return f"{NAMESPACE}:{{{prefix}}}"
+    return NAMESPACE
+
+
 def _root(queue_prefix: str) -> str:
+    if isinstance(queue_prefix, ClusterPrefix):
+        return f"kumiko:{{{queue_prefix}}}"
     return f"kumiko:{queue_prefix}"
+
+
+def namespace(queue_prefix: str) -> str:
+    """Dramatiq's key namespace of the dataset: :data:`NAMESPACE`, or on a cluster
+    ``dramatiq:{prefix}`` (the queues' keys then carry the dataset's hash tag too)."""
+    if isinstance(queue_prefix, ClusterPrefix):
+        return f"{NAMESPACE}:{{{queue_prefix}}}"
+    return NAMESPACE
 
 
 def root(queue_prefix: str) -> str:
@@ -377,6 +416,8 @@ def patterns(queue_prefix: str | None) -> list[str]:
     scripts name first (Dramatiq's namespace, from which they build the queues' keys)."""
     if queue_prefix is None:
         return [f"{_root('')}*", NAMESPACE, f"{NAMESPACE}:*"]
+    if isinstance(queue_prefix, ClusterPrefix):
+        return [f"{root(queue_prefix)}*", namespace(queue_prefix), f"{namespace(queue_prefix)}:*"]
     return [
         f"{root(queue_prefix)}*",
         NAMESPACE,
@@ -392,19 +433,19 @@ def patterns(queue_prefix: str | None) -> list[str]:
 NAMESPACE = "dramatiq"
 
 
-def queue_list(queue_name: str, namespace: str = NAMESPACE) -> str:
+def queue_list(queue_name: str, namespace: str | None = None) -> str:
     """The list of redis message ids of ``queue_name`` (consumers pop from the left)."""
-    return f"{namespace}:{queue_name}"
+    return f"{namespace or _namespace_of(queue_name)}:{queue_name}"
 
 
-def queue_messages(queue_name: str, namespace: str = NAMESPACE) -> str:
+def queue_messages(queue_name: str, namespace: str | None = None) -> str:
     """The hash redis message id -> encoded message of ``queue_name``."""
-    return f"{namespace}:{queue_name}.msgs"
+    return f"{namespace or _namespace_of(queue_name)}:{queue_name}.msgs"
 
 
-def consumer_acks(worker_id: str, queue_name: str, namespace: str = NAMESPACE) -> str:
+def consumer_acks(worker_id: str, queue_name: str, namespace: str | None = None) -> str:
     """The set of redis ids one worker fetched from ``queue_name`` and has not acked."""
-    return f"{namespace}:__acks__.{worker_id}.{queue_name}"
+    return f"{namespace or _namespace_of(queue_name)}:__acks__.{worker_id}.{queue_name}"
 
 
 def is_delay_queue(queue_name: str) -> bool:
@@ -417,13 +458,13 @@ def heartbeats(namespace: str = NAMESPACE) -> str:
     return f"{namespace}:__heartbeats__"
 
 
-def queue_bell(queue_name: str, namespace: str = NAMESPACE) -> str:
+def queue_bell(queue_name: str, namespace: str | None = None) -> str:
     """The doorbell of a queue (kumiko's, beside Dramatiq's layout): a list holding at most
     one token, pushed by every write onto the queue, that idle consumers wait on."""
     return f"{queue_list(queue_name, namespace)}:bell"
 
 
-def queue_counts(queue_name: str, namespace: str = NAMESPACE) -> str:
+def queue_counts(queue_name: str, namespace: str | None = None) -> str:
     """Hash (kumiko's, beside Dramatiq's layout): how many message bodies of each actor the
     queue's message hash, its delay queue's and its dead letters' hold (``q:<actor>``,
     ``d:<actor>``, ``x:<actor>``), kept by every script that writes or deletes a body
@@ -434,7 +475,7 @@ def queue_counts(queue_name: str, namespace: str = NAMESPACE) -> str:
     return f"{queue_list(queue_name, namespace)}:counts"
 
 
-def queue_schedule(queue_name: str, namespace: str = NAMESPACE) -> str:
+def queue_schedule(queue_name: str, namespace: str | None = None) -> str:
     """Sorted set (kumiko's, beside Dramatiq's layout): the redis ids of ``queue_name``'s
     delayed messages, scored by due time (ms, Redis's clock). Their bodies wait in the delay
     queue's message hash (``<queue>.DQ.msgs``), already in the form they take on the queue
@@ -446,7 +487,7 @@ def queue_schedule(queue_name: str, namespace: str = NAMESPACE) -> str:
     return f"{queue_list(dq_name(q_name(queue_name)), namespace)}:schedule"
 
 
-def queue_withdrawn(queue_name: str, namespace: str = NAMESPACE) -> str:
+def queue_withdrawn(queue_name: str, namespace: str | None = None) -> str:
     """Set (kumiko's, beside Dramatiq's layout): redis ids still in the queue's list or its
     suspects list whose message was cancelled while it waited (``cancel`` deletes its body
     instead of searching the list); the fetch that meets one drops it silently, and counts of
@@ -454,34 +495,34 @@ def queue_withdrawn(queue_name: str, namespace: str = NAMESPACE) -> str:
     return f"{queue_list(queue_name, namespace)}:withdrawn"
 
 
-def queue_order(queue_name: str, namespace: str = NAMESPACE) -> str:
+def queue_order(queue_name: str, namespace: str | None = None) -> str:
     """Sorted set (kumiko's, beside Dramatiq's layout): the priority levels ("0".."9", scored
     by level) that have messages with a route waiting (``lua/include/route.lua``)."""
     return f"{queue_list(queue_name, namespace)}:order"
 
 
-def queue_levels(queue_name: str, namespace: str = NAMESPACE) -> str:
+def queue_levels(queue_name: str, namespace: str | None = None) -> str:
     """Hash: priority level -> how many redis ids wait in the lists of the queue's order
     (ids that ``cancel`` withdrew included until a claim meets them, as on the queue's list)."""
     return f"{queue_list(queue_name, namespace)}:levels"
 
 
-def queue_ring(queue_name: str, level: int | str, namespace: str = NAMESPACE) -> str:
+def queue_ring(queue_name: str, level: int | str, namespace: str | None = None) -> str:
     """List: the fair key digests of ``level`` with messages waiting, in turn order."""
     return f"{queue_list(queue_name, namespace)}:ring:{level}"
 
 
-def queue_at(queue_name: str, level: int | str, digest: str, namespace: str = NAMESPACE) -> str:
+def queue_at(queue_name: str, level: int | str, digest: str, namespace: str | None = None) -> str:
     """List: the redis ids waiting at ``level`` under the fair key of ``digest``
     (:func:`~kumiko_dramatiq.codec.fair_digest`; "" for none), oldest first."""
     return f"{queue_list(queue_name, namespace)}:at:{level}:{digest}"
 
 
-def dead_letters(queue_name: str, namespace: str = NAMESPACE) -> str:
+def dead_letters(queue_name: str, namespace: str | None = None) -> str:
     """The sorted set of dead-lettered redis ids of ``queue_name`` (its ``.XQ``), by time."""
-    return f"{namespace}:{q_name(queue_name)}.XQ"
+    return f"{namespace or _namespace_of(queue_name)}:{q_name(queue_name)}.XQ"
 
 
-def dead_letter_messages(queue_name: str, namespace: str = NAMESPACE) -> str:
+def dead_letter_messages(queue_name: str, namespace: str | None = None) -> str:
     """The hash redis id -> encoded message of ``queue_name``'s dead letters."""
     return f"{dead_letters(queue_name, namespace)}.msgs"

@@ -11,6 +11,10 @@ URL) is built (:mod:`kumiko_dramatiq.broker.connection`) from one of these URL f
                                                              the primary of ``NAME``, as Sentinel
                                                              reports it (sentinel port 26379
                                                              default)
+``redis+cluster://[[user]:password@]host[:port][,host[:port]...][/0][?options]``
+                                                             a Redis Cluster, found from any of
+                                                             these nodes (``rediss+cluster://``:
+                                                             TLS); database 0 only
 =========================================================== ====================================
 
 The user and password are those of the Redis data nodes (``AUTH user password``; percent-encode
@@ -33,6 +37,8 @@ here is refused (a typo never passes silently):
   certificate and its key are loaded once, so a key that does not match, or an encrypted
   key, is refused there, in one line, without prompting for a pass phrase (an encrypted key
   is not supported: no password in URLs beyond the user's);
+- ``rediss+cluster://`` also takes the TLS options; on a cluster, each dataset's connections
+  go to the primary that serves its slot (:mod:`kumiko_dramatiq.broker.cluster`);
 - ``redis+sentinel://`` only: ``master`` (required: the name Sentinel monitors),
   ``sentinel_username`` and ``sentinel_password`` (when the sentinels themselves require
   ``AUTH``; never shown in errors). TLS with Sentinel is not supported.
@@ -58,17 +64,22 @@ from typing import Any, Final
 from urllib.parse import parse_qs, unquote
 
 from redis.connection import (
+    SSLConnection,
     parse_url,
 )
 
 from kumiko_dramatiq.errors import JobConfigError, redact_url
 
 #: The schemes a kumiko Redis URL may have.
-SCHEMES: Final = ("redis", "rediss", "unix", "redis+sentinel")
+SCHEMES: Final = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster", "rediss+cluster")
 SENTINEL_SCHEME: Final = "redis+sentinel"
+#: The schemes of a Redis Cluster (plain TCP and TLS).
+CLUSTER_SCHEMES: Final = ("redis+cluster", "rediss+cluster")
 DEFAULT_PORT: Final = 6379
 DEFAULT_SENTINEL_PORT: Final = 26379
-_EXPECTED: Final = "must be a redis://, rediss://, unix:// or redis+sentinel:// URL"
+_EXPECTED: Final = (
+    "must be a redis://, rediss://, unix://, redis+sentinel:// or redis+cluster:// URL"
+)
 _BOOLEANS: Final = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 _CERT_REQS: Final = ("required", "optional", "none")
 
@@ -138,7 +149,7 @@ SECRET_OPTIONS: Final = frozenset({"sentinel_password"})
 
 
 def _options_for(scheme: str) -> Mapping[str, Callable[[str], Any]]:
-    if scheme == "rediss":
+    if scheme in ("rediss", "rediss+cluster"):
         return {**COMMON_OPTIONS, **TLS_OPTIONS}
     if scheme == SENTINEL_SCHEME:
         return {**COMMON_OPTIONS, **SENTINEL_OPTIONS}
@@ -156,6 +167,12 @@ class Target:
     sentinels: tuple[tuple[str, int], ...] = ()
     master: str | None = None
     sentinel_auth: Mapping[str, str] = field(default_factory=dict, repr=False)
+    #: a cluster's seed nodes (``redis+cluster://``), empty otherwise
+    nodes: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def is_cluster(self) -> bool:
+        return self.scheme in CLUSTER_SCHEMES
 
 
 class _Problem(Exception):
@@ -202,6 +219,8 @@ def _parse(url: Any) -> Target:
         )
     if scheme == SENTINEL_SCHEME:
         return _sentinel_target(netloc, options)
+    if scheme in CLUSTER_SCHEMES:
+        return _cluster_target(scheme, netloc, options)
     return _single_target(url, scheme, netloc, path, options)
 
 
@@ -329,6 +348,30 @@ def _port(host: str, default: int) -> tuple[str, int]:
     return unquote(name), int(text)
 
 
+def _credentials(credentials: str, connection: dict[str, Any]) -> None:
+    user, colon, password = credentials.partition(":")
+    if user:
+        connection["username"] = unquote(user)
+    if colon:
+        connection["password"] = unquote(password)
+
+
+def _cluster_target(scheme: str, netloc: str, options: dict[str, Any]) -> Target:
+    credentials, at, hosts = netloc.rpartition("@")
+    if not hosts:
+        raise _Problem("must list its nodes: redis+cluster://host:6379,host:6380/0")
+    nodes = tuple(_port(host, DEFAULT_PORT) for host in hosts.split(","))
+    if options.get("db", 0) != 0:
+        raise _Problem(f"names database {options['db']}: a Redis Cluster has database 0 only")
+    connection: dict[str, Any] = {**options, "db": 0}
+    if at:
+        _credentials(credentials, connection)
+    if scheme == "rediss+cluster":
+        _tls_defaults(connection)
+        connection["connection_class"] = SSLConnection
+    return Target(scheme=scheme, connection=connection, nodes=nodes)
+
+
 def _sentinel_target(netloc: str, options: dict[str, Any]) -> Target:
     credentials, at, hosts = netloc.rpartition("@")
     if not hosts:
@@ -346,11 +389,7 @@ def _sentinel_target(netloc: str, options: dict[str, Any]) -> Target:
         if name in connection
     }
     if at:
-        user, colon, password = credentials.partition(":")
-        if user:
-            connection["username"] = unquote(user)
-        if colon:
-            connection["password"] = unquote(password)
+        _credentials(credentials, connection)
     return Target(
         scheme=SENTINEL_SCHEME,
         connection=connection,

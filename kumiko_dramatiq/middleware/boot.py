@@ -51,6 +51,8 @@ from kumiko_dramatiq.broker.connection import client as redis_client
 from kumiko_dramatiq.broker.connection import describe
 from kumiko_dramatiq.broker.counts import backfill_counts
 from kumiko_dramatiq.broker.faults import kumiko_error
+from kumiko_dramatiq.broker.keys import ClusterPrefix
+from kumiko_dramatiq.broker.urls import parse as parse_url
 from kumiko_dramatiq.context import JobContext, JobMeta
 from kumiko_dramatiq.errors import (
     BootGateError,
@@ -247,7 +249,9 @@ def reset_boot_marker(
             None, "job_name", "must be a qualified job name 'feature:job:name'", job_name
         )
     if isinstance(redis_client_or_url, str):
-        client = redis_client(redis_client_or_url, timeout_s=10)
+        if parse_url(redis_client_or_url).is_cluster:
+            queue_prefix = ClusterPrefix(queue_prefix)
+        client = redis_client(redis_client_or_url, timeout_s=10, queue_prefix=queue_prefix)
         try:
             return _delete_boot_records(client, redis_client_or_url, queue_prefix, job_name)
         finally:

@@ -85,7 +85,7 @@ class LookupAdmin(AdminBase):
             )
         ]
         pipe = self.client.pipeline(transaction=False)
-        pipe.zrange(heartbeats(), 0, -1)
+        pipe.zrange(heartbeats(self.broker.namespace), 0, -1)
         for place, rid in places:
             pipe.hget(queue_messages(place), rid)
         workers, *bodies = pipe.execute()

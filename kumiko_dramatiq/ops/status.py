@@ -80,7 +80,7 @@ class StatusAdmin(AdminBase):
         workers = [p for p in processes if p.role == "worker"]
         paused = sorted(text(job) for job in self.client.smembers(keys.paused(self.prefix)))
         pipe = self.client.pipeline(transaction=False)
-        worker_ids = [text(w) for w in self.client.zrange(heartbeats(), 0, -1)]
+        worker_ids = [text(w) for w in self.client.zrange(heartbeats(self.broker.namespace), 0, -1)]
         for queue in self.lane_queues:
             pipe.hgetall(keys.queue_levels(queue))
         for queue in self.lane_queues:
