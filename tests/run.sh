@@ -29,6 +29,7 @@ if ! redis_answers "$KUMIKO_TEST_REDIS_URL"; then
 fi
 
 command -v redis-sentinel >/dev/null 2>&1 || apt_install redis-sentinel
+command -v redis-cli >/dev/null 2>&1 || apt_install redis-tools
 command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 \
     || apt_install chromium chromium-driver
 
