@@ -32,6 +32,7 @@ VARIABLES: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
     "KUMIKO_HISTORY_CAP": ("history_cap", int),
     "KUMIKO_IDEMPOTENCY_TTL_S": ("idempotency_ttl_s", int),
     "KUMIKO_METRICS_PORT": ("metrics_port", int),
+    "KUMIKO_SHARDS": ("shards", int),
 }
 
 

@@ -16,8 +16,9 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, cast
 
 import redis
 from dramatiq.message import Message
@@ -75,7 +76,11 @@ from kumiko_dramatiq.payloads import event_payload, payload_to_enqueue
 from kumiko_dramatiq.registry import JobDefinition, Registry
 from kumiko_dramatiq.scheduler import Scheduler
 from kumiko_dramatiq.schedules import Schedules
-from kumiko_dramatiq.settings import UNSET, Unset
+from kumiko_dramatiq.settings import UNSET, Settings, Unset
+from kumiko_dramatiq.shards.admin import ShardedAdmin, ShardedHistory
+from kumiko_dramatiq.shards.fleet import Fleet
+from kumiko_dramatiq.shards.routing import new_id_in, shard_prefix
+from kumiko_dramatiq.shards.schedules import ShardedSchedules
 from kumiko_dramatiq.worker.actors import declare_actors
 from kumiko_dramatiq.worker.execution import KumikoMessages
 from kumiko_dramatiq.worker.logs import install_log_filter
@@ -93,6 +98,54 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+@dataclass(frozen=True)
+class Many:
+    """The checked arguments of one ``dispatch_many``: one body (and key) per message."""
+
+    job: JobDefinition
+    bodies: list[dict[str, Any]]
+    delay_ms: int | None
+    priority: int | None
+    fair_key: str | None
+    dedup_keys: list[str] | None
+    idempotency_keys: list[str] | None
+
+    def key(self, index: int) -> str | None:
+        """The dedup or idempotency key of message ``index``, if it has one."""
+        given = self.dedup_keys if self.dedup_keys is not None else self.idempotency_keys
+        return None if given is None else given[index]
+
+    def part(self, indexes: Sequence[int]) -> Many:
+        """The same call for the messages at ``indexes`` only."""
+
+        def pick(values: list[str] | None) -> list[str] | None:
+            return None if values is None else [values[i] for i in indexes]
+
+        return replace(
+            self,
+            bodies=[self.bodies[i] for i in indexes],
+            dedup_keys=pick(self.dedup_keys),
+            idempotency_keys=pick(self.idempotency_keys),
+        )
+
+
+def _fronted(
+    method: Callable[Concatenate[JobRunner, P], R],
+) -> Callable[Concatenate[JobRunner, P], R]:
+    """A ``JobRunner`` method that, on a dataset of several shards, is its
+    :class:`~kumiko_dramatiq.shards.fleet.Fleet`'s method of the same name (which routes the
+    call to a shard, or makes it on each and merges the answers)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self: JobRunner, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        if self._fleet is None:
+            return method(self, *args, **kwargs)
+        return cast(R, getattr(self._fleet, name)(*args, **kwargs))
+
+    return call
+
+
 def _reads_admin(
     method: Callable[Concatenate[Admin, P], R], action: str, doc: str
 ) -> Callable[Concatenate[JobRunner, P], R]:
@@ -107,6 +160,8 @@ def _reads_admin(
             self._job(job)  # type: ignore[arg-type]
         if "limit" in kwargs:
             _check_limit(kwargs["limit"], MAX_LISTED)
+        if self._fleet is not None:
+            return cast(R, getattr(self._fleet, method.__name__)(*args, **kwargs))
         with self._redis(action):
             return method(self.admin, *args, **kwargs)
 
@@ -152,6 +207,7 @@ class JobRunner:
         record_payloads: bool | Unset = UNSET,
         metrics_port: int | Unset | None = UNSET,
         idempotency_ttl_s: int | Unset = UNSET,
+        shards: int | Unset = UNSET,
     ) -> None:
         if not isinstance(registry, Registry):
             raise JobConfigError(None, "registry", "must be a Registry", registry)
@@ -177,6 +233,7 @@ class JobRunner:
                 "record_payloads": record_payloads,
                 "metrics_port": metrics_port,
                 "idempotency_ttl_s": idempotency_ttl_s,
+                "shards": shards,
             }
         )
         for name, hook in (
@@ -190,13 +247,59 @@ class JobRunner:
         _check_retention_covers_retries(registry, settings.retention)
 
         install_log_filter()
+        hooks = HookSet(on_job_start, on_job_complete, on_job_failed)
+        #: the runners of the dataset's shards, when it has more than one (``shards=N``)
+        self._fleet: Fleet | None = None
+        if settings.shards == 1:
+            self._assemble(registry, settings, context, hooks, get_active_tenant_ids)
+            return
+        runners = [
+            JobRunner._of_shard(
+                registry,
+                replace(settings, queue_prefix=shard_prefix(settings.queue_prefix, i), shard=i),
+                context,
+                hooks,
+                get_active_tenant_ids,
+            )
+            for i in range(settings.shards)
+        ]
+        # What this runner does not route over the shards (its broker, its registry, the
+        # reads that are shard 0's: ``history``, ``admin``, ``schedules``) is shard 0's.
+        self.__dict__.update(runners[0].__dict__)
+        self._fleet = Fleet(runners)
+
+    @classmethod
+    def _of_shard(
+        cls,
+        registry: Registry,
+        settings: Settings,
+        context: Any,
+        hooks: HookSet,
+        get_active_tenant_ids: TenantResolver | None,
+    ) -> JobRunner:
+        """The runner of one of the other shards of a dataset (:mod:`kumiko_dramatiq.shards`):
+        a runner of its own, fronted by the runner of shard 0."""
+        runner = cls.__new__(cls)
+        runner._fleet = None
+        runner._assemble(registry, settings, context, hooks, get_active_tenant_ids)
+        return runner
+
+    def _assemble(
+        self,
+        registry: Registry,
+        settings: Settings,
+        context: Any,
+        hooks: HookSet,
+        get_active_tenant_ids: TenantResolver | None,
+    ) -> None:
+        """Build the runner of one shard from its checked settings."""
         self.registry = registry
         self.settings = settings
         self.runtime = Runtime(
             registry=registry,
             settings=settings,
             app=context,
-            hooks=HookSet(on_job_start, on_job_complete, on_job_failed),
+            hooks=hooks,
             get_active_tenant_ids=get_active_tenant_ids,
         )
         dedup = Dedup(self.runtime)
@@ -211,6 +314,7 @@ class JobRunner:
             settings.lane,
             settings.heartbeat_timeout_ms,
             deferred=self.runtime.deferred,
+            shards=settings.shards,
         )
         self.broker = KumikoBroker(
             middleware=build_middleware(self.runtime, dedup, presence),
@@ -272,7 +376,15 @@ class JobRunner:
     def boot_redis_timeout_ms(self) -> int:
         return self.settings.boot_redis_timeout_ms
 
+    @property
+    def shard_runners(self) -> tuple[JobRunner, ...]:
+        """The runner of each shard of the dataset, shard 0 first (``shards=N``): each a
+        whole runner over its own slot (:mod:`kumiko_dramatiq.shards`); this runner alone
+        when the dataset has one shard."""
+        return (self,) if self._fleet is None else self._fleet.shards
+
     # -- producing --------------------------------------------------------
+    @_fronted
     def dispatch(
         self,
         job_name: str,
@@ -369,10 +481,12 @@ class JobRunner:
             body,
             queue_prefix=self.queue_prefix,
             trigger="manual",
+            message_id=self._new_id(),
             priority=priority,
             fair_key=fair_key,
         )
 
+    @_fronted
     def dispatch_many(
         self,
         job_name: str,
@@ -396,6 +510,30 @@ class JobRunner:
         stands for its first message; a live key's id comes back as in ``dispatch``).
         ``priority`` and ``fair_key``: as ``dispatch``'s, for every message.
         """
+        return self._enqueue_many(
+            self._checked_many(
+                job_name,
+                payloads,
+                dedup_keys=dedup_keys,
+                delay_ms=delay_ms,
+                idempotency_keys=idempotency_keys,
+                priority=priority,
+                fair_key=fair_key,
+            )
+        )
+
+    def _checked_many(
+        self,
+        job_name: str,
+        payloads: Iterable[dict[str, Any] | BaseModel | None],
+        *,
+        dedup_keys: Iterable[str] | None,
+        delay_ms: int | None,
+        idempotency_keys: Iterable[str] | None,
+        priority: int | None,
+        fair_key: str | None,
+    ) -> Many:
+        """The arguments of :meth:`dispatch_many`, every one checked; nothing is enqueued."""
         job = self._job(job_name)
         name = job.qualified_name
         max_bytes = self.settings.max_payload_bytes
@@ -430,6 +568,14 @@ class JobRunner:
                 )
             if keyed is not None:
                 raise PayloadError(name, "idempotency_keys", "cannot go with dedup_keys")
+        return Many(job, bodies, delay_ms, priority, fair_key, keyed, idempotent)
+
+    def _enqueue_many(self, many: Many) -> list[str]:
+        """Enqueue what :meth:`_checked_many` checked, in batches; the message ids, in order."""
+        job, bodies, delay_ms = many.job, many.bodies, many.delay_ms
+        priority, fair_key = many.priority, many.fair_key
+        keyed, idempotent = many.dedup_keys, many.idempotency_keys
+        name = job.qualified_name
         ids: list[str] = []
         with self._redis("dispatching " + name):
             for start in range(0, len(bodies), DISPATCH_BATCH):
@@ -462,6 +608,7 @@ class JobRunner:
                 ids += [str(message.message_id) for message in messages]
         return ids
 
+    @_fronted
     def handle_event(
         self, event_name: str, payload: dict[str, Any] | BaseModel | None = None
     ) -> list[str]:
@@ -474,6 +621,16 @@ class JobRunner:
         job enqueues its model's dump, a keyed job goes through its dedup key. An event no
         job listens to returns ``[]``.
         """
+        return [
+            self._enqueue_event(event_name, job, body, dedup_key)
+            for job, body, dedup_key in self._event_parts(event_name, payload)
+        ]
+
+    def _event_parts(
+        self, event_name: str, payload: dict[str, Any] | BaseModel | None
+    ) -> list[tuple[JobDefinition, dict[str, Any], str | None]]:
+        """Every job ``event_name`` starts, with its checked body and dedup key (see
+        :meth:`handle_event`); nothing is enqueued."""
         jobs = self.registry.jobs_for_event(event_name)
         if not jobs:
             return []
@@ -485,30 +642,37 @@ class JobRunner:
             else payload_to_enqueue(job, body, max_bytes=max_bytes)
             for job in jobs
         ]
-        dedup_keys = event_dedup_keys(jobs, body)
-        ids: list[str] = []
-        for job, job_body, dedup_key in zip(jobs, bodies, dedup_keys, strict=True):
-            with self._redis(f"handling event {event_name}"):
-                if dedup_key is not None:
-                    ids.append(
-                        dispatch_with_key(
-                            self.runtime, job, job_body, dedup_key, trigger="event", delay_ms=None
-                        )
-                    )
-                    continue
-                message = build_message(
-                    job, job_body, queue_prefix=self.queue_prefix, trigger="event"
+        return list(zip(jobs, bodies, event_dedup_keys(jobs, body), strict=True))
+
+    def _enqueue_event(
+        self, event_name: str, job: JobDefinition, body: dict[str, Any], dedup_key: str | None
+    ) -> str:
+        """Enqueue the run of ``job`` that ``event_name`` starts (checked parts); its id."""
+        with self._redis(f"handling event {event_name}"):
+            if dedup_key is not None:
+                return dispatch_with_key(
+                    self.runtime, job, body, dedup_key, trigger="event", delay_ms=None
                 )
-                self.broker.enqueue(message)
-            ids.append(str(message.message_id))
-        return ids
+            message = build_message(
+                job,
+                body,
+                queue_prefix=self.queue_prefix,
+                trigger="event",
+                message_id=self._new_id(),
+            )
+            self.broker.enqueue(message)
+        return str(message.message_id)
 
     # -- run history ------------------------------------------------------
     @property
     def history(self) -> RunHistory:
-        """Queries over this dataset's run history (no connection until used)."""
+        """Queries over this dataset's run history (no connection until used; every
+        shard's, on several)."""
+        if self._fleet is not None:
+            return ShardedHistory([shard.history for shard in self._fleet.shards])
         return RunHistory(self.broker.client, self.broker.lua, self.queue_prefix)
 
+    @_fronted
     def runs(
         self,
         job: str | None = None,
@@ -550,6 +714,7 @@ class JobRunner:
                 limit=limit,
             )
 
+    @_fronted
     def stats(self, job: str | None = None, *, hours: int = 24) -> list[JobStats]:
         """Per job and hour (UTC), newest hour first, hours with no attempt left out: attempts
         completed, failed (and retried), dead and cancelled, and the p50 and p95 duration of
@@ -564,12 +729,14 @@ class JobRunner:
         with self._redis("reading the job stats"):
             return read_stats(self.broker.client, self.queue_prefix, jobs, hours, datetime.now(UTC))
 
+    @_fronted
     def run_record(self, message_id: str) -> list[JobRun]:
         """Every recorded attempt of ``message_id``, oldest first."""
         _check_message_id(message_id)
         with self._redis("reading the run history"):
             return self.history.run_record(message_id)
 
+    @_fronted
     def drain(self, timeout_s: float = 30) -> list[JobRun]:
         """Wait until nothing of this dataset is queued, delayed, backing off or running (both
         lanes, any worker), then return the runs that ended since the previous ``drain`` (the
@@ -582,7 +749,10 @@ class JobRunner:
     @functools.cached_property
     def schedules(self) -> Schedules:
         """The dataset's schedules: runtime ones (``upsert``, ``get``, ``list``, ``pause``,
-        ``resume``, ``remove``, ``trigger``) and the code-declared cron jobs beside them."""
+        ``resume``, ``remove``, ``trigger``) and the code-declared cron jobs beside them (on
+        several shards: each in the shard of its job, :mod:`kumiko_dramatiq.shards.schedules`)."""
+        if self._fleet is not None:
+            return ShardedSchedules([shard.schedules for shard in self._fleet.shards])
         return Schedules(
             self.broker,
             self.registry,
@@ -596,6 +766,7 @@ class JobRunner:
         """The reads of kept results over this runner's dataset (``result`` uses it)."""
         return Results(self.broker.client, self.queue_prefix, self.registry, lambda: self.admin)
 
+    @_fronted
     def result(self, message_id: str, *, timeout_s: float = 0) -> Any:
         """What the completed run of ``message_id`` returned, kept by its job's
         ``keep_result_s`` (a model instance when the handler's return annotation is one).
@@ -612,6 +783,7 @@ class JobRunner:
             return self.results.result(message_id, timeout_s=timeout_s)
 
     # -- batches and chains (see kumiko_dramatiq.workflows.batches) ----------
+    @_fronted
     def dispatch_batch(
         self,
         items: Sequence[Item],
@@ -642,6 +814,7 @@ class JobRunner:
                 priority=priority,
             )
 
+    @_fronted
     def dispatch_chain(
         self,
         steps: Sequence[Item | Sequence[Item]],
@@ -659,12 +832,14 @@ class JobRunner:
                 steps, idempotency_key=idempotency_key, priority=priority
             )
 
+    @_fronted
     def batch(self, batch_id: str) -> BatchStatus:
         """The state and counts of a batch or chain; ``NotFoundError`` for an unknown id."""
         _check_message_id(batch_id)
         with self._redis("reading a batch"):
             return self.runtime.batches.status(batch_id)
 
+    @_fronted
     def batches(self, *, state: str | None = None, limit: int = 100) -> list[BatchStatus]:
         """Batches and chains, newest first, at most ``limit``, those in ``state`` if given
         (``running``, ``succeeded``, ``failed``, ``cancelled``)."""
@@ -674,6 +849,7 @@ class JobRunner:
         with self._redis("reading the batches"):
             return self.runtime.batches.listed(state=state, limit=limit)
 
+    @_fronted
     def cancel_batch(self, batch_id: str) -> int:
         """Cancel a batch or chain: children not started never start (returns how many),
         running ones end as they do; it ends ``cancelled``: ``on_complete`` still runs,
@@ -695,7 +871,10 @@ class JobRunner:
     # -- operating (see kumiko_dramatiq.ops.admin) ----------------------------
     @property
     def admin(self) -> Admin:
-        """The admin API over this runner's dataset (no connection until used)."""
+        """The admin API over this runner's dataset (no connection until used; over every
+        shard, on several: :mod:`kumiko_dramatiq.shards.admin`)."""
+        if self._fleet is not None:
+            return ShardedAdmin([shard.admin for shard in self._fleet.shards])
         return Admin(self.broker, self.registry, self.settings)
 
     # Reads straight off the admin API: each checks a ``job`` argument it is given (an
@@ -742,6 +921,7 @@ class JobRunner:
         "Live dedup keys (at most ``limit``), by job, newest first.",
     )
 
+    @_fronted
     def retry_dead(self, message_id: str) -> str | Literal[False]:
         """Re-enqueue dead letter ``message_id`` with a fresh attempt budget (one atomic step
         with its removal from the dead letters); return the id that will run. ``False`` when
@@ -756,6 +936,7 @@ class JobRunner:
             raise NotFoundError(f"message {message_id} is not a dead letter")
         return new_id
 
+    @_fronted
     def delete_dead(self, message_id: str) -> bool:
         """Discard dead letter ``message_id``: ``True``; ``False`` when the message is known
         but not a dead letter; raises :class:`NotFoundError` when there is no trace of it."""
@@ -767,6 +948,7 @@ class JobRunner:
                 return False
         raise NotFoundError(f"message {message_id} is not a dead letter")
 
+    @_fronted
     def purge(self, job: str, *, state: str = "queued", dry_run: bool = False) -> int:
         """Remove ``job``'s messages in ``state`` (``"queued"``, ``"delayed"``, ``"parked"``
         or ``"dead"``) in bounded steps; return how many (with ``dry_run``: how many there
@@ -781,6 +963,7 @@ class JobRunner:
                 self.results.announce(EVERY_RESULT)  # result waiters look again
             return purged
 
+    @_fronted
     def cancel(self, message_id: str) -> bool:
         """Make sure ``message_id`` never starts if it has not: ``True`` if it was queued,
         delayed, waiting out a backoff or a lock, or parked; ``False`` (nothing changed) if it
@@ -799,6 +982,7 @@ class JobRunner:
             )
         return cancelled
 
+    @_fronted
     def queued(
         self,
         job: str | None = None,
@@ -820,6 +1004,7 @@ class JobRunner:
         with self._redis("reading the waiting messages"):
             return self.admin.queued(job, state=state, limit=limit, after=after)
 
+    @_fronted
     def job_state(self, message_id: str) -> str:
         """Where ``message_id`` is in its life: ``"queued"``, ``"delayed"`` (also backing off
         before a retry), ``"parked"`` (its job is paused), ``"running"``, ``"completed"``,
@@ -829,6 +1014,7 @@ class JobRunner:
         with self._redis("reading a message's state"):
             return self.admin.job_state(message_id)
 
+    @_fronted
     def run_now(self, message_id: str) -> bool:
         """Queue a delayed or backing-off message now, same id and attempt: ``True``;
         ``False`` when it is not delayed; raises :class:`NotFoundError` when no message of
@@ -842,6 +1028,7 @@ class JobRunner:
             )
         return moved
 
+    @_fronted
     def stop_run(self, message_id: str) -> bool:
         """Ask the running attempt of ``message_id`` to stop: within about a second
         ``ctx.stop_requested`` is true and the handler is interrupted (a sync one as by a
@@ -858,12 +1045,14 @@ class JobRunner:
             )
         return asked
 
+    @_fronted
     def pause(self, job: str) -> None:
         """Hold ``job``'s messages back (kept, never run) on every worker until :meth:`resume`."""
         definition = self._job(job)
         with self._redis("pausing a job"):
             self.admin.pause(definition)
 
+    @_fronted
     def resume(self, job: str) -> None:
         """Let a paused job run again; its held-back messages go first."""
         definition = self._job(job)
@@ -871,8 +1060,13 @@ class JobRunner:
             self.admin.resume(definition)
 
     # -- consuming --------------------------------------------------------
+    @_fronted
     def start(self) -> None:
-        """Boot gates, boot-once enqueue, then consume this runner's lane."""
+        """Boot gates, boot-once enqueue, then consume this runner's lane (on a dataset of
+        several shards: of every shard)."""
+        self._start(self.worker_threads)
+
+    def _start(self, worker_threads: int) -> None:
         if self._started:
             raise RuntimeError("this JobRunner was started already; build a new one")
         self._check_can_consume()
@@ -889,7 +1083,7 @@ class JobRunner:
         self._worker = Worker(
             self.broker,
             queues={self.runtime.queue_name},
-            worker_threads=self.worker_threads,
+            worker_threads=worker_threads,
             worker_timeout=self.settings.idle_wait_ms,
         )
         self._worker.start()
@@ -899,20 +1093,26 @@ class JobRunner:
                 self.registry,
                 retention=self.retention,
                 max_payload_bytes=self.settings.max_payload_bytes,
+                shard=(self.settings.shard, self.settings.shards),
             )
             self._scheduler.start()
         logger.info(
-            "kumiko runner consuming %s (%d threads)", self.runtime.queue_name, self.worker_threads
+            "kumiko runner consuming %s (%d threads)", self.runtime.queue_name, worker_threads
         )
 
     def stop(self, timeout_s: float = 30) -> None:
-        """Stop consuming, wait up to ``timeout_s`` for running handlers, close.
+        """Stop consuming, wait up to ``timeout_s`` for running handlers, close (every
+        shard's).
 
         Idempotent; safe on a runner that never started.
         """
         if self._stopped:
             return
         self._stopped = True
+        if self._fleet is not None:
+            self._fleet.stop(timeout_s)
+            self._close_own()
+            return
         scheduler, self._scheduler = self._scheduler, None
         if scheduler is not None:
             scheduler.stop()
@@ -927,6 +1127,7 @@ class JobRunner:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
+    @_fronted
     def check_redis(self) -> None:
         """Wait for Redis (:meth:`wait_for_redis`), then check that it lets this runner do
         everything kumiko needs (``RedisAccessError``, one line naming what is refused:
@@ -1008,6 +1209,11 @@ class JobRunner:
             await self.aio.aclose()
 
     # -- internals --------------------------------------------------------
+    def _new_id(self) -> str:
+        """A new message id, one that names this runner's shard
+        (:func:`~kumiko_dramatiq.shards.routing.new_id_in`)."""
+        return new_id_in(self.settings.shard, self.settings.shards)
+
     def _job(self, job_name: str) -> JobDefinition:
         try:
             return self.registry.jobs[job_name]
@@ -1021,6 +1227,14 @@ class JobRunner:
         except redis.RedisError as exc:
             raise kumiko_error(self.redis_url, action, exc) from exc
 
+    def _close_own(self) -> None:
+        """Close what this runner object opened itself (its result listener, its asyncio
+        clients); the broker is its shard's."""
+        if "results" in self.__dict__:
+            self.results.close()
+        if "aio" in self.__dict__:
+            self.aio.close()
+
     def _middleware(self, kind: type[Any]) -> Any:
         for middleware in self.broker.middleware:
             if isinstance(middleware, kind):
@@ -1032,10 +1246,7 @@ class JobRunner:
         check_lane_can_run(self.runtime)
 
     def _close(self) -> None:
-        if "results" in self.__dict__:
-            self.results.close()
-        if "aio" in self.__dict__:
-            self.aio.close()
+        self._close_own()
         self.runtime.loop.stop()
         self.broker.close()
 

@@ -29,6 +29,7 @@ setting                          variable                       default
 ``timeout_check_ms``                                            1 000
 ``retention``                                                   ``Retention()``
 ``run_scheduler``                                               ``False``
+``shards``                       ``KUMIKO_SHARDS``              1 (from 1 to 64)
 ================================ ============================== ===============================
 """
 
@@ -53,6 +54,9 @@ from kumiko_dramatiq.limits import (
 from kumiko_dramatiq.options import LANES, Lane, Retention, lane_queue
 
 #: What a queue prefix must match (it becomes part of queue names and Redis keys).
+#: The most shards a dataset may be spread over.
+MAX_SHARDS: Final = 64
+
 PREFIX_PATTERN: Final = re.compile(r"[A-Za-z_][A-Za-z0-9._-]*")
 
 #: Below this a lease renewer (every TTL/3) would approach a busy loop.
@@ -112,6 +116,13 @@ class Settings:
     timeout_check_ms: int = 1_000
     retention: Retention = field(default_factory=Retention)
     run_scheduler: bool = False
+    #: How many slots the dataset is spread over (:mod:`kumiko_dramatiq.shards`); every
+    #: process of a dataset uses the same number (checked at start).
+    shards: int = 1
+    #: Which of them this runner serves: set by ``JobRunner`` for the runners of shards 1 to
+    #: ``shards - 1`` it builds (their queue prefix is :func:`~kumiko_dramatiq.shards.routing.
+    #: shard_prefix`), never by hand.
+    shard: int = 0
 
     def __post_init__(self) -> None:
         problem = redis_url_problem(self.redis_url)
@@ -173,6 +184,18 @@ class Settings:
             "metrics_port",
             "must be a port number from 1 to 65535, or None",
             self.metrics_port,
+        )
+        _check(
+            is_strict_int(self.shards) and 0 < self.shards <= MAX_SHARDS,
+            "shards",
+            f"must be an integer from 1 to {MAX_SHARDS}",
+            self.shards,
+        )
+        _check(
+            is_strict_int(self.shard) and 0 <= self.shard < self.shards,
+            "shard",
+            f"must be an integer from 0 to {self.shards - 1}",
+            self.shard,
         )
         _check(
             isinstance(self.run_scheduler, bool),

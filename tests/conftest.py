@@ -60,11 +60,15 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
 
 
 def delete_prefix(client: redis.Redis, prefix: str) -> None:
-    """Delete every key of queue prefix ``prefix``: kumiko's and Dramatiq's."""
+    """Delete every key of queue prefix ``prefix``, kumiko's and Dramatiq's, and of the
+    other shards of its dataset (``{prefix}.shard{i}``, ``shards=N``)."""
     for pattern in (
         f"kumiko:{prefix}:*",
         f"dramatiq:{prefix}-*",
         f"dramatiq:__acks__.*.{prefix}-*",
+        f"kumiko:{prefix}.shard*",
+        f"dramatiq:{prefix}.shard*",
+        f"dramatiq:__acks__.*.{prefix}.shard*",
     ):
         batch = list(client.scan_iter(match=pattern, count=1000))
         if batch:

@@ -67,6 +67,7 @@ from kumiko_dramatiq.options import retry_delay_ms
 from kumiko_dramatiq.payloads import empty_payload, load_payload
 from kumiko_dramatiq.registry import QUALIFIED_NAME_RE, JobDefinition, Registry
 from kumiko_dramatiq.settings import PREFIX_PATTERN
+from kumiko_dramatiq.shards.routing import pinned_shard
 from kumiko_dramatiq.worker.runtime import Runtime
 
 logger = logging.getLogger("kumiko_dramatiq")
@@ -354,7 +355,8 @@ class Boot(Middleware):
             raise SystemExit(BOOT_FAILED_EXIT_STATUS) from exc
 
     def run(self, broker: Broker) -> None:
-        """Run the lane's boot gates, then enqueue its boot-once jobs.
+        """Run the lane's boot gates, then enqueue its boot-once jobs (on a dataset of
+        several shards: the gates on shard 0, each boot-once job on its own shard).
 
         Raises ``BootGateError`` (gates) or ``RedisUnavailableError``.
         """
@@ -370,10 +372,13 @@ class Boot(Middleware):
                 self.runtime.queue_name,
                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
             )
-        for gate in boot_gates(self.runtime.registry, self.runtime.lane):
-            run_gate(self.runtime, gate)
+        settings = self.runtime.settings
+        if settings.shard == 0:  # once per process, also when it consumes several shards
+            for gate in boot_gates(self.runtime.registry, self.runtime.lane):
+                run_gate(self.runtime, gate)
         for job in boot_once_jobs(self.runtime.registry, self.runtime.lane):
-            self._enqueue_once(job)
+            if pinned_shard(job, settings.shards) == settings.shard:  # the job's shard
+                self._enqueue_once(job)
 
     def _enqueue_once(self, job: JobDefinition) -> None:
         runtime = self.runtime

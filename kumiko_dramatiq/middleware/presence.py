@@ -89,6 +89,8 @@ class ProcessInfo:
     #: it has not refreshed its liveness for longer than :func:`stale_after_ms` (it is alive,
     #: its record has not expired, but Redis does not hear from it)
     stale: bool = False
+    #: how many shards its runner spreads the dataset over (``shards``)
+    shards: int = 1
 
     @property
     def healthy(self) -> bool:
@@ -146,6 +148,7 @@ class Registration:
         lane: str | None,
         ttl_ms: int,
         health: Callable[[], dict[str, Any]] | None = None,
+        shards: int = 1,
     ) -> None:
         self.client = client
         self.queue_prefix = queue_prefix
@@ -161,6 +164,7 @@ class Registration:
             "version": _version(),
             "started_at": int(time.time() * 1000),
             "ttl_ms": ttl_ms,
+            "shards": shards,
         }
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -278,6 +282,7 @@ def live_processes(client: redis.Redis, queue_prefix: str) -> list[ProcessInfo]:
                 issues=tuple(str(i) for i in issues) if isinstance(issues, list) else (),
                 consumers_down=int(data.get("consumers_down") or 0),
                 stale=stale,
+                shards=int(data.get("shards") or 1),
             )
         )
     return sorted(found, key=lambda info: (info.role, info.started_at))
@@ -306,12 +311,14 @@ class Presence(Middleware):
         lane: str,
         ttl_ms: int,
         deferred: Deferred | None = None,
+        shards: int = 1,
     ) -> None:
         self.client = client
         self.queue_prefix = queue_prefix
         self.lane = lane
         self.ttl_ms = ttl_ms
         self.deferred = deferred
+        self.shards = shards
         self._registration: Registration | None = None
         self._supervisor: Supervisor | None = None
 
@@ -337,6 +344,7 @@ class Presence(Middleware):
             lane=self.lane,
             ttl_ms=self.ttl_ms,
             health=supervisor.health,
+            shards=self.shards,
         )
         registration.start()
         self._registration = registration

@@ -83,13 +83,14 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any, Final, NoReturn
 
 import dramatiq
 import redis
 from pydantic import BaseModel
 
 import kumiko_dramatiq
+from kumiko_dramatiq.broker.connection import describe
 from kumiko_dramatiq.environment import DASHBOARD_TOKEN, dashboard_token
 from kumiko_dramatiq.errors import (
     AppLoadError,
@@ -108,6 +109,7 @@ from kumiko_dramatiq.middleware.metrics import serving
 from kumiko_dramatiq.ops.admin import COUNT_STATES
 from kumiko_dramatiq.ops.history import STATUSES, JobRun
 from kumiko_dramatiq.ops.order import LEVELS, waiting_by_priority
+from kumiko_dramatiq.ops.status import Status
 from kumiko_dramatiq.ops.terminal import indented, parse_when, table, without_frames_of
 from kumiko_dramatiq.ops.waiting import WAITING_STATES, QueuedMessage
 from kumiko_dramatiq.progress import progress_label
@@ -397,12 +399,29 @@ def _status(runner: JobRunner, args: argparse.Namespace) -> Result:
     )
     paused = ", ".join(status.paused) or "none"
     text = f"{lanes}\n\n{procs or 'no live worker or scheduler'}\n\npaused jobs: {paused}"
+    if status.shards:
+        text += "\n\n" + _shards_text(runner, status.shards)
     text += "\n\n" + _problems_text(status.problems)
     code = EXIT_OK
     if args.check and status.problems:
         code = EXIT_NOTHING
         sys.stderr.write(f"kumiko status: {len(status.problems)} problem(s)\n")
     return status.to_json(), text, code
+
+
+def _shards_text(runner: JobRunner, shards: Sequence[Status]) -> str:
+    """Each shard of ``kumiko status``: its queue prefix, where it lives, its counts."""
+    rows = []
+    for n, (shard, status) in enumerate(zip(runner.shard_runners, shards, strict=True)):
+        totals = [sum(getattr(lane, state) for lane in status.lanes) for state in _COUNTED]
+        rows.append([n, shard.queue_prefix, describe(shard.broker.client), *totals])
+        rows[-1].append(len(status.workers))
+    return "shards:\n" + table(
+        ["shard", "prefix", "redis", *_COUNTED, "workers"], rows, cuttable=("redis",)
+    )
+
+
+_COUNTED: Final = ("queued", "delayed", "running", "dead", "parked")
 
 
 def _problems_text(problems: Sequence[str]) -> str:
@@ -1056,19 +1075,25 @@ def scheduler_main() -> int:
         except (RedisUnavailableError, RedisAccessError) as exc:
             print(f"kumiko-scheduler: {_one_line(exc)}", file=sys.stderr)
             return EXIT_REDIS
-        scheduler = Scheduler(
-            runner.broker,
-            runner.registry,
-            retention=runner.retention,
-            max_payload_bytes=runner.settings.max_payload_bytes,
-        )
+        schedulers = [  # one per shard: each ticks the cron jobs that live in it
+            Scheduler(
+                shard.broker,
+                shard.registry,
+                retention=shard.retention,
+                max_payload_bytes=shard.settings.max_payload_bytes,
+                shard=(shard.settings.shard, shard.settings.shards),
+            )
+            for shard in runner.shard_runners
+        ]
         with serving(runner.broker, scheduler=True):  # KUMIKO_METRICS_PORT, if set
-            scheduler.start()
+            for scheduler in schedulers:
+                scheduler.start()
             try:
                 while not stopping.wait(timeout=3600):
                     pass
             finally:
-                scheduler.stop()
+                for scheduler in schedulers:
+                    scheduler.stop()
     finally:
         runner.stop()
         for sig, handler in previous.items():

@@ -65,6 +65,26 @@ DeadCursor = tuple[float, str]
 DEAD_LIST_PAGES = 20
 
 
+def dead_page(
+    found: list[tuple[DeadCursor, DeadLetter]], floors: list[DeadCursor], limit: int
+) -> tuple[list[DeadLetter], DeadCursor | None]:
+    """One page of what several sources read (:meth:`DeadAdmin.dead_letters_read`: the lanes
+    of a dataset, or those of its shards), newest first, and the cursor of the next page."""
+    # A source that stopped early has unread letters below its floor, which may outrank
+    # what other sources found there: keep only what is complete.
+    floor = max(floors, default=None)
+    found = sorted(found, key=lambda item: item[0], reverse=True)
+    if floor is not None:
+        found = [item for item in found if item[0] >= floor]
+    page = found[:limit]
+    next_cursor: DeadCursor | None = None
+    if len(found) > limit or (page and len(found) == limit and floor is not None):
+        next_cursor = page[-1][0]
+    elif floor is not None:
+        next_cursor = floor
+    return [letter for _, letter in page], next_cursor
+
+
 class DeadAdmin(LookupAdmin):
     """The dead letters: pages of them, retrying and discarding them."""
 
@@ -132,6 +152,15 @@ class DeadAdmin(LookupAdmin):
         several pages, some of them empty. Pages are ordered by (time, redis id): they neither
         repeat nor skip a letter, however many share a millisecond. With ``notes`` each letter
         carries its last error (one more round trip for the page)."""
+        found, floors = self.dead_letters_read(job, after=after, limit=limit, max_read=max_read)
+        letters, next_cursor = dead_page(found, floors, limit)
+        return (self._with_notes(letters) if notes else letters), next_cursor
+
+    def dead_letters_read(
+        self, job: str | None, *, after: DeadCursor | None, limit: int, max_read: int
+    ) -> tuple[list[tuple[DeadCursor, DeadLetter]], list[DeadCursor]]:
+        """What each lane read for a page (:meth:`dead_letter_page`): the letters with their
+        place, and the floor of each lane that stopped with letters left below it."""
         found: list[tuple[DeadCursor, DeadLetter]] = []
         floors: list[DeadCursor] = []
         for queue in self.lane_queues:
@@ -139,20 +168,7 @@ class DeadAdmin(LookupAdmin):
             found += matched
             if floor is not None:
                 floors.append(floor)
-        # A lane that stopped early has unread letters below its floor, which may outrank
-        # what other lanes found there: keep only what is complete.
-        floor = max(floors, default=None)
-        found.sort(key=lambda item: item[0], reverse=True)
-        if floor is not None:
-            found = [item for item in found if item[0] >= floor]
-        page = found[:limit]
-        next_cursor: DeadCursor | None = None
-        if len(found) > limit or (page and len(found) == limit and floor is not None):
-            next_cursor = page[-1][0]
-        elif floor is not None:
-            next_cursor = floor
-        letters = [letter for _, letter in page]
-        return (self._with_notes(letters) if notes else letters), next_cursor
+        return found, floors
 
     def _read_dead(
         self, queue: str, job: str | None, after: DeadCursor | None, limit: int, max_read: int

@@ -28,6 +28,7 @@ from kumiko_dramatiq.broker.replies import text
 from kumiko_dramatiq.cron import Cron
 from kumiko_dramatiq.middleware.presence import ProcessInfo, eviction_problem
 from kumiko_dramatiq.registry import Registry
+from kumiko_dramatiq.shards.routing import pinned_shard
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,10 @@ def problems(
     workers: list[ProcessInfo],
     schedulers: list[ProcessInfo],
     now: datetime,
+    shard: tuple[int, int] = (0, 1),
 ) -> list[str]:
-    """The problems of a dataset, one line each (empty: healthy). Pure."""
+    """The problems of a dataset, one line each (empty: healthy); ``shard``: (which, of how
+    many) when it is a shard of one (it then counts the cron jobs that live in it). Pure."""
     found: list[str] = []
     for process in [*workers, *schedulers]:
         name = f"{process.role} {process.host}:{process.pid}"
@@ -103,7 +106,9 @@ def problems(
             "before were lost"
         )
     cron_jobs = [
-        name for name, job in registry.jobs.items() if isinstance(job.options.trigger, Cron)
+        name
+        for name, job in registry.jobs.items()
+        if isinstance(job.options.trigger, Cron) and pinned_shard(job, shard[1]) == shard[0]
     ]
     if cron_jobs and not schedulers:
         found.append(

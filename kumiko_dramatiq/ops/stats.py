@@ -91,14 +91,26 @@ def read_stats(
 ) -> list[JobStats]:
     """The stats of ``jobs`` over the last ``hours`` hours (the current one included), newest
     hour first, then by job name; hours with no attempt left out."""
+    return read_stats_over([(client, queue_prefix)], jobs, hours, now)
+
+
+def read_stats_over(
+    sources: Sequence[tuple[redis.Redis, str]], jobs: Sequence[str], hours: int, now: datetime
+) -> list[JobStats]:
+    """:func:`read_stats` over several datasets at once (the shards of one: their counts and
+    duration buckets add up before the percentiles are taken), one round trip each."""
     current = int(now.timestamp() // 3600)
     wanted = [(hour, job) for hour in range(current, current - hours, -1) for job in sorted(jobs)]
-    pipe = client.pipeline(transaction=False)
-    for hour, job in wanted:
-        pipe.hgetall(keys.job_stats(queue_prefix, job, hour))
+    fields: list[list[tuple[Any, Any]]] = [[] for _ in wanted]
+    for client, queue_prefix in sources:
+        pipe = client.pipeline(transaction=False)
+        for hour, job in wanted:
+            pipe.hgetall(keys.job_stats(queue_prefix, job, hour))
+        for found, raw in zip(fields, pipe.execute(), strict=True):
+            found += raw.items()
     out = []
-    for (hour, job), raw in zip(wanted, pipe.execute(), strict=True):
-        stats = _decode(job, hour, raw.items())
+    for (hour, job), found in zip(wanted, fields, strict=True):
+        stats = _decode(job, hour, found)
         if stats is not None:
             out.append(stats)
     return out

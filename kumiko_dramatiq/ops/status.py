@@ -56,15 +56,21 @@ class Status:
     #: what an operator must look at, one line each; empty when healthy
     #: (:mod:`kumiko_dramatiq.ops.health`)
     problems: list[str] = field(default_factory=list)
+    #: on a dataset of several shards (``shards=N``): each shard's own status, shard 0 first
+    #: (the fields above are then the whole dataset's); empty on one shard
+    shards: list[Status] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "lanes": [lane.to_json() for lane in self.lanes],
             "workers": [worker.to_json() for worker in self.workers],
             "schedulers": [scheduler.to_json() for scheduler in self.schedulers],
             "paused": self.paused,
             "problems": self.problems,
         }
+        if self.shards:
+            out["shards"] = [shard.to_json() for shard in self.shards]
+        return out
 
 
 class StatusAdmin(AdminBase):
@@ -163,4 +169,5 @@ class StatusAdmin(AdminBase):
     def problems(self, workers: list[ProcessInfo], schedulers: list[ProcessInfo]) -> list[str]:
         """The dataset's problems (:mod:`kumiko_dramatiq.ops.health`), one line each."""
         reading = read_health(self.client, self.prefix)
-        return problems(reading, self.registry, workers, schedulers, datetime.now(UTC))
+        shard = (self.settings.shard, self.settings.shards)
+        return problems(reading, self.registry, workers, schedulers, datetime.now(UTC), shard)

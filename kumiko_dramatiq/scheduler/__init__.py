@@ -85,6 +85,7 @@ from kumiko_dramatiq.payloads import empty_payload
 from kumiko_dramatiq.registry import JobDefinition, Registry
 from kumiko_dramatiq.scheduler.ticks import TickPlan, effective_grace_s, plan_ticks
 from kumiko_dramatiq.schedules import ScheduleLoop, Schedules
+from kumiko_dramatiq.shards.routing import pinned_shard
 
 __all__ = ["Scheduler", "TickTrigger"]
 
@@ -141,7 +142,9 @@ class Scheduler:
 
     ``start()`` returns at once (the work runs in APScheduler's threads); ``stop()`` is
     idempotent, safe before ``start()``, and returns once those threads ended (an enqueue in
-    flight completes first). It does not close the broker's connections.
+    flight completes first). It does not close the broker's connections. ``shard``: (which,
+    of how many) when the dataset has several (:mod:`kumiko_dramatiq.shards`): it then ticks
+    only the cron jobs that live in that shard, on that shard's ``broker``.
     """
 
     def __init__(
@@ -151,6 +154,7 @@ class Scheduler:
         *,
         retention: Retention,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        shard: tuple[int, int] = (0, 1),
     ) -> None:
         self.broker = broker
         self.queue_prefix = broker.queue_prefix
@@ -161,7 +165,7 @@ class Scheduler:
                 job, job.options.trigger, effective_grace_s(job.options.trigger, completed_age_s)
             )
             for job in registry.jobs.values()
-            if isinstance(job.options.trigger, Cron)
+            if isinstance(job.options.trigger, Cron) and pinned_shard(job, shard[1]) == shard[0]
         ]
         self._guard_ttl_ms = completed_age_s * 1000
         self._lock = threading.Lock()
@@ -172,6 +176,7 @@ class Scheduler:
             role="scheduler",
             lane=None,
             ttl_ms=broker.heartbeat_timeout,
+            shards=shard[1],
         )
         self._aps: BackgroundScheduler | None = None
         #: the runtime schedules' thread (kumiko_dramatiq.schedules)

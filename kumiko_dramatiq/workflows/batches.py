@@ -34,7 +34,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final, Literal
-from uuid import uuid4
 
 from pydantic import BaseModel
 
@@ -44,6 +43,7 @@ from kumiko_dramatiq.ids import added_child_id, child_message_id
 from kumiko_dramatiq.limits import check_dedup_key, check_priority
 from kumiko_dramatiq.messages import build_message
 from kumiko_dramatiq.payloads import payload_to_enqueue
+from kumiko_dramatiq.shards.routing import new_id_in
 from kumiko_dramatiq.workflows.results import decode_result
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ class Batches:
         """See ``JobRunner.dispatch_batch``."""
         priority = check_priority("dispatch_batch", priority)
         record = self._record("dispatch_batch", "batch", idempotency_key)
-        batch_id = str(uuid4())
+        batch_id = new_id_in(self.settings.shard, self.settings.shards)
         children = self._children(batch_id, items, "items", priority)
         header: dict[str, str] = {"kind": "batch"}
         for field, item in (("on_success", on_success), ("on_complete", on_complete)):
@@ -191,7 +191,7 @@ class Batches:
             raise PayloadError("dispatch_chain", "steps", "must be a non-empty list of steps")
         priority = check_priority("dispatch_chain", priority)
         record = self._record("dispatch_chain", "chain", idempotency_key)
-        chain_id = str(uuid4())
+        chain_id = new_id_in(self.settings.shard, self.settings.shards)
         written: list[tuple[str, list[Message[Any]], bool]] = []
         for n, step in enumerate(steps, 1):
             group = isinstance(step, list)

@@ -79,6 +79,11 @@ MAX_RESULT_WAIT_S: Final = 86_400
 DEAD_END: Final = "-"
 
 
+class UnknownMessage(NotFoundError):
+    """``result`` of an id its dataset has no trace of (the shards of a dataset ask the
+    next shard then: :class:`~kumiko_dramatiq.shards.fleet.Fleet`)."""
+
+
 class _Pending:
     """:meth:`Results.look`: the message has not ended; ``state`` says where it is."""
 
@@ -363,7 +368,7 @@ class Results:
             ]
             if carried and last:  # a sequential hand-off carried it on (an id of its own)
                 return self._ended_without_value(message_id, [_record_of(carried[0])])
-        raise NotFoundError(f"{message_id}: no such message (unknown, or its records expired)")
+        raise UnknownMessage(f"{message_id}: no such message (unknown, or its records expired)")
 
     def _read(
         self, message_id: str

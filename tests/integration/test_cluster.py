@@ -17,6 +17,7 @@ from kumiko_dramatiq import Feature, JobContext, JobRunner, Registry
 from kumiko_dramatiq.broker.cluster import slot_of
 from kumiko_dramatiq.broker.urls import parse
 from kumiko_dramatiq.errors import JobConfigError, KumikoError, RedisAccessError
+from kumiko_dramatiq.shards.routing import shard_prefix
 from tests.cluster import Cluster, local_cluster
 from tests.conftest import wait_for
 
@@ -171,3 +172,52 @@ def test_fail_overs_and_a_live_slot_move_under_a_producer_lose_no_accepted_dispa
     with contextlib.suppress(Exception):
         worker.stop(timeout_s=10)
     producer.stop()
+
+
+def prefix_over_every_primary(cluster: Cluster, name: str, shards: int) -> str:
+    """A queue prefix whose ``shards`` shards' slots are served by as many primaries."""
+    for i in range(10_000):
+        prefix = f"{name}{i}"
+        owners = {cluster.owner(slot_of(shard_prefix(prefix, n))) for n in range(shards)}
+        if len(owners) == shards:
+            return prefix
+    raise AssertionError("no such prefix")  # pragma: no cover
+
+
+def test_a_dataset_of_3_shards_spreads_over_the_3_primaries(cluster: Cluster) -> None:
+    # Given a dataset of 3 shards whose slots are on the 3 primaries
+    prefix = prefix_over_every_primary(cluster, "spread", 3)
+    ledger = Ledger()
+    runner = JobRunner(
+        registry_of(ledger),
+        redis_url=cluster.url(),
+        queue_prefix=prefix,
+        worker_threads=4,
+        shards=3,
+    )
+    runner.start()
+    try:
+        # When spread, sequential and keyed messages are dispatched and the dataset drains
+        ids = runner.dispatch_many("cl:job:work", [{"n": n} for n in range(60)])
+        ids += [runner.dispatch("cl:job:seq", {"n": n}) for n in range(5)]
+        first = runner.dispatch("cl:job:keyed", {}, dedup_key="k")
+        assert runner.dispatch("cl:job:keyed", {}, dedup_key="k") == first
+        runner.drain(timeout_s=60)
+        # Then each ran once (a sequential hand-off runs under an id of its own), and the
+        # admin reads see them all
+        assert sum(ledger.runs.values()) == len(ids) + 1
+        runs = runner.runs(limit=1000)
+        assert {run.origin_id for run in runs if run.status == "completed"} == {*ids, first}
+        # And each primary holds one shard, every key of it in its slot
+        for n, shard in enumerate(runner.shard_runners):
+            tag = shard_prefix(prefix, n)
+            slot = slot_of(tag)
+            with contextlib.closing(cluster.client(cluster.owner(slot))) as owner:
+                names = owner.keys(f"*{{{tag}}}*")
+                assert len(names) == owner.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot)  # type: ignore[no-untyped-call]
+            assert shard.job_counts()["cl:job:work"] == dict.fromkeys(
+                ("queued", "delayed", "running", "parked", "dead"), 0
+            )
+            assert len(shard.runs(job="cl:job:work", limit=1000)) == 20
+    finally:
+        runner.stop()
