@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
 from dramatiq.broker import Broker
 from dramatiq.middleware import Middleware
@@ -54,6 +54,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kumiko_dramatiq")
 
 T = TypeVar("T")
+
+#: How long a stopping ``dramatiq`` worker process waits for the running handlers of its
+#: other shards' workers (Dramatiq's own ``Worker.stop`` default).
+SHARD_STOP_S: Final = 600
 
 
 class Fleet:
@@ -131,6 +135,8 @@ class Fleet:
         }
         if unknown:
             raise TypeError(f"dispatch_many() got an unexpected keyword argument {min(unknown)!r}")
+        if not many.bodies:
+            return []
         parts: dict[int, list[int]] = {}
         spread = pinned_shard(many.job, self.count) is None and many.key(0) is None
         for index in range(len(many.bodies)):
@@ -410,7 +416,7 @@ class Fleet:
         self.first._start(self.first.worker_threads)  # ShardWorkers starts the others
 
     def stop(self, timeout_s: float = 30) -> None:
-        for shard in self.shards:  # shard 0's worker stops the others' first
+        for shard in reversed(self.shards):  # the others first, each given ``timeout_s``
             shard.stop(timeout_s)
 
 
@@ -427,8 +433,8 @@ class ShardWorkers(Middleware):
             shard._start(worker.worker_threads)
 
     def before_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
-        for shard in self.fleet.shards[1:]:
-            shard.stop(worker.worker_timeout / 1000)
+        for shard in self.fleet.shards[1:]:  # already stopped, when runner.stop() stops
+            shard.stop(SHARD_STOP_S)
 
 
 def check_shard_count(runner: JobRunner) -> None:

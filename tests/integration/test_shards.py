@@ -358,3 +358,10 @@ def test_the_admin_api_pages_over_every_shard(make_runner: RunnerFactory) -> Non
     assert admin.resume(runner.job("sh:job:plain")) is not None
     # And retrying every dead letter retries them on their shards
     assert len(admin.retry_all_dead("sh:job:boom")) == 9
+
+
+def test_an_empty_dispatch_many_enqueues_nothing(make_runner: RunnerFactory) -> None:
+    runner = make_runner(registry_of(Seen()), shards=SHARDS)
+    assert runner.dispatch_many("sh:job:plain", [], dedup_keys=[]) == []
+    assert runner.dispatch_many("sh:job:plain", []) == []
+    assert runner.job_counts()["sh:job:plain"]["queued"] == 0
